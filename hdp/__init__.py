@@ -1,0 +1,25 @@
+"""hdp: hybrid data parallelism for long-context training on variable-length data.
+
+Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with :class:`GPUProfile`),
+:class:`Shard`, :class:`Plan`, and the one :class:`CostModel`.
+"""
+
+from .cost import CostModel, KVTraffic, StepReport
+from .plan import KVTransfer, Plan, PlanError, Shard, edge_colour_rounds
+from .specs import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    ClusterSpec,
+    GPUProfile,
+    ModelSpec,
+    format_size,
+    gpu_preset,
+    model_preset,
+    parse_size,
+)
+
+__all__ = [
+    "ClusterSpec", "CostModel", "GPUProfile", "GPU_PRESETS", "KVTraffic", "KVTransfer", "MODEL_PRESETS",
+    "ModelSpec", "Plan", "PlanError", "Shard", "StepReport", "edge_colour_rounds", "format_size",
+    "gpu_preset", "model_preset", "parse_size",
+]

@@ -1,0 +1,494 @@
+"""The plan of one training step: which tokens each rank holds in each wave, and the KV traffic.
+
+A *global batch* is a list of sequence lengths ``seq_lens``. A :class:`Shard` ``(seq, start, end)``
+is the tokens ``[start, end)`` of sequence ``seq``. A plan gives, for every wave (micro-batch) and
+every rank, an ordered list of shards; the rank's local tokens in that wave are the concatenation
+of its shards in that order. Every token of every sequence is in exactly one shard, and all shards
+of a sequence are in the same wave.
+
+Attention is causal inside each sequence, so the rank holding queries of sequence ``s`` up to
+position ``E`` needs the keys/values of every token of ``s`` before ``E``. The parts it does not
+hold are *pieces* it receives from their owners; everything one rank sends another in a wave
+travels together, cut into messages of at most ``kv_block_tokens`` tokens. :meth:`Plan.comm_rounds`
+orders the messages in congestion-free rounds (each rank sends at most one message and receives at
+most one per round), a proper edge colouring of the bipartite sender/receiver multigraph with the
+minimum number of colours (König). Backward sends dK/dV of the same pieces back along the reversed
+edges in the same rounds.
+
+Shards are stored as parallel int64 numpy arrays (one entry per shard) so that plans with millions
+of shards (a static mesh at 2M context) validate and evaluate quickly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+SYNC_MODES = ("wave", "peer")
+
+
+class Shard(NamedTuple):
+    """Tokens ``[start, end)`` of sequence ``seq`` of the global batch."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """One P2P message: keys/values of ``pieces`` (``Shard``s: sequence, start, end) from ``src`` to ``dst``.
+
+    All the KV one rank needs from another in a wave travels together, cut into messages of at
+    most ``Plan.kv_block_tokens`` tokens; the receiver places each piece by its sequence positions.
+    """
+
+    src: int
+    dst: int
+    pieces: tuple["Shard", ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.end - p.start for p in self.pieces)
+
+
+class PlanError(ValueError):
+    """A plan that breaks an invariant (coverage, ranges, waves, capacity, JSON form)."""
+
+
+DEFAULT_KV_BLOCK_TOKENS = 8192
+
+
+class Plan:
+    """Placement of one global batch on ``num_ranks`` ranks in ``num_waves`` waves.
+
+    Build one with :meth:`from_shards` (nested lists), :meth:`from_arrays` (numpy, one entry per
+    shard, in each cell's local order) or :meth:`from_json` (the PLAN.json form).
+
+    Attributes:
+        seq_lens: int64 array, tokens of each sequence of the global batch.
+        num_ranks: ranks taking part.
+        sync: ``"wave"`` (all ranks run every wave in lockstep) or ``"peer"`` (each rank runs its
+            own waves; only ranks sharing a sequence wait for each other).
+        offload: ``[num_waves, num_ranks]`` fraction of checkpointed activations offloaded to
+            host memory in each cell (zeros when the plan offloads nothing).
+        barriers: wave indices before which every rank synchronises (Megatron hybrid CP).
+        kv_block_tokens: largest KV block moved in one P2P message.
+        predicted: the planner's predictions (step time, bound, ...), free-form floats.
+        strategy: name of the strategy that produced the plan, if any.
+        capacity: tokens per rank per wave the planner was given, if any.
+    """
+
+    def __init__(
+        self,
+        seq_lens: Sequence[int] | np.ndarray,
+        num_ranks: int,
+        rank: np.ndarray,
+        wave: np.ndarray,
+        seq: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        *,
+        sync: str = "wave",
+        num_waves: int | None = None,
+        offload: np.ndarray | None = None,
+        barriers: Iterable[int] = (),
+        kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
+        predicted: dict[str, float] | None = None,
+        strategy: str | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        if sync not in SYNC_MODES:
+            raise PlanError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if int(num_ranks) < 1:
+            raise PlanError(f"num_ranks must be >= 1, got {num_ranks}")
+        if int(kv_block_tokens) < 1:
+            raise PlanError(f"kv_block_tokens must be >= 1, got {kv_block_tokens}")
+        self.seq_lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        self.num_ranks = int(num_ranks)
+        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (rank, wave, seq, start, end)]
+        if len({a.shape for a in arrays}) != 1:
+            raise PlanError("rank, wave, seq, start and end must have one entry per shard each")
+        # Stable sort by cell keeps each cell's local order as given.
+        order = np.lexsort((arrays[0], arrays[1]))
+        self.rank, self.wave, self.seq, self.start, self.end = (a[order] for a in arrays)
+        inferred = int(self.wave.max()) + 1 if self.wave.size else 1
+        self.num_waves = max(int(num_waves) if num_waves is not None else 1, inferred)
+        self.sync = sync
+        if offload is None:
+            self.offload = np.zeros((self.num_waves, self.num_ranks))
+        else:
+            self.offload = np.asarray(offload, dtype=np.float64).reshape(self.num_waves, self.num_ranks)
+        self.barriers = tuple(sorted(int(b) for b in barriers))
+        self.kv_block_tokens = int(kv_block_tokens)
+        self.predicted: dict[str, float] = dict(predicted or {})
+        self.strategy = strategy
+        self.capacity = capacity
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_arrays(cls, seq_lens, num_ranks, rank, wave, seq, start, end, **kw) -> "Plan":
+        return cls(seq_lens, num_ranks, rank, wave, seq, start, end, **kw)
+
+    @classmethod
+    def from_shards(
+        cls,
+        seq_lens: Sequence[int],
+        num_ranks: int,
+        waves: Sequence[Sequence[Sequence[Shard | Sequence[int]]]],
+        **kw: Any,
+    ) -> "Plan":
+        """``waves[w][r]`` is rank ``r``'s ordered list of shards in wave ``w``."""
+        cols: list[list[int]] = [[], [], [], [], []]
+        for w, per_rank in enumerate(waves):
+            if len(per_rank) != num_ranks:
+                raise PlanError(f"wave {w} lists {len(per_rank)} ranks, expected num_ranks = {num_ranks}")
+            for r, shards in enumerate(per_rank):
+                for sh in shards:
+                    if len(sh) != 3:
+                        raise PlanError(f"wave {w}, rank {r}: shard {sh!r} is not [seq, start, end]")
+                    s, a, b = sh
+                    for c, v in zip(cols, (r, w, s, a, b)):
+                        c.append(int(v))
+        kw.setdefault("num_waves", max(len(waves), 1))
+        return cls(seq_lens, num_ranks, *(np.asarray(c, dtype=np.int64) for c in cols), **kw)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | str) -> "Plan":
+        """Read the PLAN.json form (a dict, or its text). ``predicted`` is optional."""
+        if isinstance(d, str):
+            d = json.loads(d)
+        if not isinstance(d, dict):
+            raise PlanError("PLAN.json must hold a JSON object")
+        for key in ("num_ranks", "seq_lens", "waves"):
+            if key not in d:
+                raise PlanError(f"PLAN.json lacks the required key {key!r}")
+        if not isinstance(d["waves"], list) or not all(isinstance(w, list) for w in d["waves"]):
+            raise PlanError("PLAN.json 'waves' must be a list (waves) of lists (ranks) of [seq, start, end] lists")
+        for name in ("seq_lens",):
+            if not isinstance(d[name], list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in d[name]):
+                raise PlanError(f"PLAN.json {name!r} must be a list of integers")
+        num_waves = len(d["waves"])
+        offload = d.get("offload")
+        kw: dict[str, Any] = dict(
+            sync=d.get("sync", "wave"),
+            barriers=d.get("barriers", ()),
+            kv_block_tokens=d.get("kv_block_tokens", DEFAULT_KV_BLOCK_TOKENS),
+            predicted=d.get("predicted"),
+            strategy=d.get("strategy"),
+            capacity=d.get("capacity"),
+        )
+        if offload is not None:
+            off = np.asarray(offload, dtype=np.float64)
+            if off.shape != (num_waves, int(d["num_ranks"])):
+                raise PlanError(f"PLAN.json 'offload' must be [num_waves][num_ranks], got shape {off.shape}")
+            kw["offload"] = off
+        return cls.from_shards(d["seq_lens"], int(d["num_ranks"]), d["waves"], **kw)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"{path}: cannot read plan: {e.strerror}") from None
+        try:
+            return cls.from_json(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
+
+    # ------------------------------------------------------------------ export
+    def to_json(self) -> dict[str, Any]:
+        """The PLAN.json form: ``waves[w][r]`` = list of ``[seq, start, end]``."""
+        waves: list[list[list[list[int]]]] = [[[] for _ in range(self.num_ranks)] for _ in range(self.num_waves)]
+        for r, w, s, a, b in zip(*(x.tolist() for x in (self.rank, self.wave, self.seq, self.start, self.end))):
+            waves[w][r].append([s, a, b])
+        out: dict[str, Any] = {
+            "num_ranks": self.num_ranks,
+            "seq_lens": self.seq_lens.tolist(),
+            "sync": self.sync,
+            "waves": waves,
+        }
+        if self.offload.any():
+            out["offload"] = self.offload.tolist()
+        if self.barriers:
+            out["barriers"] = list(self.barriers)
+        if self.kv_block_tokens != DEFAULT_KV_BLOCK_TOKENS:
+            out["kv_block_tokens"] = self.kv_block_tokens
+        if self.strategy is not None:
+            out["strategy"] = self.strategy
+        if self.capacity is not None:
+            out["capacity"] = int(self.capacity)
+        if self.predicted:
+            out["predicted"] = {k: float(v) for k, v in self.predicted.items()}
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_shards(self) -> int:
+        return int(self.seq.size)
+
+    @cached_property
+    def _cell_bounds(self) -> np.ndarray:
+        """Offsets into the shard arrays: cell ``w * num_ranks + r`` is ``[b[c], b[c+1])``."""
+        cell = self.wave * self.num_ranks + self.rank
+        return np.searchsorted(cell, np.arange(self.num_waves * self.num_ranks + 1), side="left")
+
+    def shard_slice(self, rank: int, wave: int) -> slice:
+        c = wave * self.num_ranks + rank
+        return slice(int(self._cell_bounds[c]), int(self._cell_bounds[c + 1]))
+
+    def shards(self, rank: int, wave: int) -> list[Shard]:
+        """Rank ``rank``'s shards in wave ``wave``, in local order."""
+        if not (0 <= rank < self.num_ranks and 0 <= wave < self.num_waves):
+            raise IndexError(f"no cell (rank {rank}, wave {wave}) in a plan of {self.num_ranks} ranks x {self.num_waves} waves")
+        sl = self.shard_slice(rank, wave)
+        return [Shard(int(s), int(a), int(b)) for s, a, b in zip(self.seq[sl], self.start[sl], self.end[sl])]
+
+    def tokens_per_cell(self) -> np.ndarray:
+        """``[num_waves, num_ranks]`` tokens each rank holds in each wave."""
+        cell = self.wave * self.num_ranks + self.rank
+        counts = np.bincount(cell, weights=self.end - self.start, minlength=self.num_waves * self.num_ranks)
+        return counts.reshape(self.num_waves, self.num_ranks).astype(np.int64)
+
+    def waves_of_rank(self) -> np.ndarray:
+        """Number of waves each rank has work in (the last non-empty wave + 1)."""
+        tok = self.tokens_per_cell()
+        nz = tok > 0
+        last = np.where(nz.any(axis=0), self.num_waves - np.argmax(nz[::-1], axis=0), 0)
+        return last.astype(np.int64)
+
+    def seq_wave(self) -> np.ndarray:
+        """Wave of each sequence (-1 for empty sequences). Assumes a valid plan."""
+        out = np.full(self.seq_lens.size, -1, dtype=np.int64)
+        out[self.seq] = self.wave
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, capacity: int | None = None, offload_capacity: int | None = None) -> None:
+        """Raise :class:`PlanError` unless every invariant holds.
+
+        Checked: ranges (ranks, waves, sequences, ``0 <= start < end <= len``); every token of every
+        sequence in exactly one shard; all shards of a sequence in one wave; offload fractions in
+        [0, 1]; and, when ``capacity`` is given, at most ``capacity`` tokens per rank per wave
+        (``offload_capacity`` for cells that offload activations).
+        """
+        problems: list[str] = []
+        n = self.seq_lens.size
+        if (self.seq_lens < 0).any():
+            i = int(np.argmax(self.seq_lens < 0))
+            problems.append(f"seq_lens[{i}] = {int(self.seq_lens[i])} is negative")
+        bad = (self.rank < 0) | (self.rank >= self.num_ranks)
+        if bad.any():
+            problems.append(f"shard {self._describe(int(np.argmax(bad)))} names rank outside [0, {self.num_ranks})")
+        bad = self.wave < 0
+        if bad.any():
+            problems.append(f"shard {self._describe(int(np.argmax(bad)))} has a negative wave")
+        bad = (self.seq < 0) | (self.seq >= n)
+        if bad.any():
+            problems.append(f"shard {self._describe(int(np.argmax(bad)))} names a sequence outside [0, {n})")
+        if problems:
+            raise PlanError("invalid plan: " + "; ".join(problems))
+        lens = self.seq_lens[self.seq]
+        bad = (self.start < 0) | (self.end <= self.start) | (self.end > lens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            problems.append(f"shard {self._describe(i)} is not a non-empty range inside [0, {int(lens[i])})")
+        # Coverage: sorted by (seq, start), shards of a sequence must tile [0, len) exactly.
+        order = np.lexsort((self.start, self.seq))
+        s, a, b, w = self.seq[order], self.start[order], self.end[order], self.wave[order]
+        first = np.ones(s.size, dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        last = np.ones(s.size, dtype=bool)
+        last[:-1] = s[1:] != s[:-1]
+        bad = first & (a != 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            problems.append(f"sequence {int(s[i])}: tokens [0, {int(a[i])}) are in no shard")
+        cont = ~first
+        gap = np.zeros(s.size, dtype=bool)
+        gap[1:] = cont[1:] & (a[1:] != b[:-1])
+        if gap.any():
+            i = int(np.argmax(gap))
+            kind = "overlap" if a[i] < b[i - 1] else "leave a gap"
+            problems.append(f"sequence {int(s[i])}: shards ending at {int(b[i - 1])} and starting at {int(a[i])} {kind}")
+        bad = last & (b != self.seq_lens[s])
+        if bad.any():
+            i = int(np.argmax(bad))
+            problems.append(f"sequence {int(s[i])}: tokens [{int(b[i])}, {int(self.seq_lens[s[i]])}) are in no shard")
+        covered = np.zeros(n, dtype=bool)
+        covered[s] = True
+        missing = (~covered) & (self.seq_lens > 0)
+        if missing.any():
+            i = int(np.argmax(missing))
+            problems.append(f"sequence {i} (length {int(self.seq_lens[i])}) is in no shard")
+        split = np.zeros(s.size, dtype=bool)
+        split[1:] = cont[1:] & (w[1:] != w[:-1])
+        if split.any():
+            i = int(np.argmax(split))
+            problems.append(f"sequence {int(s[i])} has shards in waves {int(w[i - 1])} and {int(w[i])}: all must share one wave")
+        if ((self.offload < 0) | (self.offload > 1)).any():
+            problems.append("offload fractions must lie in [0, 1]")
+        if any(not 0 <= b_ < self.num_waves for b_ in self.barriers):
+            problems.append(f"barriers must name waves in [0, {self.num_waves})")
+        if capacity is not None:
+            tok = self.tokens_per_cell()
+            cap = np.full(tok.shape, float(capacity))
+            if offload_capacity is not None:
+                cap = np.where(self.offload > 0, float(max(offload_capacity, capacity)), cap)
+            over = tok > cap
+            if over.any():
+                wv, rk = (int(x[0]) for x in np.nonzero(over))
+                problems.append(f"rank {rk} holds {int(tok[wv, rk])} tokens in wave {wv}, above its capacity {int(cap[wv, rk])}")
+        if problems:
+            raise PlanError("invalid plan: " + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+
+    def _describe(self, i: int) -> str:
+        return f"[{int(self.seq[i])}, {int(self.start[i])}, {int(self.end[i])}] (rank {int(self.rank[i])}, wave {int(self.wave[i])})"
+
+    # ------------------------------------------------------------------ communication
+    def kv_needs(self, wave: int) -> dict[tuple[int, int], list[Shard]]:
+        """What each rank receives from each other rank in ``wave``: ``(src, dst) -> pieces``.
+
+        A rank needs the keys/values of the tokens of a sequence before the end of the last shard
+        it holds of it; each part of another rank's shard in that range is a piece. Pieces are in
+        (sequence, start) order; pairs in (src, dst) order. Deterministic for a given plan.
+        """
+        sl = slice(int(self._cell_bounds[wave * self.num_ranks]), int(self._cell_bounds[(wave + 1) * self.num_ranks]))
+        rank, seq, start, end = (x.tolist() for x in (self.rank[sl], self.seq[sl], self.start[sl], self.end[sl]))
+        need_end: dict[tuple[int, int], int] = {}
+        holders: dict[int, list[int]] = {}
+        for r, s, b in zip(rank, seq, end):
+            key = (s, r)
+            if key not in need_end:
+                holders.setdefault(s, []).append(r)
+                need_end[key] = b
+            elif b > need_end[key]:
+                need_end[key] = b
+        pairs: dict[tuple[int, int], list[Shard]] = {}
+        for i in sorted(range(len(seq)), key=lambda i: (seq[i], start[i])):
+            s, src, a, b = seq[i], rank[i], start[i], end[i]
+            if len(holders[s]) == 1:
+                continue
+            for dst in holders[s]:
+                if dst != src:
+                    stop = min(b, need_end[(s, dst)])
+                    if stop > a:
+                        pairs.setdefault((src, dst), []).append(Shard(s, a, stop))
+        return dict(sorted(pairs.items()))
+
+    def kv_transfers(self, wave: int) -> list[KVTransfer]:
+        """The P2P messages of ``wave``: each (src, dst) pair's pieces cut into messages of at most
+        ``kv_block_tokens`` tokens, in (src, dst) order."""
+        out: list[KVTransfer] = []
+        blk = self.kv_block_tokens
+        for (src, dst), pieces in self.kv_needs(wave).items():
+            msg: list[Shard] = []
+            room = blk
+            for p in pieces:
+                a = p.start
+                while a < p.end:
+                    take = min(room, p.end - a)
+                    msg.append(Shard(p.seq, a, a + take))
+                    a += take
+                    room -= take
+                    if room == 0:
+                        out.append(KVTransfer(src, dst, tuple(msg)))
+                        msg, room = [], blk
+            if msg:
+                out.append(KVTransfer(src, dst, tuple(msg)))
+        return out
+
+    def comm_rounds(self, wave: int) -> list[list[KVTransfer]]:
+        """The KV messages of ``wave`` in congestion-free rounds.
+
+        Each rank sends at most one message and receives at most one per round; the number of
+        rounds equals the largest number of messages any rank sends or receives (optimal).
+        """
+        return edge_colour_rounds(self.kv_transfers(wave))
+
+    def kv_tokens_sent(self, wave: int) -> np.ndarray:
+        """``[num_ranks]`` K/V tokens each rank sends in ``wave`` (forward pass of one layer)."""
+        sent = np.zeros(self.num_ranks, dtype=np.int64)
+        for (src, _), pieces in self.kv_needs(wave).items():
+            sent[src] += sum(p.end - p.start for p in pieces)
+        return sent
+
+    def __repr__(self) -> str:
+        return (f"Plan(strategy={self.strategy!r}, sequences={self.seq_lens.size}, tokens={int(self.seq_lens.sum())}, "
+                f"ranks={self.num_ranks}, waves={self.num_waves}, shards={self.num_shards}, sync={self.sync!r})")
+
+
+def edge_colour_rounds(transfers: Sequence[KVTransfer]) -> list[list[KVTransfer]]:
+    """Proper edge colouring of the bipartite (sender, receiver) multigraph with max-degree colours.
+
+    Classic alternating-path method: colour each edge with a colour free at both ends, swapping
+    an alternating two-coloured path when no such colour exists. Deterministic for a given input
+    order, so every rank derives the same rounds from the same plan.
+    """
+    send_at: dict[int, dict[int, int]] = {}  # sender -> colour -> edge index
+    recv_at: dict[int, dict[int, int]] = {}  # receiver -> colour -> edge index
+    colour = [-1] * len(transfers)
+
+    def free(table: dict[int, int]) -> int:
+        c = 0
+        while c in table:
+            c += 1
+        return c
+
+    for e, t in enumerate(transfers):
+        su = send_at.setdefault(t.src, {})
+        rv = recv_at.setdefault(t.dst, {})
+        a = free(su)
+        b = free(rv)
+        if a not in rv:
+            c = a
+        elif b not in su:
+            c = b
+        else:
+            # Colour a is free at the sender but used at the receiver; b the other way round.
+            # Walk the a/b alternating path from the receiver and swap its colours, freeing a there.
+            path: list[int] = []
+            node, on_recv_side, want = t.dst, True, a
+            while True:
+                table = recv_at[node] if on_recv_side else send_at[node]
+                if want not in table:
+                    break
+                edge = table[want]
+                path.append(edge)
+                node = transfers[edge].src if on_recv_side else transfers[edge].dst
+                on_recv_side = not on_recv_side
+                want = b if want == a else a
+            for edge in path:
+                old = colour[edge]
+                tr = transfers[edge]
+                del send_at[tr.src][old]
+                del recv_at[tr.dst][old]
+            for edge in path:
+                new = b if colour[edge] == a else a
+                colour[edge] = new
+                tr = transfers[edge]
+                send_at[tr.src][new] = edge
+                recv_at[tr.dst][new] = edge
+            c = a
+        colour[e] = c
+        su[c] = e
+        rv[c] = e
+    rounds: list[list[KVTransfer]] = [[] for _ in range(max(colour, default=-1) + 1)]
+    for e, c in enumerate(colour):
+        rounds[c].append(transfers[e])
+    return rounds

@@ -1,0 +1,102 @@
+"""Planning one training step: which ranks hold which tokens of which sequence, in which wave.
+
+``plan_step(seq_lens, cluster, model, strategy="hdp", **opts) -> hdp.Plan`` runs one strategy and
+fills ``plan.predicted`` from the one :class:`hdp.CostModel`:
+
+=============  ===========================================================================
+``static``     DP x CP mesh, one power-of-two CP size, zigzag (Megatron / TransformerEngine)
+``hybridcp``   Megatron-LM ``hybrid_context_parallel`` with its ``BalancedCPScheduler``
+``bytescale``  ByteScale: whole short sequences, ``ceil(L / C)`` ranks for long ones, offload
+``hdp``        ours: balance-driven degrees, block-aligned zigzag, node-aware placement
+=============  ===========================================================================
+
+Options (all keyword): ``sync`` (``"wave"`` / ``"peer"``; default: the strategy's own mode where
+parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default from memory),
+``max_seq`` (default: the longest sequence), ``tokens_per_step`` (default: the batch's tokens),
+``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
+``validate`` (default True).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hdp import ClusterSpec, CostModel, ModelSpec, Plan
+
+from . import bytescale, hdp_greedy, hybridcp, static
+from .common import Context, PlanningError
+
+STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
+    "static": (static.plan_static, static.NATIVE_SYNC),
+    "hybridcp": (hybridcp.plan_hybridcp, hybridcp.NATIVE_SYNC),
+    "bytescale": (bytescale.plan_bytescale, bytescale.NATIVE_SYNC),
+    "hdp": (hdp_greedy.plan_hdp_greedy, hdp_greedy.NATIVE_SYNC),
+}
+
+
+def choose_sync(cost: CostModel, native: str, longest: int, requested: str | None = None) -> tuple[str, int]:
+    """(sync mode, capacity): ``requested`` if given, else ``native`` where its memory holds the
+    longest sequence on the cluster, else ``wave`` (parameters sharded). Raises PlanningError with
+    what to change when neither holds it."""
+    n = cost.cluster.num_ranks
+    modes = [requested] if requested else ([native, "wave"] if native != "wave" else ["wave"])
+    best = None
+    for mode in modes:
+        cap = cost.capacity(mode)
+        if cap > 0 and longest <= cap * n:
+            return mode, cap
+        best = (mode, cap)
+    mode, cap = best
+    if cap <= 0:
+        raise PlanningError(
+            f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: parameters, gradients and "
+            f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model")
+    raise PlanningError(
+        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {cap} tokens per rank per wave "
+        f"= {n * cap} tokens; use at least {-(-longest // cap)} GPUs or a smaller --max-seq")
+
+
+def plan_step(
+    seq_lens: Sequence[int] | np.ndarray,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategy: str = "hdp",
+    **opts: Any,
+) -> Plan:
+    """Plan one global batch with ``strategy``; the plan's ``predicted`` holds the cost model's view."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    if (lens < 0).any():
+        raise ValueError(f"sequence {int(np.argmax(lens < 0))} has a negative length")
+    cost = opts.pop("cost", None) or CostModel(
+        model, cluster, activation_checkpointing=opts.pop("activation_checkpointing", True),
+        capacity_override=opts.pop("capacity", None))
+    fn, native = STRATEGIES[strategy]
+    longest = int(lens.max(initial=0))
+    sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None))
+    ctx = Context(
+        seq_lens=lens, cost=cost, sync=sync, capacity=cap,
+        max_seq=int(opts.pop("max_seq", None) or max(longest, 1)),
+        tokens_per_step=int(opts.pop("tokens_per_step", None) or lens.sum()),
+        seed=int(opts.pop("seed", 0)),
+    )
+    validate = opts.pop("validate", True)
+    impl = opts.pop("hybridcp_impl", "auto")
+    if opts:
+        raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
+    t0 = time.perf_counter()
+    plan = fn(ctx, implementation=impl) if strategy == "hybridcp" else fn(ctx)
+    plan_time = time.perf_counter() - t0
+    if validate:
+        plan.validate(capacity=cap, offload_capacity=cost.offload_capacity(sync))
+    report = cost.evaluate(plan, plan_time_s=plan_time)
+    plan.predicted.update(report.summary())
+    plan.predicted["capacity"] = float(cap)
+    return plan
+
+
+__all__ = ["STRATEGIES", "PlanningError", "choose_sync", "plan_step"]

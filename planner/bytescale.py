@@ -1,0 +1,122 @@
+"""``bytescale``: ByteScale's hybrid data parallelism (arXiv 2502.21231), as we model it.
+
+* Data-aware sharding: a sequence of ``L <= C`` tokens stays whole on one rank; a longer one is
+  spread over exactly as many ranks as its memory needs (any number, not a power of two),
+  zigzag-split, with ring-style P2P attention over the world communicator.
+* Selective offload: a long sequence's ranks may hold more than ``C`` tokens by offloading part
+  of their checkpointed activations to host memory; the offload ratio is the smallest that fits,
+  and the number of ranks is the smallest whose offload copy still hides under the compute.
+* Balance scheduler: sequences longest first; a long sequence goes to the ranks that lag the most
+  (least loaded) in its first wave where all of them have room; each short sequence to the least
+  loaded rank, best-fit into one of its micro-batches (a new one when none has room). Ranks run
+  different numbers of micro-batches (``peer`` sync) and the loss is normalised by the step's
+  global token count.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from hdp import Plan
+
+from .common import Context, PlanBuilder, PlanningError, zigzag_arrays
+
+NATIVE_SYNC = "peer"
+
+
+def ranks_for(ctx: Context, length: int) -> tuple[int, float]:
+    """(ranks, offload fraction) for a sequence: the fewest ranks whose offload hides under compute."""
+    cost = ctx.cost
+    cap = ctx.capacity
+    if length <= cap:
+        return 1, 0.0
+    cap_off = max(cost.offload_capacity(ctx.sync), cap)
+    lo = -(-length // cap_off)
+    hi = -(-length // cap)
+    for d in range(lo, hi + 1):
+        tokens = -(-length // d)
+        frac = float(cost.offload_needed(np.array([tokens]), ctx.sync)[0])
+        if frac <= 0:
+            return d, 0.0
+        if frac > 1:
+            continue
+        # Per-rank compute of a zigzag share: 1/d of the sequence's attention plus its dense part.
+        compute = float(cost.model.layers * cost.attn_time(np.array([0]), np.array([length]))[0] / d
+                        + cost.dense_time(np.array([tokens]))[0])
+        if float(cost.offload_time(np.array([tokens]), np.array([frac]))[0]) <= compute:
+            return d, frac
+    return hi, 0.0
+
+
+def plan_bytescale(ctx: Context) -> Plan:
+    lens = ctx.seq_lens
+    n, cap = ctx.num_ranks, ctx.capacity
+    cost = ctx.cost
+    order = np.argsort(-lens, kind="stable")
+    whole_time = cost.seq_time(lens)
+    load = np.zeros(n)
+    wave_tokens: list[list[int]] = [[] for _ in range(n)]  # tokens in each of a rank's micro-batches
+    builder = PlanBuilder(ctx, "bytescale")
+    long_ids, long_parts, long_members, long_waves = [], [], [], []
+    short_heap: list[tuple[float, int]] | None = None
+    placed_short: list[tuple[int, int, int]] = []  # (wave, rank, seq)
+    for i in order.tolist():
+        L = int(lens[i])
+        if L == 0:
+            continue
+        d, frac = ranks_for(ctx, L)
+        if d > n:
+            raise PlanningError(
+                f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, more with offload) "
+                f"but the cluster has {n}")
+        if d > 1 or frac > 0:
+            members = np.argsort(load, kind="stable")[:d]
+            members.sort()
+            per_rank = -(-L // d)
+            wave = 0
+            while any(wave < len(wave_tokens[r]) and wave_tokens[r][wave] > 0 for r in members):
+                wave += 1
+            t = float(cost.model.layers * cost.attn_time(np.array([0]), np.array([L]))[0] / d
+                      + cost.dense_time(np.array([per_rank]))[0])
+            for r in members.tolist():
+                while len(wave_tokens[r]) <= wave:
+                    wave_tokens[r].append(0)
+                wave_tokens[r][wave] = per_rank
+                load[r] += t
+                if frac > 0:
+                    builder.offload[(wave, r)] = frac
+            long_ids.append(i)
+            long_parts.append(d)
+            long_members.append(members)
+            long_waves.append(wave)
+            continue
+        if short_heap is None:
+            short_heap = [(float(load[r]), r) for r in range(n)]
+            heapq.heapify(short_heap)
+        _, r = heapq.heappop(short_heap)
+        # Best fit: the micro-batch of this rank with the least room that still holds L.
+        best, best_room = -1, None
+        for w, used in enumerate(wave_tokens[r]):
+            room = cap - used
+            if room >= L and (best_room is None or room < best_room) and (w, r) not in builder.offload:
+                best, best_room = w, room
+        if best < 0:
+            wave_tokens[r].append(0)
+            best = len(wave_tokens[r]) - 1
+        wave_tokens[r][best] += L
+        load[r] += whole_time[i]
+        placed_short.append((best, r, i))
+        heapq.heappush(short_heap, (float(load[r]), r))
+    if long_ids:
+        ids = np.asarray(long_ids, dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(ids, lens[ids], np.asarray(long_parts), ranks=long_members)
+        pos = np.empty(lens.size, dtype=np.int64)
+        pos[ids] = np.arange(ids.size)
+        builder.add(np.asarray(long_waves, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+    if placed_short:
+        w, r, s = (np.asarray(c, dtype=np.int64) for c in zip(*placed_short))
+        builder.add(w, r, s, 0, lens[s])
+    builder.info = {"long_sequences": float(len(long_ids)), "offloading_cells": float(len(builder.offload))}
+    return builder.build()

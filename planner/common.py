@@ -1,0 +1,137 @@
+"""Pieces every strategy uses: the planning context, zigzag splitting, and plan assembly.
+
+Token counts are ints; times are seconds from the one :class:`hdp.CostModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from hdp import CostModel, Plan
+
+
+class PlanningError(ValueError):
+    """The batch cannot be planned on this cluster (says why and what to change)."""
+
+
+@dataclass
+class Context:
+    """What a strategy gets: the batch, the cost model, the synchronisation mode and its capacity."""
+
+    seq_lens: np.ndarray
+    cost: CostModel
+    sync: str
+    capacity: int
+    max_seq: int
+    tokens_per_step: int
+    seed: int = 0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.cost.cluster.num_ranks
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.cost.cluster.ranks_per_node
+
+
+def next_pow2(x: float) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
+
+
+def _chunk_bound(k: np.ndarray, L: np.ndarray, n: np.ndarray, align: int) -> np.ndarray:
+    """Boundary ``k`` of ``n`` near-equal chunks of ``[0, L)``, rounded to ``align`` where L allows."""
+    b = (k * L) // n
+    if align > 1:
+        rounded = np.minimum((b + align // 2) // align * align, L)
+        b = np.where((L >= n * align) & (k < n), rounded, b)
+    return b
+
+
+def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, first_rank: np.ndarray | None = None,
+                  ranks: list[np.ndarray] | None = None, align: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Zigzag-split many sequences at once. Returns (rank, seq, start, end) of the non-empty chunks,
+    ordered by sequence (in the given order), then head before tail on each rank.
+
+    The ``i``-th member of sequence ``s``'s group is ``first_rank[s] + i`` (consecutive ranks) or
+    ``ranks[s][i]`` (explicit members). Chunk boundaries are multiples of ``align`` tokens where the
+    sequence is at least ``2 * parts * align`` long."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    n_chunks = 2 * parts
+    rep = np.repeat(np.arange(seq_ids.size), n_chunks)
+    offsets = np.cumsum(n_chunks) - n_chunks
+    k = np.arange(rep.size) - offsets[rep]  # chunk index inside its sequence
+    L, n = lengths[rep], n_chunks[rep]
+    start = _chunk_bound(k, L, n, align)
+    end = _chunk_bound(k + 1, L, n, align)
+    member = np.where(k < parts[rep], k, n - 1 - k)
+    if ranks is not None:
+        flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in ranks]) if ranks else np.zeros(0, np.int64)
+        member_offsets = np.cumsum(parts) - parts
+        rank = flat[member_offsets[rep] + member]
+    else:
+        rank = np.asarray(first_rank, dtype=np.int64)[rep] + member
+    # Order: sequence, then member, then head (k < parts) before tail.
+    order = np.lexsort((k, member, rep))
+    keep = (end > start)[order]
+    order = order[keep]
+    return rank[order], seq_ids[rep][order], start[order], end[order]
+
+
+class PlanBuilder:
+    """Collects shards (in each cell's local order) and builds a :class:`Plan`."""
+
+    def __init__(self, ctx: Context, strategy: str) -> None:
+        self.ctx = ctx
+        self.strategy = strategy
+        self._cols: list[tuple[np.ndarray, ...]] = []
+        self.offload: dict[tuple[int, int], float] = {}
+        self.barriers: list[int] = []
+        self.info: dict[str, float] = {}  # strategy facts (e.g. the CP size) kept in Plan.predicted
+
+    def add(self, wave, rank, seq, start, end) -> None:
+        """Append shards; scalars broadcast against arrays."""
+        arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (wave, rank, seq, start, end)))
+        self._cols.append(tuple(a.reshape(-1) for a in arrays))
+
+    def add_whole(self, wave: int, rank: int, seq: int) -> None:
+        self.add(wave, rank, seq, 0, int(self.ctx.seq_lens[seq]))
+
+    def build(self) -> Plan:
+        if self._cols:
+            wave, rank, seq, start, end = (np.concatenate(c) for c in zip(*self._cols))
+        else:
+            wave = rank = seq = start = end = np.zeros(0, dtype=np.int64)
+        num_waves = int(wave.max()) + 1 if wave.size else 1
+        offload = None
+        if self.offload:
+            offload = np.zeros((num_waves, self.ctx.num_ranks))
+            for (w, r), f in self.offload.items():
+                offload[w, r] = f
+        return Plan(self.ctx.seq_lens, self.ctx.num_ranks, rank, wave, seq, start, end, sync=self.ctx.sync,
+                    num_waves=num_waves, offload=offload, barriers=self.barriers, strategy=self.strategy,
+                    capacity=self.ctx.capacity, predicted=self.info)
+
+
+def split_busy_time(cost: CostModel, length: int, parts: int, sync: str = "peer") -> float:
+    """Busy time (compute + exposed KV traffic) of the slowest rank when one sequence of ``length``
+    tokens is zigzag-split over ``parts`` consecutive ranks (filling nodes), seconds."""
+    return _split_busy_time(cost, int(length), int(parts), sync)
+
+
+@lru_cache(maxsize=65536)
+def _split_busy_time(cost: CostModel, length: int, parts: int, sync: str) -> float:
+    if parts == 1:
+        return float(cost.seq_time(length))
+    rank, seq, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]), first_rank=np.array([0]))
+    plan = Plan([length], parts, rank, np.zeros_like(rank), seq, start, end, sync="peer")
+    sub = CostModel(cost.model, cost.cluster.with_ranks(parts), cost.activation_checkpointing, cost.capacity_override,
+                    cost.grad_accum_bytes, cost.kv_prefetch_blocks, cost.loss_chunk_tokens)
+    return float(sub.evaluate(plan).busy_s.max())
