@@ -262,38 +262,38 @@ class CostModel:
         act = t * (self.ckpt_bytes_per_token * (1.0 - np.asarray(offload)) + self.working_bytes_per_token)
         return self.static_bytes(sync) + np.where(t > 0, self.loss_buffer_bytes, 0.0) + act + self.kv_buffer_bytes(max_in_block)
 
-    def _tokens_fitting(self, sync: str, per_token: float, block_tokens: int) -> int:
-        free = self.memory_budget - self.static_bytes(sync) - self.loss_buffer_bytes - self.kv_buffer_bytes(block_tokens)
-        if free <= 0:
-            return 0
-        return int(free // per_token) // 128 * 128
+    def activation_budget(self, sync: str, kv_block_tokens: int = 8192) -> float:
+        """Bytes for activations: what ``capacity`` tokens without offload use. (Memory left over
+        by rounding the capacity down to 128 tokens stays unused, so every check agrees.)"""
+        return float(self.capacity(sync, kv_block_tokens)) * (self.ckpt_bytes_per_token + self.working_bytes_per_token)
 
     def capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
         """Most tokens a rank holds in one wave without offloading (multiple of 128 tokens)."""
         if self.capacity_override is not None:
             return int(self.capacity_override)
-        return self._tokens_fitting(sync, self.ckpt_bytes_per_token + self.working_bytes_per_token, kv_block_tokens)
+        free = (self.memory_budget - self.static_bytes(sync) - self.loss_buffer_bytes
+                - self.kv_buffer_bytes(kv_block_tokens))
+        if free <= 0:
+            return 0
+        return int(free // (self.ckpt_bytes_per_token + self.working_bytes_per_token)) // 128 * 128
 
     def offload_capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
         """Most tokens a rank holds in one wave with all checkpointed activations in host memory."""
-        base = self.capacity(sync, kv_block_tokens)
-        if not self.activation_checkpointing or self.ckpt_bytes_per_token == 0:
-            return base
-        gain = (self.ckpt_bytes_per_token + self.working_bytes_per_token) / self.working_bytes_per_token
-        if self.capacity_override is not None:
-            return int(base * gain) // 128 * 128
-        return self._tokens_fitting(sync, self.working_bytes_per_token, kv_block_tokens)
+        if self.ckpt_bytes_per_token == 0:
+            return self.capacity(sync, kv_block_tokens)
+        return int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token) // 128 * 128
 
     def offload_needed(self, tokens: np.ndarray, sync: str, kv_block_tokens: int = 8192) -> np.ndarray:
-        """Smallest offload fraction that lets a rank hold ``tokens`` tokens (may exceed 1 = impossible)."""
+        """Smallest offload fraction that lets a rank hold ``tokens`` tokens (0 up to the capacity;
+        above 1 means impossible)."""
         t = np.asarray(tokens, dtype=np.float64)
         cap = self.capacity(sync, kv_block_tokens)
         if self.ckpt_bytes_per_token == 0:
             return np.where(t <= cap, 0.0, np.inf)
-        # tokens * (ckpt * (1 - f) + work) <= cap * (ckpt + work)
+        # tokens * (ckpt * (1 - f) + work) <= activation budget
         per = self.ckpt_bytes_per_token + self.working_bytes_per_token
-        f = (t * per - cap * per) / np.maximum(t * self.ckpt_bytes_per_token, 1.0)
-        return np.clip(f, 0.0, None)
+        f = (t * per - self.activation_budget(sync, kv_block_tokens)) / np.maximum(t * self.ckpt_bytes_per_token, 1.0)
+        return np.where(t <= cap, 0.0, f)
 
     def offload_time(self, tokens: np.ndarray, fraction: np.ndarray) -> np.ndarray:
         """Host-copy time of offloading ``fraction`` of the checkpointed activations (out and back)."""

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hdp import ClusterSpec, CostModel, ModelSpec, Plan
+from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 
 from . import bytescale, hdp_greedy, hybridcp, static
 from .common import Context, PlanningError
@@ -67,6 +67,19 @@ def plan_step(
     **opts: Any,
 ) -> Plan:
     """Plan one global batch with ``strategy``; the plan's ``predicted`` holds the cost model's view."""
+    return plan_and_evaluate(seq_lens, cluster, model, strategy, **opts)[0]
+
+
+def plan_and_evaluate(
+    seq_lens: Sequence[int] | np.ndarray,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategy: str = "hdp",
+    **opts: Any,
+) -> tuple[Plan, StepReport]:
+    """:func:`plan_step`, also returning the cost model's full report (per-rank timelines).
+
+    ``cost`` (a :class:`hdp.CostModel`) may be passed to reuse one across calls."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
@@ -96,7 +109,7 @@ def plan_step(
     report = cost.evaluate(plan, plan_time_s=plan_time)
     plan.predicted.update(report.summary())
     plan.predicted["capacity"] = float(cap)
-    return plan
+    return plan, report
 
 
-__all__ = ["STRATEGIES", "PlanningError", "choose_sync", "plan_step"]
+__all__ = ["STRATEGIES", "PlanningError", "choose_sync", "plan_and_evaluate", "plan_step"]

@@ -44,12 +44,13 @@ def next_pow2(x: float) -> int:
     return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
 
 
-def _chunk_bound(k: np.ndarray, L: np.ndarray, n: np.ndarray, align: int) -> np.ndarray:
-    """Boundary ``k`` of ``n`` near-equal chunks of ``[0, L)``, rounded to ``align`` where L allows."""
-    b = (k * L) // n
+def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: int) -> np.ndarray:
+    """Boundary ``i`` of ``parts`` near-equal shares of ``L`` tokens, rounded to ``align`` where
+    every share can hold at least ``2 * align`` tokens."""
+    b = (i * L) // parts
     if align > 1:
         rounded = np.minimum((b + align // 2) // align * align, L)
-        b = np.where((L >= n * align) & (k < n), rounded, b)
+        b = np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
     return b
 
 
@@ -58,9 +59,11 @@ def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, f
     """Zigzag-split many sequences at once. Returns (rank, seq, start, end) of the non-empty chunks,
     ordered by sequence (in the given order), then head before tail on each rank.
 
-    The ``i``-th member of sequence ``s``'s group is ``first_rank[s] + i`` (consecutive ranks) or
-    ``ranks[s][i]`` (explicit members). Chunk boundaries are multiples of ``align`` tokens where the
-    sequence is at least ``2 * parts * align`` long."""
+    Member ``i`` of a sequence's group of ``p`` ranks gets a share of ``floor`` or ``ceil`` of
+    ``L / p`` tokens (so it never holds more than a ``p``-th, rounded up), half as the head chunk
+    ``i`` and half as the tail chunk ``2p - 1 - i``: equal causal work per member. The ``i``-th
+    member is rank ``first_rank[s] + i`` (consecutive ranks) or ``ranks[s][i]`` (explicit). With
+    ``align > 1``, shares and halves are multiples of ``align`` tokens where the sequence allows."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = np.asarray(parts, dtype=np.int64)
@@ -68,10 +71,17 @@ def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, f
     rep = np.repeat(np.arange(seq_ids.size), n_chunks)
     offsets = np.cumsum(n_chunks) - n_chunks
     k = np.arange(rep.size) - offsets[rep]  # chunk index inside its sequence
-    L, n = lengths[rep], n_chunks[rep]
-    start = _chunk_bound(k, L, n, align)
-    end = _chunk_bound(k + 1, L, n, align)
-    member = np.where(k < parts[rep], k, n - 1 - k)
+    L, p = lengths[rep], parts[rep]
+    member = np.where(k < p, k, 2 * p - 1 - k)
+    share = _member_bound(member + 1, L, p, align) - _member_bound(member, L, p, align)
+    head = share // 2
+    if align > 1:
+        head = np.where(share >= 2 * align, head // align * align, head)
+    head = np.where(p == 1, share, head)  # one member: the whole sequence as one shard
+    size = np.where(k < p, head, share - head)
+    cum = np.cumsum(size)
+    end = cum - (cum[offsets] - size[offsets])[rep]
+    start = end - size
     if ranks is not None:
         flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in ranks]) if ranks else np.zeros(0, np.int64)
         member_offsets = np.cumsum(parts) - parts

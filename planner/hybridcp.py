@@ -17,6 +17,7 @@ which makes the per-sequence scans O(1).
 from __future__ import annotations
 
 import heapq
+import warnings
 from collections import deque
 from math import ceil, log2
 
@@ -219,7 +220,9 @@ class _WorldOfSize:
 
 def megatron_groups(seq_lens: list[int], capacity: int, num_ranks: int) -> list[list[list[int]]]:
     """Sample ids per GPU for every group, from megatron-core's own ``BalancedCPScheduler``."""
-    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    with warnings.catch_warnings():  # megatron-core warns about missing TransformerEngine/Apex at import
+        warnings.simplefilter("ignore")
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     sched = BalancedCPScheduler(capacity, _WorldOfSize(num_ranks))
     _, id_groups = sched.get_groups_and_subsamples([(i, int(L)) for i, L in enumerate(seq_lens)], None)
@@ -228,7 +231,9 @@ def megatron_groups(seq_lens: list[int], capacity: int, num_ranks: int) -> list[
 
 def megatron_available() -> bool:
     try:
-        import megatron.core.pipeline_parallel.hybrid_cp_schedule  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core.pipeline_parallel.hybrid_cp_schedule  # noqa: F401
     except Exception:
         return False
     return True

@@ -1,0 +1,150 @@
+"""Offline simulation: sample global batches, plan each with every strategy, evaluate with the one
+cost model, and summarise (means over steps). Used by ``hdp-sim`` and the benchmark scripts."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
+from hdp.workloads import Workload
+
+from . import PlanningError, plan_and_evaluate
+
+RESULT_KEYS = ("step_time_s", "lower_bound_s", "imbalance", "exposed_comm_s", "comm_bytes",
+               "peak_mem_bytes", "plan_time_s", "mfu")
+
+
+@dataclass
+class StrategyResult:
+    """One strategy over all simulated steps."""
+
+    name: str
+    per_step: list[dict[str, float]] = field(default_factory=list)
+    first_report: StepReport | None = None
+    first_plan: Plan | None = None
+    error: str | None = None
+
+    def mean(self) -> dict[str, float]:
+        if not self.per_step:
+            return {}
+        keys = self.per_step[0].keys()
+        return {k: float(np.mean([s[k] for s in self.per_step])) for k in keys}
+
+
+@dataclass
+class SimResult:
+    config: dict
+    results: dict[str, StrategyResult]
+
+    def to_json(self) -> dict:
+        out: dict = {"config": self.config, "results": {}, "per_step": {}}
+        for name, r in self.results.items():
+            if r.error is not None:
+                out["results"][name] = {"error": r.error}
+                continue
+            out["results"][name] = r.mean()
+            out["per_step"][name] = r.per_step
+        return out
+
+
+def simulate(
+    workload: Workload,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategies: list[str],
+    steps: int = 3,
+    seed: int = 0,
+    max_seq: int | None = None,
+    tokens_per_step: int | None = None,
+    capacity: int | None = None,
+    sync: str | None = None,
+    hybridcp_impl: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> SimResult:
+    """Plan ``steps`` seeded global batches with each strategy and evaluate them."""
+    max_seq = int(max_seq or workload.max_seq)
+    tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
+    cost = CostModel(model, cluster, capacity_override=capacity)
+    rng = np.random.default_rng(seed)
+    results = {s: StrategyResult(s) for s in strategies}
+    t_start = time.perf_counter()
+    for k in range(steps):
+        lens = workload.sample_batch(rng, tokens_per_step, max_seq)
+        for name in strategies:
+            r = results[name]
+            if r.error is not None:
+                continue
+            try:
+                plan, report = plan_and_evaluate(lens, cluster, model, name, cost=cost, sync=sync, max_seq=max_seq,
+                                                 tokens_per_step=tokens_per_step, hybridcp_impl=hybridcp_impl)
+            except PlanningError as e:
+                r.error = str(e)
+                continue
+            summary = {key: float(plan.predicted[key]) for key in RESULT_KEYS}
+            summary["step_over_bound"] = summary["step_time_s"] / summary["lower_bound_s"]
+            summary["num_waves"] = float(plan.num_waves)
+            summary["sequences"] = float(lens.size)
+            r.per_step.append(summary)
+            if r.first_report is None:
+                r.first_report, r.first_plan = report, plan
+            if progress and time.perf_counter() - t_start > 2.0:
+                progress(f"step {k + 1}/{steps}: {name:<9} planned in {summary['plan_time_s']:.2f} s, "
+                         f"predicted {summary['step_time_s']:.2f} s")
+    config = {
+        "workload": workload.name,
+        "gpus": cluster.num_ranks,
+        "gpus_per_node": cluster.ranks_per_node,
+        "gpu": cluster.gpu.name,
+        "model": model.name,
+        "max_seq": max_seq,
+        "tokens_per_step": tokens_per_step,
+        "capacity_peer": cost.capacity("peer"),
+        "capacity_wave": cost.capacity("wave"),
+        "steps": steps,
+        "seed": seed,
+        "strategies": strategies,
+        "sync": sync or "native",
+    }
+    return SimResult(config, results)
+
+
+def format_table(sim: SimResult) -> str:
+    """The comparison table printed by ``hdp-sim``."""
+    head = ("strategy", "sync", "step s", "vs static", "step/LB", "imbalance", "exposed comm s",
+            "peak mem GB", "plan s", "MFU", "waves")
+    rows = [head]
+    static = sim.results.get("static")
+    static_t = static.mean().get("step_time_s") if static and static.error is None else None
+    for name, r in sim.results.items():
+        if r.error is not None:
+            rows.append((name, "-", "failed: " + r.error) + ("",) * (len(head) - 3))
+            continue
+        m = r.mean()
+        rows.append((
+            name, r.first_plan.sync if r.first_plan else "-",
+            f"{m['step_time_s']:.3f}",
+            f"{static_t / m['step_time_s']:.2f}x" if static_t else "-",
+            f"{m['step_over_bound']:.2f}",
+            f"{m['imbalance']:.2f}",
+            f"{m['exposed_comm_s']:.3f}",
+            f"{m['peak_mem_bytes'] / 1e9:.1f}",
+            f"{m['plan_time_s']:.3f}",
+            f"{100 * m['mfu']:.1f}%",
+            f"{m['num_waves']:.1f}",
+        ))
+    failed = [r for r in rows[1:] if len(r) > 2 and str(r[2]).startswith("failed")]
+    ok = [r for r in rows if r not in failed]
+    widths = [max(len(str(r[i])) for r in ok) for i in range(len(head))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in ok]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [f"{r[0]}: {r[2]}" for r in failed]
+    return "\n".join(lines)
+
+
+def stderr_progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The simulator grid of docs/benchmarks.md: every strategy on the four standard workloads at several
+cluster sizes (each workload's own max_seq and tokens_per_step), as a markdown table and a chart.
+
+    python scripts/bench_sim.py --gpus 64,256,1024 --steps 3 --out docs/figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hdp import ClusterSpec, gpu_preset, model_preset
+from hdp.workloads import get_workload, workload_names
+from planner import STRATEGIES
+from planner.sim import simulate
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gpus", default="64,256,1024", help="comma-separated cluster sizes")
+    p.add_argument("--workloads", default=",".join(workload_names()))
+    p.add_argument("--model", default="llama-7b")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hybridcp-impl", default="auto", choices=("auto", "megatron", "ours"))
+    p.add_argument("--out", type=Path, default=Path("docs/figures"), help="folder for the JSON and the PNG")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = model_preset(args.model)
+    names = list(STRATEGIES)
+    rows = []
+    for wl in args.workloads.split(","):
+        w = get_workload(wl)
+        for n in (int(x) for x in args.gpus.split(",")):
+            t0 = time.perf_counter()
+            sim = simulate(w, ClusterSpec(n, 8, gpu_preset(args.gpu)), model, names, steps=args.steps, seed=args.seed,
+                           hybridcp_impl=args.hybridcp_impl)
+            res = sim.to_json()["results"]
+            rows.append({"workload": wl, "gpus": n, "results": res, "seconds": time.perf_counter() - t0})
+            print(f"{wl} {n}: " + ", ".join(
+                f"{s} {res[s]['step_time_s']:.2f}s ({res[s]['step_time_s'] / res[s]['lower_bound_s']:.2f}x LB)"
+                if "error" not in res[s] else f"{s} failed" for s in names), file=sys.stderr, flush=True)
+    (args.out / "sim_grid.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(markdown(rows, names))
+    chart(rows, names, args.out / "sim_grid.png")
+    return 0
+
+
+def markdown(rows: list[dict], names: list[str]) -> str:
+    head = ["workload", "GPUs", "LB s"] + [f"{s} s (xLB)" for s in names] + ["hdp vs static", "hdp vs best baseline",
+                                                                              "hdp imbalance", "hdp exposed comm s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        r = row["results"]
+        ok = {s: r[s] for s in names if "error" not in r[s]}
+        lb = next(iter(ok.values()))["lower_bound_s"]
+        cells = [row["workload"], str(row["gpus"]), f"{lb:.2f}"]
+        for s in names:
+            cells.append(f"{ok[s]['step_time_s']:.2f} ({ok[s]['step_time_s'] / lb:.2f})" if s in ok else "fails")
+        h = ok.get("hdp")
+        base = [ok[s]["step_time_s"] for s in ok if s != "hdp"]
+        cells.append(f"{ok['static']['step_time_s'] / h['step_time_s']:.2f}x" if h and "static" in ok else "-")
+        cells.append(f"{min(base) / h['step_time_s']:.2f}x" if h and base else "-")
+        cells.append(f"{h['imbalance']:.2f}" if h else "-")
+        cells.append(f"{h['exposed_comm_s']:.2f}" if h else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.6), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        sub = [r for r in rows if r["workload"] == wl]
+        x = np.arange(len(sub))
+        width = 0.8 / len(names)
+        for i, s in enumerate(names):
+            vals = [r["results"][s]["step_time_s"] / r["results"][s]["lower_bound_s"] if "error" not in r["results"][s]
+                    else np.nan for r in sub]
+            ax.bar(x + i * width, vals, width, label=s)
+        ax.set_xticks(x + width * (len(names) - 1) / 2, [str(r["gpus"]) for r in sub])
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(wl, fontsize=10)
+        ax.set_xlabel("GPUs")
+    axes[0][0].set_ylabel("step time / lower bound (log)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""hdp-sim and hdp-plan end to end, and their errors (clear, non-zero, no hang)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hdp import Plan
+from planner.cli import plan_main, sim_main
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-c", "import sys; from planner.cli import sim_main, plan_main; "
+                           f"sys.exit({args[0]}(sys.argv[1:]))", *args[1:]],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_sim_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
+    rc = sim_main(["--workload", "wlb-128k", "--gpus", "16", "--tokens-per-step", "1M", "--steps", "2",
+                   "--hybridcp-impl", "ours", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for col in ("step s", "vs static", "step/LB", "imbalance", "exposed comm s", "peak mem GB", "plan s", "MFU"):
+        assert col in text
+    d = json.loads(out_json.read_text())
+    assert d["config"]["gpus"] == 16 and d["config"]["tokens_per_step"] == 1 << 20
+    for name in ("static", "hybridcp", "bytescale", "hdp"):
+        r = d["results"][name]
+        for key in ("step_time_s", "lower_bound_s", "imbalance", "exposed_comm_s", "comm_bytes", "peak_mem_bytes",
+                    "plan_time_s", "mfu"):
+            assert isinstance(r[key], float)
+        assert r["step_time_s"] >= r["lower_bound_s"]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_with_lengths_file(tmp_path, capsys):
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(str(x) for x in [100, 2000, 30000, 500, 70000]) + "\n")
+    assert sim_main(["--lengths", str(lens), "--gpus", "8", "--tokens-per-step", "256K", "--strategies", "hdp,static",
+                     "--steps", "1"]) == 0
+    assert "hdp" in capsys.readouterr().out
+
+
+def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
+    lens = tmp_path / "lens.txt"
+    lens.write_text("100\n5000\n300000\n70000\n")
+    out = tmp_path / "PLAN.json"
+    assert plan_main(["--lengths", str(lens), "--gpus", "16", "--out", str(out)]) == 0
+    plan = Plan.from_json(json.loads(out.read_text()))
+    plan.validate()
+    assert plan.seq_lens.tolist() == [100, 5000, 300000, 70000] and plan.num_ranks == 16
+    assert set(plan.predicted) >= {"step_time_s", "lower_bound_s"}
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sim_main", "--workload", "nope", "--gpus", "8"], "unknown workload 'nope'"),
+    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--gpu", "tpu"], "unknown GPU preset 'tpu'"),
+    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--strategies", "ring"], "unknown strategy ring"),
+    (["sim_main", "--workload", "wlb-128k", "--gpus", "0"], "must be >= 1"),
+    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--max-seq", "2X"], "invalid size '2X'"),
+    (["plan_main", "--lengths", "{bad}", "--gpus", "8", "--out", "{out}"], "line 2: 'x12' is not an integer"),
+    (["plan_main", "--lengths", "{neg}", "--gpus", "8", "--out", "{out}"], "line 3: sequence length -4 is negative"),
+    (["plan_main", "--lengths", "{huge}", "--gpus", "2", "--out", "{out}"], "cannot hold a 3000000-token sequence"),
+])
+def test_errors_are_clear(tmp_path, args, message):
+    (tmp_path / "bad.txt").write_text("10\nx12\n")
+    (tmp_path / "neg.txt").write_text("10\n20\n-4\n")
+    (tmp_path / "huge.txt").write_text("3000000\n")
+    args = [a.format(bad=tmp_path / "bad.txt", neg=tmp_path / "neg.txt", huge=tmp_path / "huge.txt",
+                     out=tmp_path / "o.json") for a in args]
+    res = run_cli(*args)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("prog", ["hdp-sim", "hdp-plan"])
+def test_help(prog):
+    fn = "sim_main" if prog == "hdp-sim" else "plan_main"
+    res = run_cli(fn, "--help")
+    assert res.returncode == 0 and prog in res.stdout and "--gpus" in res.stdout

@@ -1,0 +1,175 @@
+"""Plan invariants, PLAN.json, and the KV traffic against a token-by-token reference."""
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hdp import ClusterSpec, CostModel, Plan, PlanError, Shard, model_preset
+from hdp.plan import edge_colour_rounds
+
+
+def example_plan():
+    # seq 0 (10 tokens) zigzag over ranks 0 and 1; seq 1 whole on rank 1; seq 2 in wave 1 on rank 0.
+    waves = [
+        [[(0, 0, 3), (0, 8, 10)], [(0, 3, 8), (1, 0, 4)]],
+        [[(2, 0, 5)], []],
+    ]
+    return Plan.from_shards([10, 4, 5], 2, waves, sync="peer")
+
+
+def test_shards_and_json_round_trip():
+    p = example_plan()
+    p.validate(capacity=10)
+    assert p.shards(0, 0) == [Shard(0, 0, 3), Shard(0, 8, 10)]
+    assert p.shards(1, 1) == []
+    assert p.tokens_per_cell().tolist() == [[5, 9], [5, 0]]
+    d = p.to_json()
+    assert d["sync"] == "peer" and d["num_ranks"] == 2 and d["seq_lens"] == [10, 4, 5]
+    assert d["waves"][0][0] == [[0, 0, 3], [0, 8, 10]]
+    q = Plan.from_json(json.loads(json.dumps(d)))
+    assert q.to_json() == d
+    # sync defaults to wave; predicted is optional and kept when given
+    d2 = {k: v for k, v in d.items() if k != "sync"}
+    d2["predicted"] = {"step_time_s": 1.5}
+    q2 = Plan.from_json(d2)
+    assert q2.sync == "wave" and q2.predicted["step_time_s"] == 1.5
+
+
+@pytest.mark.parametrize("waves, message", [
+    ([[[(0, 0, 3)], [(0, 4, 10)]]], "gap"),
+    ([[[(0, 0, 5)], [(0, 4, 10)]]], "overlap"),
+    ([[[(0, 0, 3)], []]], r"tokens \[3, 10\) are in no shard"),
+    ([[[(0, 2, 10)], []]], r"tokens \[0, 2\) are in no shard"),
+    ([[[(0, 0, 5)], []], [[], [(0, 5, 10)]]], "all must share one wave"),
+    ([[[(0, 0, 11)], []]], "not a non-empty range"),
+    ([[[(0, 5, 5), (0, 0, 10)], []]], "not a non-empty range"),
+    ([[[(1, 0, 10)], []]], "names a sequence outside"),
+])
+def test_validate_rejects(waves, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_shards([10], 2, waves).validate()
+
+
+def test_validate_capacity_and_missing_sequence():
+    with pytest.raises(PlanError, match="rank 0 holds 10 tokens in wave 0, above its capacity 8"):
+        Plan.from_shards([10], 1, [[[(0, 0, 10)]]]).validate(capacity=8)
+    with pytest.raises(PlanError, match="sequence 1 .* is in no shard"):
+        Plan.from_shards([10, 3], 1, [[[(0, 0, 10)]]]).validate()
+    # empty sequences need no shard
+    Plan.from_shards([10, 0], 1, [[[(0, 0, 10)]]]).validate()
+    with pytest.raises(PlanError, match="wave 0 lists 1 ranks"):
+        Plan.from_shards([10], 2, [[[(0, 0, 10)]]])
+
+
+def test_from_json_errors(tmp_path):
+    with pytest.raises(PlanError, match="lacks the required key 'waves'"):
+        Plan.from_json({"num_ranks": 1, "seq_lens": [1]})
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="plan.json: not valid JSON"):
+        Plan.load(path)
+    with pytest.raises(PlanError, match="no-such.json: cannot read plan"):
+        Plan.load(tmp_path / "no-such.json")
+
+
+def reference_kv(plan: Plan, rpn: int):
+    """Token-by-token: per (wave, rank), KV tokens received and sent, split intra/inter node."""
+    recv = defaultdict(lambda: [0, 0])
+    sent = defaultdict(lambda: [0, 0])
+    for w in range(plan.num_waves):
+        owner = {}
+        need = defaultdict(int)
+        for r in range(plan.num_ranks):
+            for s, a, b in plan.shards(r, w):
+                for t in range(a, b):
+                    owner[(s, t)] = r
+                need[(s, r)] = max(need[(s, r)], b)
+        for (s, r), e in need.items():
+            for t in range(e):
+                src = owner[(s, t)]
+                if src != r:
+                    inter = int(src // rpn != r // rpn)
+                    recv[(w, r)][inter] += 1
+                    sent[(w, src)][inter] += 1
+    return recv, sent
+
+
+@st.composite
+def random_plans(draw):
+    """Random valid plans: sequences cut at random points, pieces placed on random ranks/waves."""
+    n = draw(st.integers(1, 6))
+    W = draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
+    waves = [[[] for _ in range(n)] for _ in range(W)]
+    for s, L in enumerate(lens):
+        if L == 0:
+            continue
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(L - 1, 1)), max_size=5)) if L > 1 else []))
+        bounds = [0] + [c for c in cuts if 0 < c < L] + [L]
+        w = draw(st.integers(0, W - 1))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            waves[w][draw(st.integers(0, n - 1))].append((s, a, b))
+    for w in range(W):
+        for r in range(n):
+            draw(st.randoms()).shuffle(waves[w][r])
+    return Plan.from_shards(lens, n, waves, kv_block_tokens=draw(st.integers(1, 16)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_plans(), st.integers(1, 4))
+def test_kv_traffic_matches_token_reference(plan, rpn):
+    plan.validate()
+    cm = CostModel(model_preset("tiny"), ClusterSpec.preset("cpu", plan.num_ranks, rpn))
+    tr = cm.kv_traffic(plan)
+    recv, sent = reference_kv(plan, rpn)
+    for w in range(plan.num_waves):
+        for r in range(plan.num_ranks):
+            assert tr.in_intra[w, r] == recv[(w, r)][0]
+            assert tr.in_inter[w, r] == recv[(w, r)][1]
+            assert tr.out_intra[w, r] == sent[(w, r)][0]
+            assert tr.out_inter[w, r] == sent[(w, r)][1]
+        # The explicit messages carry exactly those tokens, none above the block size.
+        msgs = plan.kv_transfers(w)
+        got_recv = defaultdict(int)
+        for m in msgs:
+            assert 0 < m.tokens <= plan.kv_block_tokens and m.src != m.dst
+            got_recv[m.dst] += m.tokens
+        for r in range(plan.num_ranks):
+            assert got_recv[r] == sum(recv[(w, r)])
+        assert plan.kv_tokens_sent(w).tolist() == [sum(sent[(w, r)]) for r in range(plan.num_ranks)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_plans())
+def test_comm_rounds_are_congestion_free_and_optimal(plan):
+    for w in range(plan.num_waves):
+        msgs = plan.kv_transfers(w)
+        rounds = plan.comm_rounds(w)
+        assert sorted(map(repr, (m for r in rounds for m in r))) == sorted(map(repr, msgs))
+        for rnd in rounds:
+            assert len({m.src for m in rnd}) == len(rnd)
+            assert len({m.dst for m in rnd}) == len(rnd)
+        deg = defaultdict(int)
+        for m in msgs:
+            deg[("s", m.src)] += 1
+            deg[("r", m.dst)] += 1
+        assert len(rounds) == max(deg.values(), default=0)
+        assert rounds == plan.comm_rounds(w)  # deterministic
+
+
+def test_edge_colouring_dense_multigraph():
+    from hdp.plan import KVTransfer
+    rng = np.random.default_rng(0)
+    msgs = [KVTransfer(int(a), int(b), (Shard(0, i, i + 1),)) for i, (a, b) in enumerate(rng.integers(0, 12, (400, 2))) if a != b]
+    rounds = edge_colour_rounds(msgs)
+    deg = defaultdict(int)
+    for m in msgs:
+        deg[("s", m.src)] += 1
+        deg[("r", m.dst)] += 1
+    assert len(rounds) == max(deg.values())
+    for rnd in rounds:
+        assert len({m.src for m in rnd}) == len({m.dst for m in rnd}) == len(rnd)
