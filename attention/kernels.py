@@ -1,0 +1,246 @@
+"""Attention kernels behind one interface: packed variable-length blocks in, ``(out, lse)`` out.
+
+Every backend computes, for ``n`` independent segments described by cumulative lengths
+``cu_q``/``cu_k`` (int32, ``n + 1`` entries), softmax attention of the segment's queries over the
+segment's keys:
+
+* ``q``: ``[Tq, H, d]``; ``k``, ``v``: ``[Tk, H_kv, d]`` with ``H % H_kv == 0`` (grouped-query
+  attention: query head ``h`` uses KV head ``h // (H / H_kv)``);
+* ``causal``: every segment is a diagonal block (``len_q == len_k``, query ``i`` sees keys
+  ``<= i``); otherwise every segment is a full block (keys entirely before the queries);
+* returns ``out`` ``[Tq, H, d]`` in ``q.dtype`` and ``lse`` ``[H, Tq]`` (log-sum-exp of the scaled
+  scores of each query row; fp32, or fp64 for fp64 inputs); a row with no keys has ``lse = -inf``
+  and ``out = 0``.
+
+``backward(dout, q, k, v, out, lse, ...)`` returns ``(dq, dk, dv)`` of the segment given the
+*final* ``out`` and ``lse`` of each query row (over all its key blocks), so partial gradients of a
+row's blocks add up to the row's exact gradient.
+
+Backends: ``flash_attn`` (the package, CUDA, fp16/bf16), ``torch_flash``
+(``torch.ops.aten._flash_attention_forward/_backward``, CUDA, fp16/bf16) and ``reference``
+(pure torch, any device and dtype, exact, memory-bounded: queries and keys are processed in chunks,
+never an ``L x L`` matrix).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Protocol
+
+import torch
+
+Q_CHUNK = 1024
+K_CHUNK = 2048
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation / merge dtype: fp64 for fp64 inputs, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class ReferenceBackend:
+    """Exact pure-torch attention for any device and dtype, chunked to bound memory."""
+
+    name = "reference"
+
+    @staticmethod
+    def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(cq) - 1):
+            yield cq[i], cq[i + 1], ck[i], ck[i + 1]
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        T, H, d = q.shape
+        hk = k.shape[1]
+        g = H // hk
+        ad = acc_dtype(q.dtype)
+        out = torch.zeros(T, H, d, dtype=ad, device=q.device)
+        lse = torch.full((H, T), -math.inf, dtype=ad, device=q.device)
+        for q0, q1, k0, k1 in self._segments(cu_q, cu_k):
+            nq, nk = q1 - q0, k1 - k0
+            if nq == 0 or nk == 0:
+                continue
+            shift = nk - nq  # causal: query i sees keys j <= i + shift (bottom-right aligned)
+            for a in range(0, nq, Q_CHUNK):
+                b = min(nq, a + Q_CHUNK)
+                qc = q[q0 + a:q0 + b].to(ad).view(b - a, hk, g, d)
+                m = torch.full((hk, g, b - a), -math.inf, dtype=ad, device=q.device)
+                s_sum = torch.zeros((hk, g, b - a), dtype=ad, device=q.device)
+                acc = torch.zeros((hk, g, b - a, d), dtype=ad, device=q.device)
+                k_stop = min(nk, b - 1 + shift + 1) if causal else nk
+                for c in range(0, k_stop, K_CHUNK):
+                    e = min(k_stop, c + K_CHUNK)
+                    kc = k[k0 + c:k0 + e].to(ad)
+                    vc = v[k0 + c:k0 + e].to(ad)
+                    s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
+                    if causal:
+                        qi = torch.arange(a, b, device=q.device)[:, None]
+                        kj = torch.arange(c, e, device=q.device)[None, :]
+                        s = s.masked_fill(kj > qi + shift, -math.inf)
+                    m_new = torch.maximum(m, s.amax(dim=-1))
+                    safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                    p = torch.exp(s - safe[..., None])
+                    alpha = torch.exp(m - safe)
+                    s_sum = s_sum * alpha + p.sum(dim=-1)
+                    acc = acc * alpha[..., None] + torch.einsum("hgqk,khd->hgqd", p, vc)
+                    m = m_new
+                rows = slice(q0 + a, q0 + b)
+                has = s_sum > 0
+                o = torch.where(has[..., None], acc / torch.where(has, s_sum, torch.ones_like(s_sum))[..., None], acc)
+                out[rows] = o.permute(2, 0, 1, 3).reshape(b - a, H, d)
+                l_ = torch.where(has, m + torch.log(torch.where(has, s_sum, torch.ones_like(s_sum))),
+                                 torch.full_like(m, -math.inf))
+                lse[:, rows] = l_.reshape(H, b - a)
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        T, H, d = q.shape
+        hk = k.shape[1]
+        g = H // hk
+        ad = acc_dtype(q.dtype)
+        dq = torch.zeros(T, H, d, dtype=ad, device=q.device)
+        dk = torch.zeros(k.shape, dtype=ad, device=q.device)
+        dv = torch.zeros(v.shape, dtype=ad, device=q.device)
+        for q0, q1, k0, k1 in self._segments(cu_q, cu_k):
+            nq, nk = q1 - q0, k1 - k0
+            if nq == 0 or nk == 0:
+                continue
+            shift = nk - nq
+            for a in range(0, nq, Q_CHUNK):
+                b = min(nq, a + Q_CHUNK)
+                rows = slice(q0 + a, q0 + b)
+                qc = q[rows].to(ad).view(b - a, hk, g, d)
+                doc = dout[rows].to(ad).view(b - a, hk, g, d)
+                # D = rowsum(dO * O) with the final output.
+                D = (doc * out[rows].to(ad).view(b - a, hk, g, d)).sum(-1).permute(1, 2, 0)
+                L = lse[:, rows].to(ad).reshape(hk, g, b - a)
+                L = torch.where(torch.isinf(L), torch.full_like(L, math.inf), L)  # rows without keys: p = 0
+                dqc = torch.zeros((b - a, hk, g, d), dtype=ad, device=q.device)
+                k_stop = min(nk, b - 1 + shift + 1) if causal else nk
+                for c in range(0, k_stop, K_CHUNK):
+                    e = min(k_stop, c + K_CHUNK)
+                    kc = k[k0 + c:k0 + e].to(ad)
+                    vc = v[k0 + c:k0 + e].to(ad)
+                    s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
+                    if causal:
+                        qi = torch.arange(a, b, device=q.device)[:, None]
+                        kj = torch.arange(c, e, device=q.device)[None, :]
+                        s = s.masked_fill(kj > qi + shift, -math.inf)
+                    p = torch.exp(s - L[..., None])
+                    dv[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)
+                    dp = torch.einsum("qhgd,khd->hgqk", doc, vc)
+                    ds = p * (dp - D[..., None])
+                    dqc += torch.einsum("hgqk,khd->qhgd", ds, kc) * scale
+                    dk[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", ds, qc) * scale
+                dq[rows] = dqc.reshape(b - a, H, d)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class TorchFlashBackend:
+    """PyTorch's built-in FlashAttention-2 varlen kernels (CUDA; fp16/bf16)."""
+
+    name = "torch_flash"
+
+    def __init__(self) -> None:
+        fwd = torch.ops.aten._flash_attention_forward.default._schema
+        bwd = torch.ops.aten._flash_attention_backward.default._schema
+        fwd_args = [a.name for a in fwd.arguments]
+        bwd_args = [a.name for a in bwd.arguments]
+        expected_fwd = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+                        "return_debug_mask"]
+        expected_bwd = ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q",
+                        "max_k", "dropout_p", "is_causal"]
+        if fwd_args[:len(expected_fwd)] != expected_fwd or bwd_args[:len(expected_bwd)] != expected_bwd \
+                or "scale" not in fwd_args or "scale" not in bwd_args:
+            raise RuntimeError(f"unsupported aten flash attention schema in torch {torch.__version__}: {fwd} / {bwd}")
+        self._bwd_rng_args = bwd_args[len(expected_bwd):bwd_args.index("scale")]  # rng_state, unused (2.3+)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return ReferenceBackend().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        return res[0], res[1].float()
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rng = [torch.empty(2, dtype=torch.int64, device=q.device), torch.empty(0, device=q.device)][:len(self._bwd_rng_args)]
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(dout.contiguous(), q, k, v, out, lse.contiguous(), cu_q, cu_k,
+                                                              max_q, max_k, 0.0, causal, *rng, scale=scale)
+        return dq, dk, dv
+
+
+class FlashAttnBackend:
+    """The ``flash_attn`` package's varlen kernels (CUDA; fp16/bf16)."""
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_interface as fai
+
+        self._fwd = fai._flash_attn_varlen_forward
+        self._bwd = fai._flash_attn_varlen_backward
+        self._fwd_params = set(inspect.signature(self._fwd).parameters)
+        self._bwd_params = set(inspect.signature(self._bwd).parameters)
+
+    def _window(self, params: set[str]) -> dict:
+        if "window_size_left" in params:
+            return {"window_size_left": -1, "window_size_right": -1}
+        return {"window_size": (-1, -1)} if "window_size" in params else {}
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return ReferenceBackend().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._fwd_params))
+        for opt, val in (("softcap", 0.0), ("alibi_slopes", None), ("return_softmax", False)):
+            if opt in self._fwd_params:
+                kw[opt] = val
+        res = self._fwd(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        return res[0], res[1].float()
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._bwd_params))
+        for opt, val in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", True), ("rng_state", None)):
+            if opt in self._bwd_params:
+                kw[opt] = val
+        self._bwd(dout.contiguous(), q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, **kw)
+        return dq, dk, dv
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A backend by name: ``reference``, ``torch_flash`` or ``flash_attn``."""
+    if name not in _BACKENDS:
+        cls = {"reference": ReferenceBackend, "torch_flash": TorchFlashBackend, "flash_attn": FlashAttnBackend}.get(name)
+        if cls is None:
+            raise ValueError(f"unknown attention backend {name!r}: choose reference, torch_flash or flash_attn")
+        _BACKENDS[name] = cls()
+    return _BACKENDS[name]
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The fastest backend for ``device`` and ``dtype``: the ``flash_attn`` package where installed,
+    else PyTorch's FlashAttention, on CUDA with fp16/bf16; the reference otherwise."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        for name in ("flash_attn", "torch_flash"):
+            try:
+                return get_backend(name)
+            except (ImportError, RuntimeError, AttributeError):
+                continue
+    return get_backend("reference")

@@ -1,0 +1,37 @@
+"""Run a function on N gloo ranks in fresh processes (CPU), with a deadline instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
+    """``fn(rank, world, *args)`` on ``world`` processes; raises if any fails or the deadline passes."""
+    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"ranks still running after {timeout} s (deadlock?)")

@@ -1,0 +1,211 @@
+"""dist_attn on 2 and 4 gloo ranks against per-sequence SDPA on one process (float64 and float32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from hdp import ClusterSpec, Plan, model_preset
+from planner import STRATEGIES, PlanningError, plan_step
+
+
+def random_plan(rng: np.random.Generator, n: int, waves: int, lens: list[int], max_cuts: int = 6) -> Plan:
+    """Cut every sequence at random points and put each piece on a random rank of one random wave."""
+    cells = [[[] for _ in range(n)] for _ in range(waves)]
+    for s, L in enumerate(lens):
+        if L == 0:
+            continue
+        cuts = sorted(set(rng.integers(1, L, size=rng.integers(0, max_cuts + 1)).tolist())) if L > 1 else []
+        bounds = [0] + cuts + [L]
+        w = int(rng.integers(0, waves))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            cells[w][int(rng.integers(0, n))].append((s, a, b))
+    for w in range(waves):
+        for r in range(n):
+            rng.shuffle(cells[w][r])
+    return Plan.from_shards(lens, n, cells)
+
+
+def spread_everywhere(n: int, L: int, block: int) -> Plan:
+    """One sequence in blocks dealt round-robin over every rank (non-contiguous on each)."""
+    cells = [[[] for _ in range(n)]]
+    for i, a in enumerate(range(0, L, block)):
+        cells[0][(i * 7 + i // n) % n].append((0, a, min(L, a + block)))
+    return Plan.from_shards([L], n, cells)
+
+
+def many_short_and_one_long(n: int) -> Plan:
+    lens = [700] + [1, 2, 3, 17, 130, 129, 5, 64] * 2
+    cells = [[[] for _ in range(n)]]
+    for i in range(n):  # the long one zigzag over all ranks, in 2n chunks
+        b = np.linspace(0, 700, 2 * n + 1).astype(int)
+        cells[0][i] += [(0, int(b[i]), int(b[i + 1])), (0, int(b[2 * n - 1 - i]), int(b[2 * n - i]))]
+    for s in range(1, len(lens)):
+        cells[0][(s * 3) % n].append((s, 0, lens[s]))
+    return Plan.from_shards(lens, n, cells)
+
+
+def empty_rank_plan(n: int) -> Plan:
+    # Rank n-1 holds nothing in wave 0 and everything of sequence 1 in wave 1.
+    cells = [[[] for _ in range(n)], [[] for _ in range(n)]]
+    cells[0][0] = [(0, 0, 50), (0, 90, 100)]
+    cells[0][1 % n] += [(0, 50, 90)]
+    cells[1][n - 1] = [(1, 0, 33)]
+    return Plan.from_shards([100, 33], n, cells)
+
+
+def global_tensors(plan: Plan, H: int, Hk: int, d: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for L in plan.seq_lens.tolist():
+        seqs.append(tuple(torch.randn(L, h, d, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hk, Hk, H)))
+    return seqs  # per sequence: q, k, v, dout
+
+
+def reference(seqs, H: int, Hk: int, scale: float):
+    """Per-sequence SDPA (is_causal) in float64: out and grads of q, k, v."""
+    res = []
+    for q, k, v, do in seqs:
+        q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        if q.shape[0] == 0:
+            res.append((q, q, k, v))
+            continue
+        rep = H // Hk
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                           v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=scale)
+        o = o.transpose(0, 1)
+        o.backward(do.double())
+        res.append((o.detach(), q.grad, k.grad, v.grad))
+    return res
+
+
+def local(plan: Plan, rank: int, wave: int, per_seq: list[torch.Tensor]) -> torch.Tensor:
+    parts = [per_seq[s][a:b] for s, a, b in plan.shards(rank, wave)]
+    if not parts:
+        return per_seq[0][:0]
+    return torch.cat(parts)
+
+
+def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) -> None:
+    """For each case: run every wave through dist_attn, compare this rank's rows with the reference."""
+    from attention import COMM, dist_attn
+
+    dtype = getattr(torch, dtype_name)
+    for idx, (plan_json, H, Hk, d, seed, scale) in enumerate(cases):
+        plan = Plan.from_json(plan_json)
+        seqs = global_tensors(plan, H, Hk, d, dtype, seed)
+        ref = reference(seqs, H, Hk, scale)
+        kvb = 2 * Hk * d * torch.finfo(dtype).bits // 8
+        for w in range(plan.num_waves):
+            q, k, v, do = (local(plan, rank, w, [s[i] for s in seqs]).clone() for i in range(4))
+            q.requires_grad_(True)
+            k.requires_grad_(True)
+            v.requires_grad_(True)
+            COMM.reset()
+            out = dist_attn(q, k, v, plan, w, softmax_scale=scale)
+            (out * do).sum().backward()
+            # Bytes: exactly the K/V the plan says this rank sends; backward sends it again plus fp32 dK/dV.
+            sent_tokens = int(plan.kv_tokens_sent(w)[rank])
+            assert COMM.fwd_bytes_sent == sent_tokens * kvb, (idx, w)
+            recv_tokens = sum(m.tokens for rnd in plan.comm_rounds(w) for m in rnd if m.dst == rank)
+            assert COMM.bwd_bytes_sent == sent_tokens * kvb + recv_tokens * 2 * Hk * d * (8 if dtype == torch.float64 else 4)
+            for got, want_idx in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
+                want = local(plan, rank, w, [r[want_idx] for r in ref])
+                if want.numel() == 0:
+                    assert got is None or got.numel() == 0
+                    continue
+                err = (got.double() - want).abs().max().item()
+                bound = tol if dtype == torch.float64 else tol * max(1.0, want.abs().max().item())
+                assert err <= bound, f"case {idx} wave {w} rank {rank} tensor {want_idx}: error {err:.3g} > {bound:.3g}"
+
+
+def make_cases(n: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    plans = [
+        spread_everywhere(n, 301, 16),
+        many_short_and_one_long(n),
+        empty_rank_plan(n),
+        random_plan(rng, n, 3, [1, 1, 200, 77, 0, 129, 5]),
+        random_plan(rng, n, 1, [257, 3, 40]),
+        random_plan(rng, n, 2, rng.integers(1, 90, size=8).tolist()),
+    ]
+    heads = [(4, 4, 8), (4, 2, 8), (6, 1, 4), (4, 2, 16), (2, 2, 8), (4, 1, 8)]
+    return [(p.to_json(), H, Hk, d, 100 + i, 0.37 if i % 2 else None) for i, (p, (H, Hk, d)) in enumerate(zip(plans, heads))]
+
+
+def _fix_scale(cases):
+    return [(p, H, Hk, d, s, sc if sc is not None else 1.0 / d ** 0.5) for p, H, Hk, d, s, sc in cases]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_float64_matches_sdpa(world):
+    run_ranks(check_rank, world, _fix_scale(make_cases(world, world)), "float64", 1e-10)
+
+
+def test_float32_matches_sdpa():
+    run_ranks(check_rank, 4, _fix_scale(make_cases(4, 11)), "float32", 1e-5)
+
+
+def test_plans_from_every_strategy():
+    lens = [300, 1, 45, 129, 600, 7, 256, 90]
+    cases = []
+    for i, strategy in enumerate(STRATEGIES):
+        for sync in ("peer", "wave"):
+            try:
+                plan = plan_step(lens, ClusterSpec.preset("h100", 4, 2), model_preset("tiny"), strategy, capacity=200,
+                                 sync=sync, hybridcp_impl="ours")
+            except PlanningError:
+                continue
+            cases.append((plan.to_json(), 4, 2, 8, 7 + i, 0.25))
+    assert len(cases) >= 6
+    run_ranks(check_rank, 4, cases, "float64", 1e-10)
+
+
+def deterministic_rank(rank: int, world: int, plan_json: dict, path: str) -> None:
+    from attention import dist_attn
+
+    plan = Plan.from_json(plan_json)
+    seqs = global_tensors(plan, 4, 2, 8, torch.float32, 3)
+    outs = []
+    for _ in range(2):
+        q, k, v, do = (local(plan, rank, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4))
+        out = dist_attn(q, k, v, plan, 0)
+        (out * do).sum().backward()
+        outs.append([out.detach(), q.grad, k.grad, v.grad])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_repeated_runs_are_bitwise_identical(tmp_path):
+    run_ranks(deterministic_rank, 2, spread_everywhere(2, 500, 32).to_json(), str(tmp_path))
+
+
+def test_single_process_without_distributed():
+    from attention import dist_attn
+
+    plan = Plan.from_shards([40, 9], 1, [[[(1, 0, 9), (0, 0, 25), (0, 25, 40)]]])
+    seqs = global_tensors(plan, 2, 1, 4, torch.float64, 0)
+    ref = reference(seqs, 2, 1, 0.5)
+    q, k, v, do = (local(plan, 0, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4))
+    out = dist_attn(q, k, v, plan, 0, softmax_scale=0.5)
+    (out * do).sum().backward()
+    assert torch.allclose(out, local(plan, 0, 0, [r[0] for r in ref]), atol=1e-12)
+    assert torch.allclose(k.grad, local(plan, 0, 0, [r[2] for r in ref]), atol=1e-12)
+
+
+def test_bad_inputs_are_clear():
+    from attention import dist_attn
+
+    plan = Plan.from_shards([10], 1, [[[(0, 0, 10)]]])
+    with pytest.raises(ValueError, match="holds 10 tokens in wave 0 of the plan, but q has 9 rows"):
+        dist_attn(torch.zeros(9, 2, 4), torch.zeros(9, 2, 4), torch.zeros(9, 2, 4), plan, 0)
+    with pytest.raises(ValueError, match="wave 3 is outside"):
+        dist_attn(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), plan, 3)
+    with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+        dist_attn(torch.zeros(10, 3, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), plan, 0)
+    with pytest.raises(ValueError, match="plan is for 2 ranks"):
+        dist_attn(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4),
+                  Plan.from_shards([10], 2, [[[(0, 0, 10)], []]]), 0)
