@@ -209,3 +209,20 @@ def test_bad_inputs_are_clear():
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
         dist_attn(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4),
                   Plan.from_shards([10], 2, [[[(0, 0, 10)], []]]), 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_cuda_single_rank():
+    from attention import dist_attn
+
+    plan = Plan.from_shards([3000, 129, 1], 1, [[[(1, 0, 129), (0, 0, 1000), (2, 0, 1), (0, 1000, 3000)]]])
+    seqs = global_tensors(plan, 8, 2, 64, torch.float64, 0)
+    ref = reference(seqs, 8, 2, 0.125)
+    q, k, v, do = (local(plan, 0, 0, [s[i] for s in seqs]).to("cuda", torch.bfloat16).requires_grad_(i < 3)
+                   for i in range(4))
+    out = dist_attn(q, k, v, plan, 0, softmax_scale=0.125)
+    (out * do).sum().backward()
+    assert out.dtype == torch.bfloat16
+    for got, i in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
+        want = local(plan, 0, 0, [r[i] for r in ref])
+        assert (got.double().cpu() - want).abs().max() < 3e-2 * max(1.0, want.abs().max().item())

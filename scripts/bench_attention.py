@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""dist_attn measurements for docs/benchmarks.md.
+
+CPU (any machine): forward + backward of ``dist_attn`` on N gloo ranks against the same tokens
+attended on one process (the overhead ratio), the bytes the ranks actually sent against the plan's
+prediction, and the K/V volume of our P2P against ring attention over each sequence's ranks for
+planner-made plans of the standard workloads.
+GPU (``--gpu``): block-sharded varlen attention of one rank's blocks against one monolithic varlen
+FlashAttention call on the same tokens, and TFLOP/s by block size.
+
+    python scripts/bench_attention.py --ranks 4 --tokens 16384
+    python scripts/bench_attention.py --gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def _plan(ranks: int, tokens: int, seed: int):
+    """A wlb-128k-like batch of ``tokens`` tokens planned by hdp for ``ranks`` CPU ranks."""
+    from hdp import ClusterSpec, model_preset
+    from hdp.workloads import get_workload
+    from planner import plan_step
+
+    w = get_workload("wlb-128k")
+    lens = w.sample_batch(np.random.default_rng(seed), tokens, tokens // 2)
+    cap = max(int(lens.max()) // ranks + 256, tokens // ranks + 512)
+    return plan_step(lens, ClusterSpec.preset("cpu", ranks, 2), model_preset("tiny"), "hdp", capacity=cap, sync="wave")
+
+
+def _time_rank(rank: int, world: int, plan_json: dict, H: int, Hk: int, d: int, reps: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from attention import COMM, dist_attn
+    from hdp import Plan
+
+    torch.set_num_threads(1)
+    plan = Plan.from_json(plan_json)
+    g = torch.Generator().manual_seed(rank)
+    times, sent = [], 0
+    for w in range(plan.num_waves):
+        T = sum(b - a for _, a, b in plan.shards(rank, w))
+        q = torch.randn(T, H, d, generator=g, requires_grad=True)
+        k = torch.randn(T, Hk, d, generator=g, requires_grad=True)
+        v = torch.randn(T, Hk, d, generator=g, requires_grad=True)
+        for _ in range(reps):
+            dist.barrier()
+            COMM.reset()
+            t0 = time.perf_counter()
+            dist_attn(q, k, v, plan, w).sum().backward()
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        sent += COMM.fwd_bytes_sent
+    t = torch.tensor([sum(times) / reps, float(sent)])
+    dist.all_reduce(t[1:])  # total bytes
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)
+    if rank == 0:
+        Path(out_path).write_text(f"{t[0].item()} {t[1].item()}\n")
+
+
+def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) -> None:
+    from attention import dist_attn
+    from distributed import run_ranks
+    from hdp import Plan
+
+    plan = _plan(ranks, tokens, 0)
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_attention_{os.getpid()}.txt"
+    run_ranks(_time_rank, ranks, plan.to_json(), H, Hk, d, reps, str(out), timeout=1800)
+    dist_time, dist_bytes = (float(x) for x in out.read_text().split())
+    out.unlink()
+    # The same tokens on one process: every sequence whole, one wave.
+    single = Plan.from_shards(plan.seq_lens.tolist(), 1, [[[(s, 0, int(L)) for s, L in enumerate(plan.seq_lens) if L]]])
+    torch.set_num_threads(1)
+    T = int(plan.seq_lens.sum())
+    q = torch.randn(T, H, d, requires_grad=True)
+    k = torch.randn(T, Hk, d, requires_grad=True)
+    v = torch.randn(T, Hk, d, requires_grad=True)
+    t_single = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist_attn(q, k, v, single, 0).sum().backward()
+        t_single.append(time.perf_counter() - t0)
+    one = sum(t_single) / reps
+    kvb = 2 * Hk * d * 4
+    predicted = sum(int(plan.kv_tokens_sent(w).sum()) for w in range(plan.num_waves)) * kvb
+    print(f"CPU, {ranks} gloo ranks x 1 thread, {T} tokens ({plan.seq_lens.size} sequences, longest "
+          f"{int(plan.seq_lens.max())}), H={H} H_kv={Hk} d={d}, fp32, forward+backward, mean of {reps}:")
+    print(f"  one process, all tokens:      {one:8.3f} s")
+    print(f"  dist_attn, slowest rank:      {dist_time:8.3f} s   ({dist_time / one:.2f}x the single process, "
+          f"ideal {1 / ranks:.2f}x; {os.cpu_count()} cores for {ranks} processes)")
+    print(f"  K/V bytes sent (forward):     {dist_bytes:,.0f} measured, {predicted:,.0f} predicted by the plan")
+
+
+def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
+    """K/V tokens moved per layer (forward): ours (exact prefixes) against ring attention over each
+    multi-rank sequence's ranks (every rank's share visits every other rank)."""
+    from hdp import ClusterSpec, CostModel, model_preset
+    from hdp.workloads import get_workload
+    from planner import STRATEGIES, PlanningError, plan_and_evaluate
+
+    model = model_preset("llama-7b")
+    print("K/V tokens moved per layer, forward: our P2P vs ring attention over the same placement")
+    print(f"  {'workload':<15} {'GPUs':>5} {'strategy':<10} {'ours':>14} {'ring':>14} {'ours/ring':>9}")
+    for name, n in workloads:
+        w = get_workload(name)
+        lens = w.sample_batch(np.random.default_rng(0))
+        cluster = ClusterSpec.preset("h100", n)
+        cost = CostModel(model, cluster)
+        for s in STRATEGIES:
+            try:
+                plan, _ = plan_and_evaluate(lens, cluster, model, s, cost=cost, max_seq=w.max_seq, hybridcp_impl="ours")
+            except PlanningError:
+                continue
+            ours = float(cost.kv_traffic(plan).sent.sum())
+            holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
+            ring = float(((holders - 1).clip(min=0) * plan.seq_lens).sum())
+            print(f"  {name:<15} {n:>5} {s:<10} {ours:>14,.0f} {ring:>14,.0f} {ours / ring if ring else 0:>9.2f}")
+
+
+def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> None:
+    """One rank's 2M-context blocks: sharded varlen calls against one monolithic call."""
+    from attention import select_backend
+
+    be = select_backend(torch.device("cuda"), torch.bfloat16)
+    print(f"GPU {torch.cuda.get_device_name()}, backend {be.name}, bf16, {tokens} query tokens, H={H} H_kv={Hk} d={d}")
+
+    def bench(fn, reps=10):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    q = torch.randn(tokens, H, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, Hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    mono = bench(lambda: be.forward(q, k, v, cu, cu, tokens, tokens, True, d ** -0.5))
+    flops = 4 * tokens * (tokens + 1) / 2 * H * d
+    print(f"  monolithic causal call: {mono * 1e3:.2f} ms, {flops / mono / 1e12:.1f} TFLOP/s")
+    for b in block_sizes:
+        # Block-sharded: every query block of b tokens against its diagonal (causal) and all earlier keys (full).
+        n = tokens // b
+        cu_b = torch.arange(0, n + 1, device="cuda", dtype=torch.int32) * b
+        starts = torch.arange(n, device="cuda") * b
+        kv_rows = torch.cat([torch.arange(0, int(s), device="cuda") for s in starts[1:]])
+        q_full = torch.cat([torch.arange(int(s), int(s) + b, device="cuda") for s in starts[1:]])
+        cu_fq = torch.arange(0, n, device="cuda", dtype=torch.int32) * b
+        cu_fk = torch.tensor([0, *torch.cumsum(starts[1:], 0).tolist()], device="cuda", dtype=torch.int32)
+        qf, kf, vf = q[q_full], k[kv_rows], v[kv_rows]
+
+        def sharded():
+            be.forward(q, k, v, cu_b, cu_b, b, b, True, d ** -0.5)
+            be.forward(qf, kf, vf, cu_fq, cu_fk, b, int(starts[-1]), False, d ** -0.5)
+
+        t = bench(sharded)
+        print(f"  {b:>6}-token blocks: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s, {mono / t:.2f}x the monolithic throughput")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--gpu", action="store_true", help="run the GPU block-size benchmark instead")
+    args = p.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("no CUDA GPU: nothing to measure", file=sys.stderr)
+            return 1
+        gpu_blocks([512, 1024, 2048, 4096, 8192], 65536, 32, 8, 128)
+        return 0
+    cpu_overhead(args.ranks, args.tokens, 4, 2, 32, args.reps)
+    p2p_vs_ring([("wlb-128k", 64), ("byted-2m", 256)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

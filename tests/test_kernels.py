@@ -1,0 +1,119 @@
+"""Attention kernels against independent references; GPU backends skip without CUDA."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention import PartialAttention, get_backend, select_backend
+from attention import kernels
+
+
+def sdpa_segments(q, k, v, cu_q, cu_k, causal, scale):
+    """Per segment, float64: output and log-sum-exp from the explicit score matrix."""
+    outs, lses = [], []
+    H, Hk = q.shape[1], k.shape[1]
+    for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qq = q[a:b].double().transpose(0, 1)
+        kk = k[c:e].double().repeat_interleave(H // Hk, 1).transpose(0, 1)
+        vv = v[c:e].double().repeat_interleave(H // Hk, 1).transpose(0, 1)
+        s = qq @ kk.transpose(1, 2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(b - a, e - c, dtype=torch.bool).triu(1 + (e - c) - (b - a)), -math.inf)
+        lses.append(torch.logsumexp(s, -1))
+        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale).transpose(0, 1)
+                    if causal else (torch.softmax(s, -1) @ vv).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_crosses_chunk_boundaries(monkeypatch, causal):
+    monkeypatch.setattr(kernels, "Q_CHUNK", 7)
+    monkeypatch.setattr(kernels, "K_CHUNK", 5)
+    torch.manual_seed(0)
+    lens_q = [1, 13, 40] if causal else [3, 13, 40]
+    lens_k = lens_q if causal else [9, 1, 30]
+    q = torch.randn(sum(lens_q), 4, 8, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), 2, 8, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), 2, 8, dtype=torch.float64)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    be = get_backend("reference")
+    out, lse = be.forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal, 0.3)
+    want_out, want_lse = sdpa_segments(q, k, v, cu_q, cu_k, causal, 0.3)
+    assert torch.allclose(out, want_out, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    # Backward against autograd through the explicit reference.
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o, _ = sdpa_segments(qr, kr, vr, cu_q, cu_k, causal, 0.3)
+    do = torch.randn_like(o)
+    o.backward(do)
+    dq, dk, dv = be.backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal, 0.3)
+    for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert torch.allclose(got, want, atol=1e-11)
+
+
+def test_rows_without_keys_and_float32():
+    be = get_backend("reference")
+    q = torch.randn(5, 2, 4)
+    k = torch.randn(3, 2, 4)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 3], dtype=torch.int32)  # first segment: no keys
+    out, lse = be.forward(q, k, k, cu_q, cu_k, 3, 3, False, 0.5)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert (out[:2] == 0).all() and torch.isinf(lse[:, :2]).all()
+    want, want_lse = sdpa_segments(q[2:], k, k, torch.tensor([0, 3]), torch.tensor([0, 3]), False, 0.5)
+    assert torch.allclose(out[2:].double(), want, atol=1e-6)
+
+
+def test_partial_attention_merge_is_exact():
+    torch.manual_seed(1)
+    q = torch.randn(6, 2, 4, dtype=torch.float64)
+    k = torch.randn(10, 2, 4, dtype=torch.float64)
+    be = get_backend("reference")
+    cu6, cu10 = (torch.tensor([0, n], dtype=torch.int32) for n in (6, 10))
+    whole, whole_lse = be.forward(q, k, k, cu6, cu10, 6, 10, False, 1.0)
+    acc = PartialAttention(6, 2, 4, torch.float64, q.device)
+    rows = torch.arange(6)
+    for a, b in ((0, 4), (4, 10)):
+        o, l = be.forward(q, k[a:b], k[a:b], cu6, torch.tensor([0, b - a], dtype=torch.int32), 6, b - a, False, 1.0)
+        acc.merge(rows, o, l)
+    assert torch.allclose(acc.out, whole, atol=1e-13) and torch.allclose(acc.lse, whole_lse, atol=1e-13)
+
+
+def test_cpu_selects_the_reference():
+    assert select_backend(torch.device("cpu"), torch.bfloat16).name == "reference"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("xformers")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["torch_flash", "flash_attn"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_backends_match_the_reference(name, causal):
+    try:
+        be = get_backend(name)
+    except ImportError:
+        pytest.skip(f"{name} not installed")
+    torch.manual_seed(0)
+    lens = [1, 127, 300, 2048]
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(T, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = be.forward(q, k, v, cu, cu, max(lens), max(lens), causal, 0.125)
+    want, want_lse = get_backend("reference").forward(q.double(), k.double(), v.double(), cu, cu, max(lens), max(lens),
+                                                      causal, 0.125)
+    assert lse.shape == (8, T) and lse.dtype == torch.float32
+    assert (out.double() - want).abs().max() < 2e-2
+    assert (lse.double() - want_lse).abs().max() < 1e-2
+    do = torch.randn_like(q)
+    dq, dk, dv = be.backward(do, q, k, v, out, lse, cu, cu, max(lens), max(lens), causal, 0.125)
+    rq, rk, rv = get_backend("reference").backward(do.double(), q.double(), k.double(), v.double(), want, want_lse,
+                                                   cu, cu, max(lens), max(lens), causal, 0.125)
+    for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
+        assert (got.double() - ref).abs().max() < 5e-2 * max(1.0, ref.abs().max().item())
