@@ -191,34 +191,41 @@ def _wait(reqs: list) -> None:
         r.wait()
 
 
+def _post_kv(io: RoundIO, k: torch.Tensor, v: torch.Tensor, group, tag: int, backward: bool):
+    """Post one round's K/V message out and in; returns (receive buffer, requests, send buffer)."""
+    device = k.device
+    send = torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1) if io.send_to is not None else None
+    recv = (torch.empty(io.recv_tokens, 2, k.shape[1], k.shape[2], dtype=k.dtype, device=device)
+            if io.recv_from is not None else None)
+    if send is not None:
+        COMM.messages += 1
+        if backward:
+            COMM.bwd_bytes_sent += send.numel() * send.element_size()
+        else:
+            COMM.fwd_bytes_sent += send.numel() * send.element_size()
+    if recv is not None:
+        if backward:
+            COMM.bwd_bytes_received += recv.numel() * recv.element_size()
+        else:
+            COMM.fwd_bytes_received += recv.numel() * recv.element_size()
+    return recv, _exchange(send, io.send_to, recv, io.recv_from, group, tag), send
+
+
 class _DistAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: WaveLayout, group, scale: float, backend: AttentionBackend):
         device = q.device
         T, H, d = q.shape
-        hk = k.shape[1]
         acc = PartialAttention(T, H, d, q.dtype, device)
         rounds = layout.rounds
-
-        def post(r: int):
-            io = rounds[r]
-            send = torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1) if io.send_to is not None else None
-            recv = torch.empty(io.recv_tokens, 2, hk, d, dtype=k.dtype, device=device) if io.recv_from is not None else None
-            if send is not None:
-                COMM.fwd_bytes_sent += send.numel() * send.element_size()
-                COMM.messages += 1
-            if recv is not None:
-                COMM.fwd_bytes_received += recv.numel() * recv.element_size()
-            return recv, _exchange(send, io.send_to, recv, io.recv_from, group, 2 * r), send
-
-        pending = post(0) if rounds else None
+        pending = _post_kv(rounds[0], k, v, group, 0, backward=False) if rounds else None
         for seg, causal in ((layout.diag, True), (layout.local_full, False)):
             if seg is not None:
                 _attend(acc, backend, q, k, v, seg.to(device), causal, scale)
         for r in range(len(rounds)):
             recv, reqs, _send = pending
             _wait(reqs)
-            pending = post(r + 1) if r + 1 < len(rounds) else None
+            pending = _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=False) if r + 1 < len(rounds) else None
             seg = rounds[r].recv_segments
             if recv is not None and seg is not None:
                 _attend(acc, backend, q, recv[:, 0], recv[:, 1], seg.to(device), False, scale)
@@ -246,24 +253,12 @@ class _DistAttn(torch.autograd.Function):
                 dk.index_add_(0, seg.k_rows, gk.to(ad))
                 dv.index_add_(0, seg.k_rows, gv.to(ad))
         rounds = layout.rounds
-
-        def post_kv(r: int):
-            io = rounds[r]
-            send = torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1) if io.send_to is not None else None
-            recv = torch.empty(io.recv_tokens, 2, hk, d, dtype=k.dtype, device=device) if io.recv_from is not None else None
-            if send is not None:
-                COMM.bwd_bytes_sent += send.numel() * send.element_size()
-                COMM.messages += 1
-            if recv is not None:
-                COMM.bwd_bytes_received += recv.numel() * recv.element_size()
-            return recv, _exchange(send, io.send_to, recv, io.recv_from, group, 2 * r), send
-
-        pending = post_kv(0) if rounds else None
+        pending = _post_kv(rounds[0], k, v, group, 0, backward=True) if rounds else None
         for r in range(len(rounds)):
             io = rounds[r]
             recv, reqs, _send = pending
             _wait(reqs)
-            pending = post_kv(r + 1) if r + 1 < len(rounds) else None
+            pending = _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=True) if r + 1 < len(rounds) else None
             # dK/dV partials of the received keys go back to their owner; ours come back to us.
             dkv_out = None
             if recv is not None:

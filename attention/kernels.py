@@ -49,6 +49,17 @@ class AttentionBackend(Protocol):
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+def _scores(qc, kc, a: int, b: int, c: int, e: int, shift: int, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores ``[H_kv, G, b - a, e - c]`` of query rows a..b against key rows c..e of a
+    segment; causal masks key ``j > i + shift`` with ``-inf``."""
+    s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
+    if causal:
+        qi = torch.arange(a, b, device=qc.device)[:, None]
+        kj = torch.arange(c, e, device=qc.device)[None, :]
+        s = s.masked_fill(kj > qi + shift, -math.inf)
+    return s
+
+
 class ReferenceBackend:
     """Exact pure-torch attention for any device and dtype, chunked to bound memory."""
 
@@ -83,11 +94,7 @@ class ReferenceBackend:
                     e = min(k_stop, c + K_CHUNK)
                     kc = k[k0 + c:k0 + e].to(ad)
                     vc = v[k0 + c:k0 + e].to(ad)
-                    s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
-                    if causal:
-                        qi = torch.arange(a, b, device=q.device)[:, None]
-                        kj = torch.arange(c, e, device=q.device)[None, :]
-                        s = s.masked_fill(kj > qi + shift, -math.inf)
+                    s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                     p = torch.exp(s - safe[..., None])
@@ -132,11 +139,7 @@ class ReferenceBackend:
                     e = min(k_stop, c + K_CHUNK)
                     kc = k[k0 + c:k0 + e].to(ad)
                     vc = v[k0 + c:k0 + e].to(ad)
-                    s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
-                    if causal:
-                        qi = torch.arange(a, b, device=q.device)[:, None]
-                        kj = torch.arange(c, e, device=q.device)[None, :]
-                        s = s.masked_fill(kj > qi + shift, -math.inf)
+                    s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     p = torch.exp(s - L[..., None])
                     dv[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)
                     dp = torch.einsum("qhgd,khd->hgqk", doc, vc)

@@ -3,11 +3,7 @@
 # every strategy on global batches of byted-2m (2M context) for llama-7b on 1024 H100s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+bash scripts/setup_venv.sh dev
 mkdir -p out
 .venv/bin/hdp-sim --workload byted-2m --gpus 1024 --max-seq 2M --model llama-7b \
   --json out/byted-2m-1024.json --plot out/byted-2m-1024.png "$@"

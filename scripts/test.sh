@@ -3,12 +3,7 @@
 # This is the README's test command and what CI runs (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-# torch pinned to the CPU build that lies on disk here; an unpinned torch pulls a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,megatron]"
+bash scripts/setup_venv.sh dev,megatron
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?
