@@ -1,0 +1,229 @@
+"""The per-rank dataloader: plans ahead on rank 0, broadcasts compactly, reads only local shards.
+
+Rank 0 runs a background thread that forms global batches (:class:`BatchStream`, lengths only) and
+plans each with :func:`planner.plan_step`, keeping up to ``plan_ahead`` planned steps ready. Each
+step rank 0 broadcasts the batch's sequence descriptors and the plan's shards as one int64 tensor;
+every rank then reads only the tokens of its own shards (plus one token past a shard's end, for the
+label) and yields a :class:`StepData`: for each wave, ``input_ids``, ``labels`` (the next token of
+the same sequence; ``-100`` after a sequence's last token), ``position_ids`` (position inside the
+sequence), ``cu_seqlens`` of its shards, and the step's global ``loss_tokens``.
+
+``state_dict()`` is the stream state after the last step handed out (prefetched plans are formed
+again on resume), so a resumed run sees exactly the same global batches, on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hdp import ClusterSpec, ModelSpec, Plan, Shard
+
+from .batching import BatchStream, GlobalBatch, SeqRef
+from .sources import Source
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class WaveData:
+    """One rank's tokens of one wave, packed in ``shards`` order. Tensors are int64 ``[T]`` except
+    ``cu_seqlens`` (int32 ``[len(shards) + 1]``)."""
+
+    shards: list[Shard]
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+@dataclass
+class StepData:
+    step: int
+    plan: Plan
+    waves: list[WaveData]
+    loss_tokens: int  # global: label-bearing tokens of the whole step on all ranks
+    tokens: int  # global tokens of the step
+    truncated_tokens: int
+    plan_time_s: float
+    wait_s: float  # how long this rank waited for the step's data (planning not ready, reading)
+    seqs: list[SeqRef] = field(default_factory=list)
+
+
+class HDPDataLoader:
+    """Iterate :class:`StepData` for this rank; see the module docstring."""
+
+    def __init__(self, sources: Sequence[Source], stream: BatchStream, cluster: ClusterSpec, model: ModelSpec,
+                 strategy: str = "hdp", plan_ahead: int = 2, group=None, plan_options: dict | None = None) -> None:
+        self.sources = list(sources)
+        self.stream = stream
+        self.cluster = cluster
+        self.model = model
+        self.strategy = strategy
+        self.plan_options = dict(plan_options or {})
+        self.group = group
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        if self.world != cluster.num_ranks:
+            raise ValueError(f"the cluster spec has {cluster.num_ranks} ranks but the process group has {self.world}")
+        self.plan_ahead = max(1, int(plan_ahead))
+        self._device = torch.device("cuda", torch.cuda.current_device()) if (
+            self.distributed and dist.get_backend(group) == "nccl") else torch.device("cpu")
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._delivered_state = stream.state_dict()
+
+    # ------------------------------------------------------------------ planning (rank 0)
+    def _plan(self, batch: GlobalBatch) -> tuple[Plan, float]:
+        from planner import plan_step
+
+        t0 = time.perf_counter()
+        opts = dict(self.plan_options)
+        opts.setdefault("max_seq", self.stream.max_seq)
+        opts.setdefault("tokens_per_step", self.stream.tokens_per_step)
+        plan = plan_step(batch.lengths, self.cluster, self.model, self.strategy, **opts)
+        return plan, time.perf_counter() - t0
+
+    def _producer(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self.stream.next_batch()
+                state = self.stream.state_dict()
+                plan, dt = self._plan(batch)
+                item = (batch, plan, state, dt)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # surface planning errors in the training thread
+            self._queue.put(e)
+
+    def _start(self) -> None:
+        if self.rank == 0 and self._thread is None:
+            self._queue = queue.Queue(maxsize=self.plan_ahead)
+            self._thread = threading.Thread(target=self._producer, name="hdp-planner", daemon=True)
+            self._thread.start()
+
+    def ready_plans(self) -> int:
+        """Planned steps waiting on rank 0 (how far planning is ahead of training)."""
+        return self._queue.qsize() if self._queue is not None else 0
+
+    # ------------------------------------------------------------------ broadcast
+    def _broadcast(self, batch: GlobalBatch | None, plan: Plan | None, plan_time: float):
+        if self.rank == 0:
+            seqs = np.asarray([tuple(s) for s in batch.seqs], dtype=np.int64).reshape(-1, 5)
+            shards = np.stack([plan.rank, plan.wave, plan.seq, plan.start, plan.end]).astype(np.int64)
+            offload = plan.offload if plan.offload.any() else None
+            header = np.array([batch.step, seqs.shape[0], shards.shape[1], plan.num_waves,
+                               1 if plan.sync == "peer" else 0, batch.truncated_tokens,
+                               int(round(plan_time * 1e6)), 1 if offload is not None else 0,
+                               len(plan.barriers)], dtype=np.int64)
+            payload = np.concatenate([header, seqs.reshape(-1), shards.reshape(-1), np.asarray(plan.barriers, np.int64)])
+        if not self.distributed:
+            return batch, plan, plan_time
+        n = torch.tensor([payload.size if self.rank == 0 else 0], dtype=torch.int64, device=self._device)
+        dist.broadcast(n, src=self._src(), group=self.group)
+        buf = (torch.from_numpy(payload).to(self._device) if self.rank == 0
+               else torch.empty(int(n.item()), dtype=torch.int64, device=self._device))
+        dist.broadcast(buf, src=self._src(), group=self.group)
+        data = buf.cpu().numpy()
+        step, S, M, W, peer, trunc, plan_us, has_off, nb = (int(x) for x in data[:9])
+        seqs = data[9:9 + 5 * S].reshape(S, 5)
+        sh = data[9 + 5 * S:9 + 5 * S + 5 * M].reshape(5, M)
+        barriers = data[9 + 5 * S + 5 * M:9 + 5 * S + 5 * M + nb].tolist()
+        off = None
+        if has_off:
+            off_t = (torch.from_numpy(plan.offload).to(self._device, torch.float64) if self.rank == 0
+                     else torch.empty(W * self.world, dtype=torch.float64, device=self._device))
+            dist.broadcast(off_t, src=self._src(), group=self.group)
+            off = off_t.cpu().numpy().reshape(W, self.world)
+        if self.rank == 0:
+            return batch, plan, plan_time
+        refs = [SeqRef(*map(int, row)) for row in seqs]
+        batch = GlobalBatch(step, refs, trunc)
+        plan = Plan(batch.lengths, self.world, sh[0], sh[1], sh[2], sh[3], sh[4], sync="peer" if peer else "wave",
+                    num_waves=W, offload=off, barriers=barriers, strategy=self.strategy)
+        return batch, plan, plan_us / 1e6
+
+    def _src(self) -> int:
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
+    # ------------------------------------------------------------------ reading
+    def _read(self, ref: SeqRef, start: int, stop: int) -> np.ndarray:
+        return self.sources[ref.source].read(ref.doc, ref.offset + start, ref.offset + stop)
+
+    def _wave(self, batch: GlobalBatch, plan: Plan, wave: int) -> WaveData:
+        shards = plan.shards(self.rank, wave)
+        ids, labels, pos, cu = [], [], [], [0]
+        for s, a, b in shards:
+            ref = batch.seqs[s]
+            toks = self._read(ref, a, min(b + 1, ref.length))
+            ids.append(toks[: b - a])
+            lab = toks[1: b - a + 1]
+            if b == ref.length:  # the sequence's last token has no next token
+                lab = np.concatenate([lab, [IGNORE_INDEX]])
+            labels.append(lab)
+            pos.append(np.arange(a, b, dtype=np.int64))
+            cu.append(cu[-1] + b - a)
+        cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))) if shards else (
+            lambda xs: torch.zeros(0, dtype=torch.int64))
+        return WaveData(list(shards), cat(ids), cat(labels), cat(pos), torch.tensor(cu, dtype=torch.int32))
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> "HDPDataLoader":
+        self._start()
+        return self
+
+    def __next__(self) -> StepData:
+        self._start()
+        t0 = time.perf_counter()
+        batch = plan = None
+        plan_time = 0.0
+        if self.rank == 0:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            batch, plan, state, plan_time = item
+            self._delivered_state = state
+        batch, plan, plan_time = self._broadcast(batch, plan, plan_time)
+        if self.rank != 0:
+            self._delivered_state = None  # rank 0 holds the state; see state_dict()
+        waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
+        return StepData(batch.step, plan, waves, batch.loss_tokens, batch.tokens, batch.truncated_tokens, plan_time,
+                        time.perf_counter() - t0, batch.seqs)
+
+    def state_dict(self) -> dict:
+        """The data position after the last step handed out (rank 0's view; identical everywhere
+        once broadcast with :meth:`sync_state`)."""
+        return dict(self._delivered_state) if self._delivered_state is not None else {}
+
+    def sync_state(self) -> dict:
+        """Broadcast rank 0's state to every rank and return it (for checkpoints saved by all ranks)."""
+        if not self.distributed:
+            return self.state_dict()
+        obj = [self.state_dict() if self.rank == 0 else None]
+        dist.broadcast_object_list(obj, src=self._src(), group=self.group)
+        self._delivered_state = obj[0]
+        return dict(obj[0])
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load_state_dict must be called before iterating")
+        self.stream.load_state_dict(state)
+        self._delivered_state = self.stream.state_dict()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

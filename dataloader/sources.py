@@ -1,0 +1,343 @@
+"""Document sources: each knows its documents' token counts before reading their tokens.
+
+* :class:`JsonlSource`: one JSON object per line with ``input_ids`` (a list of ints) or ``text``
+  (tokenized with a local HF ``tokenizer.json`` or the built-in byte tokenizer). Lengths come from
+  an index pass (byte offset and token count of every line), cached beside the file as
+  ``FILE.hdpidx.npz`` and rebuilt when the file's size or mtime, or the tokenizer, changes.
+* :class:`ParquetSource`: a parquet/arrow file with an ``input_ids`` (list of ints) or ``text``
+  column (``pyarrow``, the ``parquet`` extra).
+* :class:`MegatronSource`: a Megatron-LM indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``), read
+  directly (memory-mapped); each sequence of the index is a document.
+* :class:`SyntheticSource`: lengths drawn from a standard workload, tokens from a seeded generator.
+
+A bad record (malformed JSON, a missing or mistyped field, a token id outside the vocabulary, a
+document past the end of a truncated ``.bin``) raises :class:`DataError` naming the file, the line
+or document and the problem; with ``skip_bad=True`` it is skipped and counted instead
+(``skipped_documents``, ``skipped_tokens``; tokens of records that cannot be parsed are unknown
+and not counted). Token ids are int64 numpy arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file, the line or document, and the problem."""
+
+
+class Source(Protocol):
+    name: str
+    lengths: np.ndarray  # int64 [documents]: tokens of each usable document (0 = skipped)
+    skipped_documents: int
+    skipped_tokens: int
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray: ...
+
+
+@dataclass
+class _Skips:
+    documents: int = 0
+    tokens: int = 0
+
+
+def _check_ids(ids: object, vocab_size: int | None) -> tuple[np.ndarray | None, str | None, int]:
+    """(ids, problem, known token count) for an ``input_ids`` value."""
+    if not isinstance(ids, list):
+        return None, f"field 'input_ids' must be a list of integers, got {type(ids).__name__}", 0
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        bad = next(x for x in ids if not isinstance(x, int) or isinstance(x, bool))
+        return None, f"field 'input_ids' must hold integers, found {bad!r}", len(ids)
+    arr = np.asarray(ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size)):
+        bad = int(arr[(arr < 0) | ((arr >= vocab_size) if vocab_size is not None else False)][0])
+        return None, f"token id {bad} is outside the vocabulary [0, {vocab_size})", int(arr.size)
+    return arr, None, int(arr.size)
+
+
+class JsonlSource:
+    """JSON lines with ``input_ids`` or ``text``; see the module docstring."""
+
+    INDEX_VERSION = 1
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                 skip_bad: bool = False, cache_index: bool = True) -> None:
+        self.path = Path(path)
+        self.name = str(self.path)
+        self.tokenizer = tokenizer or load_tokenizer(None)
+        self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.vocab_size
+        self.skip_bad = skip_bad
+        try:
+            st = self.path.stat()
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot open: {e.strerror}") from None
+        key = np.array([st.st_size, st.st_mtime_ns, self.INDEX_VERSION, self.vocab_size or -1], dtype=np.int64)
+        cache = self.path.with_name(self.path.name + ".hdpidx.npz")
+        loaded = self._load_cache(cache, key) if cache_index else None
+        if loaded is None:
+            self.offsets, self.lengths, skips = self._index()
+            if cache_index:
+                try:
+                    np.savez(cache, key=key, offsets=self.offsets, lengths=self.lengths,
+                             skips=np.array([skips.documents, skips.tokens]), tokenizer=np.array(self.tokenizer.id))
+                except OSError:
+                    pass  # read-only data folder: keep the index in memory only
+        else:
+            self.offsets, self.lengths, skips = loaded
+        self.skipped_documents, self.skipped_tokens = skips.documents, skips.tokens
+        self._fh = None  # opened on first read, kept for the next ones
+
+    def _load_cache(self, cache: Path, key: np.ndarray):
+        try:
+            with np.load(cache) as z:
+                if not np.array_equal(z["key"], key) or str(z["tokenizer"]) != self.tokenizer.id:
+                    return None
+                if not self.skip_bad and int(z["skips"][0]) > 0:
+                    return None  # re-scan so that the first bad record is reported
+                s = z["skips"]
+                return z["offsets"], z["lengths"], _Skips(int(s[0]), int(s[1]))
+        except (OSError, KeyError, ValueError):
+            return None
+
+    def _parse(self, raw: bytes, line_no: int) -> tuple[np.ndarray | None, str | None, int]:
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return None, f"malformed JSON ({e.msg if hasattr(e, 'msg') else e})", 0
+        if not isinstance(obj, dict):
+            return None, f"expected a JSON object, got {type(obj).__name__}", 0
+        if "input_ids" in obj:
+            return _check_ids(obj["input_ids"], self.vocab_size)
+        if "text" in obj:
+            if not isinstance(obj["text"], str):
+                return None, f"field 'text' must be a string, got {type(obj['text']).__name__}", 0
+            ids = self.tokenizer.encode(obj["text"])
+            return _check_ids(ids.tolist(), self.vocab_size) if self.vocab_size else (ids, None, ids.size)
+        return None, "has neither 'input_ids' nor 'text'", 0
+
+    def _index(self) -> tuple[np.ndarray, np.ndarray, _Skips]:
+        offsets, lengths, skips = [], [], _Skips()
+        try:
+            f = open(self.path, "rb")
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot open: {e.strerror}") from None
+        with f:
+            pos = 0
+            for line_no, raw in enumerate(f, start=1):
+                start, pos = pos, pos + len(raw)
+                if not raw.strip():
+                    continue
+                ids, problem, known = self._parse(raw, line_no)
+                if problem is not None:
+                    if not self.skip_bad:
+                        raise DataError(f"{self.path}, line {line_no}: {problem} (use --skip-bad-records to skip such records)")
+                    skips.documents += 1
+                    skips.tokens += known
+                    continue
+                if ids.size == 0:
+                    skips.documents += 1  # empty documents are skipped and counted
+                    continue
+                offsets.append(start)
+                lengths.append(ids.size)
+        return np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64), skips
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        if self._fh is None:
+            self._fh = open(self.path, "rb")
+        self._fh.seek(int(self.offsets[doc]))
+        raw = self._fh.readline()
+        ids, problem, _ = self._parse(raw, -1)
+        if problem is not None or ids.size != self.lengths[doc]:
+            raise DataError(f"{self.path}: document {doc} changed since it was indexed; delete "
+                            f"{self.path.name}.hdpidx.npz or restore the file")
+        return ids[start:end]
+
+
+class ParquetSource:
+    """A parquet file with an ``input_ids`` (list of ints) or ``text`` column."""
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                 skip_bad: bool = False) -> None:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading parquet needs pyarrow (pip install 'hdp[parquet]')") from None
+        self.path = Path(path)
+        self.name = str(self.path)
+        self.tokenizer = tokenizer or load_tokenizer(None)
+        self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.vocab_size
+        try:
+            self.file = pq.ParquetFile(self.path)
+        except (OSError, Exception) as e:  # pyarrow raises its own ArrowInvalid for non-parquet files
+            raise DataError(f"{self.path}: cannot read parquet: {e}") from None
+        names = self.file.schema_arrow.names
+        if "input_ids" in names:
+            self.column = "input_ids"
+        elif "text" in names:
+            self.column = "text"
+        else:
+            raise DataError(f"{self.path}: has neither an 'input_ids' nor a 'text' column (columns: {', '.join(names)})")
+        self.row_group_starts = np.cumsum([0] + [self.file.metadata.row_group(i).num_rows
+                                                 for i in range(self.file.num_row_groups)])
+        lengths, skips = [], _Skips()
+        self._valid = []
+        for g in range(self.file.num_row_groups):
+            col = self.file.read_row_group(g, columns=[self.column]).column(0).to_pylist()
+            for i, val in enumerate(col):
+                row = int(self.row_group_starts[g]) + i
+                ids, problem, known = self._convert(val)
+                if problem is not None:
+                    if not skip_bad:
+                        raise DataError(f"{self.path}, row {row}: {problem} (use --skip-bad-records to skip such records)")
+                    skips.documents += 1
+                    skips.tokens += known
+                    continue
+                if ids.size == 0:
+                    skips.documents += 1
+                    continue
+                self._valid.append(row)
+                lengths.append(ids.size)
+        self.rows = np.asarray(self._valid, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.skipped_documents, self.skipped_tokens = skips.documents, skips.tokens
+
+    def _convert(self, val) -> tuple[np.ndarray | None, str | None, int]:
+        if self.column == "input_ids":
+            return _check_ids(val, self.vocab_size)
+        if not isinstance(val, str):
+            return None, f"column 'text' must hold strings, got {type(val).__name__}", 0
+        ids = self.tokenizer.encode(val)
+        return ids, None, int(ids.size)
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        row = int(self.rows[doc])
+        g = int(np.searchsorted(self.row_group_starts, row, side="right") - 1)
+        val = self.file.read_row_group(g, columns=[self.column]).column(0)[row - int(self.row_group_starts[g])].as_py()
+        ids, _, _ = self._convert(val)
+        return ids[start:end]
+
+
+_MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+                    8: np.uint16}
+_MEGATRON_HEADER = b"MMIDIDX\x00\x00"
+
+
+class MegatronSource:
+    """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; each sequence is a document."""
+
+    def __init__(self, prefix: str | Path, vocab_size: int | None = None, skip_bad: bool = False) -> None:
+        prefix = str(prefix)
+        for ext in (".bin", ".idx"):
+            if prefix.endswith(ext):
+                prefix = prefix[: -len(ext)]
+        self.name = prefix
+        idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+        if not idx.exists():
+            raise DataError(f"{idx}: missing index file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)")
+        if not bin_.exists():
+            raise DataError(f"{bin_}: missing data file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)")
+        try:
+            raw = idx.read_bytes()
+        except OSError as e:
+            raise DataError(f"{idx}: cannot read: {e.strerror}") from None
+        head = 9 + 8 + 1 + 8 + 8
+        if len(raw) < head or raw[:9] != _MEGATRON_HEADER:
+            raise DataError(f"{idx}: not a Megatron index file (bad header)")
+        version, = struct.unpack("<Q", raw[9:17])
+        code = raw[17]
+        if version != 1 or code not in _MEGATRON_DTYPES:
+            raise DataError(f"{idx}: unsupported index version {version} or dtype code {code}")
+        self.dtype = np.dtype(_MEGATRON_DTYPES[code])
+        n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
+        need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
+        if len(raw) < need:
+            raise DataError(f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)")
+        lengths = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=head).astype(np.int64)
+        n_empty = int(np.count_nonzero(lengths == 0))  # empty documents are skipped and counted
+        self.pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=head + 4 * n_seq)
+        size = bin_.stat().st_size
+        ends = self.pointers + lengths * self.dtype.itemsize
+        over = np.flatnonzero(ends > size)
+        self.skipped_documents = self.skipped_tokens = 0
+        if over.size:
+            first = int(over[0])
+            if not skip_bad:
+                raise DataError(f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} but the file "
+                                f"has {size} (use --skip-bad-records to skip the documents past its end)")
+            self.skipped_documents += int(over.size)
+            self.skipped_tokens += int(lengths[over].sum())
+            lengths = lengths.copy()
+            lengths[over] = 0
+        self.vocab_size = vocab_size
+        self.bin_path = bin_
+        self._data = np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+        if vocab_size is not None and self._data.size:
+            bad = np.flatnonzero((self._data < 0) | (self._data >= vocab_size))
+            if bad.size:
+                docs = np.unique(np.searchsorted(self.pointers // self.dtype.itemsize, bad, side="right") - 1)
+                docs = docs[lengths[docs] > 0]
+                if docs.size and not skip_bad:
+                    pos = int(bad[0])
+                    raise DataError(f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is outside the "
+                                    f"vocabulary [0, {vocab_size}) (use --skip-bad-records to skip such documents)")
+                self.skipped_documents += int(docs.size)
+                self.skipped_tokens += int(lengths[docs].sum())
+                lengths = lengths.copy()
+                lengths[docs] = 0
+        self.skipped_documents += n_empty
+        self.lengths = lengths
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        base = int(self.pointers[doc]) // self.dtype.itemsize
+        n = int(self.lengths[doc])
+        stop = n if end is None else min(end, n)
+        return np.asarray(self._data[base + start: base + stop], dtype=np.int64)
+
+
+class SyntheticSource:
+    """``documents`` documents with lengths drawn from a standard workload and seeded random tokens."""
+
+    def __init__(self, workload: str = "wlb-128k", documents: int = 10000, vocab_size: int = 512, seed: int = 0) -> None:
+        from hdp.workloads import get_workload
+
+        self.name = f"synthetic:{workload}"
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.lengths = get_workload(workload).sample_lengths(documents, np.random.default_rng(seed)).astype(np.int64)
+        self.skipped_documents = self.skipped_tokens = 0
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        n = int(self.lengths[doc])
+        stop = n if end is None else min(end, n)
+        rng = np.random.default_rng([self.seed, doc])
+        return rng.integers(0, self.vocab_size, size=n, dtype=np.int64)[start:stop]
+
+
+def open_source(path: str, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                skip_bad: bool = False) -> Source:
+    """A source for ``path``: ``*.jsonl``/``*.json``, ``*.parquet``/``*.arrow``, a Megatron prefix
+    (or its ``.bin``/``.idx``), or ``synthetic:WORKLOAD[:DOCUMENTS]``."""
+    if path.startswith("synthetic:"):
+        parts = path.split(":")
+        docs = int(parts[2]) if len(parts) > 2 else 10000
+        return SyntheticSource(parts[1], docs, vocab_size or 512)
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        return JsonlSource(p, tokenizer, vocab_size, skip_bad)
+    if suffix in (".parquet", ".arrow", ".pq"):
+        return ParquetSource(p, tokenizer, vocab_size, skip_bad)
+    if suffix in (".bin", ".idx") or Path(path + ".idx").exists() or Path(path + ".bin").exists():
+        return MegatronSource(path, vocab_size, skip_bad)
+    if not p.exists():
+        raise DataError(f"{path}: no such file (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)")
+    raise DataError(f"{path}: unknown format (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)")
+
