@@ -1,0 +1,132 @@
+"""A Llama-style decoder whose attention is :func:`attention.dist_attn`.
+
+RMSNorm, rotary position embeddings computed from ``position_ids`` (positions inside each
+sequence, so RoPE is exact wherever a sequence's tokens live), SwiGLU MLP, grouped-query attention,
+tied or untied embeddings; shapes from a :class:`hdp.ModelSpec`. A forward pass takes one rank's
+packed tokens of one wave (``[T]``) and the plan that says where the rest of each sequence is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .plan import Plan
+from .specs import ModelSpec
+
+
+@dataclass
+class AttentionContext:
+    """Where this rank's tokens sit: the step's plan, the wave, the process group."""
+
+    plan: Plan
+    wave: int
+    group: object = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` by the angles of ``position_ids`` ``[T]`` (Llama's
+    half-split convention), computed in fp32."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = position_ids.to(torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        h, hd = spec.hidden, spec.head_dim
+        self.q_proj = nn.Linear(h, spec.heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(spec.heads * hd, h, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        from attention import dist_attn
+
+        T = x.shape[0]
+        s = self.spec
+        q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)
+        k = rope(self.k_proj(x).view(T, s.kv_heads, s.head_dim), position_ids)
+        v = self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+        out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group)
+        return self.o_proj(out.reshape(T, s.heads * s.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
+        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.hidden)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """``forward(input_ids [T], position_ids [T], ctx) -> logits [T, vocab]`` (fp32 logits)."""
+
+    def __init__(self, spec: ModelSpec, activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.spec = spec
+        self.activation_checkpointing = activation_checkpointing
+        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
+        self.norm = RMSNorm(spec.hidden)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tied_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
+            else:
+                x = layer(x, position_ids, ctx)
+        return self.lm_head(self.norm(x)).float()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labelled tokens (``-100`` ignored), fp32."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
