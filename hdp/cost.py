@@ -329,7 +329,7 @@ class CostModel:
         if plan.num_shards == 0:
             return out
         rpn = self.cluster.ranks_per_node
-        seq, rank, start, end, wave = plan.seq, plan.rank, plan.start, plan.end, plan.wave
+        seq, rank, start, end = plan.seq, plan.rank, plan.start, plan.end
         # (sequence, rank) pairs: how far each holder needs keys (E) and what it holds (n).
         pair_key = seq * N + rank
         pk, pair_idx = np.unique(pair_key, return_inverse=True)

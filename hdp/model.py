@@ -20,9 +20,10 @@ from .specs import ModelSpec
 
 @dataclass
 class AttentionContext:
-    """Where this rank's tokens sit: the step's plan, the wave, the process group."""
+    """Where this rank's tokens sit: the step's plan, the wave, the process group. ``plan=None``
+    marks a token-less pass (no attention partners)."""
 
-    plan: Plan
+    plan: Plan | None
     wave: int
     group: object = None
 
@@ -67,7 +68,10 @@ class Attention(nn.Module):
         q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)
         k = rope(self.k_proj(x).view(T, s.kv_heads, s.head_dim), position_ids)
         v = self.v_proj(x).view(T, s.kv_heads, s.head_dim)
-        out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group)
+        if ctx.plan is None:  # token-less pass: keep every weight in the graph, talk to nobody
+            out = q * 0 + (k.sum() + v.sum()) * 0
+        else:
+            out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group)
         return self.o_proj(out.reshape(T, s.heads * s.head_dim))
 
 

@@ -8,9 +8,10 @@ Synchronisation modes (``Plan.sync``):
   an empty one where it holds nothing, because each wave all-gathers the parameters; gradients are
   reduce-scattered as each wave's backward ends (accumulated sharded).
 * ``peer``: parameters gathered on the first forward and kept until the step ends; each rank runs
-  only its own waves (at least one, possibly empty, so that it joins the gather and the reduce);
-  gradients are reduce-scattered once, in the rank's last wave. Ranks wait only for their P2P
-  attention partners, and for everyone at a plan barrier.
+  only its own waves, then one token-less pass in which every rank reduce-scatters its
+  accumulated gradients (so no collective ever waits on a rank that is waiting for a P2P partner
+  in another wave). Ranks wait only for their P2P attention partners, and for everyone at a plan
+  barrier.
 
 The loss of a wave is the sum of its token losses divided by the step's global label count (scaled
 by the world size to undo FSDP's gradient averaging), so the reduced gradient equals that of the
@@ -60,36 +61,51 @@ def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None
     device = next(model.parameters()).device
     distributed = dist.is_initialized()
     barriers = set(plan.barriers)
-    if plan.sync == "wave":
-        mine = list(range(plan.num_waves))
-    else:
-        mine = [w for w, wd in enumerate(step.waves) if wd.input_ids.numel() > 0] or [0]
-    last = mine[-1]
     fsdp = _is_fsdp(model)
+    peer = plan.sync == "peer"
+    mine = [w for w, wd in enumerate(step.waves) if wd.input_ids.numel() > 0] if peer else list(range(plan.num_waves))
     # FSDP averages gradients over ranks; the losses are already normalised by the global token
     # count, so scale by the world size to make the reduced gradient the sum (gloo has no
     # pre-multiplied sum to switch the averaging off).
     grad_scale = float(dist.get_world_size(group)) if fsdp and distributed else 1.0
     total = torch.zeros((), dtype=torch.float64, device=device)
     t_busy = 0.0
-    for w in range(plan.num_waves):
-        if w in barriers and distributed and plan.sync == "peer":
-            dist.barrier(group)
-        if w not in mine:
-            continue
-        wd = step.waves[w]
-        if fsdp and plan.sync == "peer":
-            model.set_requires_gradient_sync(w == last)
-            model.set_reshard_after_backward(w == last)
-        t0 = time.perf_counter()
-        ctx = AttentionContext(plan, w, group)
-        ids, pos, labels = (t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels))
+
+    def forward_backward(ids, pos, labels, ctx) -> None:
+        nonlocal total
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(ids, pos, ctx)
         loss = token_loss_sum(logits, labels) / max(step.loss_tokens, 1)
         (loss * grad_scale).backward()
         total += loss.detach().double()
+
+    if fsdp and peer:
+        # No collective may run while ranks are at different waves (a rank in a collective would
+        # wait for one that waits for its P2P partner): gather every parameter now, at the same
+        # point on every rank, and keep parameters and unsharded gradients across the waves.
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.unshard()
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+    for w in range(plan.num_waves):
+        if w in barriers and distributed and peer:
+            dist.barrier(group)
+        if w not in mine:
+            continue
+        wd = step.waves[w]
+        t0 = time.perf_counter()
+        forward_backward(*(t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
+                         AttentionContext(plan, w, group))
         t_busy += time.perf_counter() - t0
+    if fsdp and peer:
+        # Every rank reduces its gradients in one token-less pass, at the same point of the step.
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        forward_backward(empty, empty, empty, AttentionContext(None, -1, group))
     if distributed:
         dist.all_reduce(total, group=group)
     return StepResult(float(total), t_busy, len(mine))

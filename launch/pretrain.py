@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -187,6 +188,9 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
         f"{sync} sync, capacity {cap} tokens per rank per wave, strategy {args.strategy}, "
         f"{args.tokens_per_step} tokens/step, max_seq {args.max_seq}")
     autocast = torch.bfloat16 if device.type == "cuda" else None
+    # Fault injection for resilience tests: HDP_KILL_AT=RANK:STEP makes that rank SIGKILL itself in
+    # the middle of that step (after its forward/backward, before the optimizer step).
+    kill_rank, kill_step = (int(x) for x in os.environ.get("HDP_KILL_AT", "-1:-1").split(":"))
     metrics_file = open(args.metrics, "a") if (args.metrics and rank == 0) else None
     trained = 0
     t_run = time.perf_counter()
@@ -195,6 +199,8 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
         data = next(loader)
         COMM.reset()
         res = run_waves(model, data, autocast_dtype=autocast)
+        if rank == kill_rank and step_idx + 1 == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
