@@ -8,6 +8,7 @@ packed tokens of one wave (``[T]``) and the plan that says where the rest of eac
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class AttentionContext:
     plan: Plan | None
     wave: int
     group: object = None
+    offload: float = 0.0  # fraction of layers whose saved activations go to host memory
 
 
 class RMSNorm(nn.Module):
@@ -121,11 +123,15 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed(input_ids)
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
-            else:
-                x = layer(x, position_ids, ctx)
+        # Selective offload: the first ``offload`` share of the layers keep what backward needs
+        # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
+        offloaded = round(ctx.offload * len(self.layers))
+        for i, layer in enumerate(self.layers):
+            with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if i < offloaded else nullcontext():
+                if self.activation_checkpointing and self.training:
+                    x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
+                else:
+                    x = layer(x, position_ids, ctx)
         return self.lm_head(self.norm(x)).float()
 
 

@@ -97,8 +97,9 @@ def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None
             continue
         wd = step.waves[w]
         t0 = time.perf_counter()
+        rank = dist.get_rank(group) if distributed else 0
         forward_backward(*(t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
-                         AttentionContext(plan, w, group))
+                         AttentionContext(plan, w, group, float(plan.offload[w, rank])))
         t_busy += time.perf_counter() - t0
     if fsdp and peer:
         # Every rank reduces its gradients in one token-less pass, at the same point of the step.
