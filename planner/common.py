@@ -44,18 +44,17 @@ def next_pow2(x: float) -> int:
     return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
 
 
-def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: int) -> np.ndarray:
+def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.ndarray) -> np.ndarray:
     """Boundary ``i`` of ``parts`` near-equal shares of ``L`` tokens, rounded to ``align`` where
-    every share can hold at least ``2 * align`` tokens."""
+    every share can hold at least ``2 * align`` tokens (``align`` 1: no rounding)."""
     b = (i * L) // parts
-    if align > 1:
-        rounded = np.minimum((b + align // 2) // align * align, L)
-        b = np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
-    return b
+    rounded = np.minimum((b + align // 2) // align * align, L)
+    return np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
 
 
 def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, first_rank: np.ndarray | None = None,
-                  ranks: list[np.ndarray] | None = None, align: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  ranks: list[np.ndarray] | None = None,
+                  align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Zigzag-split many sequences at once. Returns (rank, seq, start, end) of the non-empty chunks,
     ordered by sequence (in the given order), then head before tail on each rank.
 
@@ -72,11 +71,11 @@ def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, f
     offsets = np.cumsum(n_chunks) - n_chunks
     k = np.arange(rep.size) - offsets[rep]  # chunk index inside its sequence
     L, p = lengths[rep], parts[rep]
+    a = np.broadcast_to(np.asarray(align, dtype=np.int64), seq_ids.shape)[rep]
     member = np.where(k < p, k, 2 * p - 1 - k)
-    share = _member_bound(member + 1, L, p, align) - _member_bound(member, L, p, align)
+    share = _member_bound(member + 1, L, p, a) - _member_bound(member, L, p, a)
     head = share // 2
-    if align > 1:
-        head = np.where(share >= 2 * align, head // align * align, head)
+    head = np.where(share >= 2 * a, head // a * a, head)
     head = np.where(p == 1, share, head)  # one member: the whole sequence as one shard
     size = np.where(k < p, head, share - head)
     cum = np.cumsum(size)

@@ -34,9 +34,7 @@ BLOCK_ALIGN = 128
 def choose_degree(ctx: Context, length: int, target: float) -> int:
     """Fewest ranks bringing the split's busy time within ``target``; else the fastest split."""
     n, cap = ctx.num_ranks, ctx.capacity
-    d_min = 1 if length <= cap else -(-length // cap)
-    while d_min <= n and member_tokens(length, d_min) > cap:  # aligned chunks may exceed an even share
-        d_min += 1
+    d_min = 1 if length <= cap else -(-length // cap)  # unaligned shares hold at most ceil(L / d)
     if d_min > n:
         raise PlanningError(f"hdp: a sequence of {length} tokens needs {d_min} ranks at {cap} tokens each, "
                             f"but the cluster has {n}; use more GPUs or a smaller --max-seq")
@@ -70,11 +68,16 @@ def choose_degree(ctx: Context, length: int, target: float) -> int:
     return best_d
 
 
-def member_tokens(length: int, parts: int) -> int:
-    """Most tokens one member holds when ``length`` is zigzag-split over ``parts`` ranks (aligned)."""
+def member_tokens(length: int, parts: int, align: int) -> int:
+    """Most tokens one member holds when ``length`` is zigzag-split over ``parts`` ranks."""
     rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
-                                        first_rank=np.array([0]), align=BLOCK_ALIGN)
+                                        first_rank=np.array([0]), align=align)
     return int(np.bincount(rank, weights=end - start).max())
+
+
+def block_align(length: int, parts: int, cap: int) -> int:
+    """128-token blocks where they fit the capacity, else exact shares (at most ceil(L / parts))."""
+    return BLOCK_ALIGN if member_tokens(length, parts, BLOCK_ALIGN) <= cap else 1
 
 
 def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:
@@ -153,7 +156,7 @@ def plan_hdp_greedy(ctx: Context, polish_moves: int = 20000) -> Plan:
     multi_wave: list[int] = []
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
-        per_rank = member_tokens(L, d)
+        per_rank = member_tokens(L, d, block_align(L, d, cap))
         best = None
         for w in range(tokens.shape[0] + 1):
             grow(w + 1)
@@ -229,7 +232,8 @@ def plan_hdp_greedy(ctx: Context, polish_moves: int = 20000) -> Plan:
             _polish_peer(lens, whole, rank_load, rank_waves, placed_rank, placed_wave, first_short_wave, cap, polish_moves)
 
     if multi.size:
-        rank, seq, start, end = zigzag_arrays(multi, lens[multi], degree[multi], ranks=multi_members, align=BLOCK_ALIGN)
+        aligns = np.array([block_align(int(lens[i]), int(degree[i]), cap) for i in multi.tolist()], dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(multi, lens[multi], degree[multi], ranks=multi_members, align=aligns)
         pos = np.empty(lens.size, dtype=np.int64)
         pos[multi] = np.arange(multi.size)
         builder.add(np.asarray(multi_wave, dtype=np.int64)[pos[seq]], rank, seq, start, end)

@@ -1,5 +1,7 @@
 """Every strategy's plan is valid for random lengths, rank counts, capacities and sync modes."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +34,8 @@ def check_plan(plan, lens, n, cap):
     assert len(owner) == int(sum(lens))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("HDP_HYPOTHESIS_EXAMPLES", "200")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     strategy=st.sampled_from(sorted(STRATEGIES)),
     n=st.integers(1, 12),
