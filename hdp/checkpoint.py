@@ -1,6 +1,6 @@
 """Checkpoints with ``torch.distributed.checkpoint``: sharded model and optimizer states, plus the
-step, the LR schedule and the dataloader position, so a resumed run trains on exactly the tokens
-the uninterrupted run would have.
+step, the LR schedule, the dataloader position and each rank's RNG state, so a resumed run trains
+on exactly the tokens the uninterrupted run would have.
 
 Layout: ``DIR/step_00000042/`` (DCP shards and ``train_state.json``) and ``DIR/latest`` (the name of
 the newest complete checkpoint, written last, so a run killed while saving resumes from the
@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -33,6 +34,10 @@ def save(folder: str | Path, step: int, model, optimizer, scheduler, data_state:
     path = folder / f"step_{step:08d}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, path / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict(), "data": data_state}
         tmp = path / "train_state.json.tmp"
@@ -65,6 +70,12 @@ def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((path / "train_state.json").read_text())
     scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if rng_file.exists():  # absent when resuming on more ranks than saved
+        rng = torch.load(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return int(meta["step"]), meta["data"]
 
 
