@@ -1,7 +1,9 @@
 """``hdp`` (heuristic): balance-driven degrees, node-aware placement, LPT over ranks and waves.
 
 1. A target per-rank time ``M``: the lower bound of the step (``peer`` sync) or of one wave
-   (``wave`` sync, ``W`` waves from the token count and the capacity).
+   (``wave`` sync, ``W`` waves from the token count and the capacity), and a second, higher one
+   that trades height against area (splitting costs kernel efficiency and communication); both
+   are placed and the cost model keeps the faster plan.
 2. Degree of each sequence: 1 when it fits a rank and its whole time is within ``M``; otherwise
    the fewest ranks ``d >= ceil(L / C)`` whose zigzag split (blocks aligned to 128 tokens) brings
    the slowest member's busy time -- compute plus exposed KV traffic, from the cost model --
@@ -68,6 +70,48 @@ def choose_degree(ctx: Context, length: int, target: float) -> int:
     return best_d
 
 
+def degrees_for(ctx: Context, whole: np.ndarray, target: float) -> tuple[np.ndarray, np.ndarray]:
+    """(degree, busy time) of every sequence for a per-rank target time."""
+    lens, cap = ctx.seq_lens, ctx.capacity
+    degree = np.ones(lens.size, dtype=np.int64)
+    job_time = whole.copy()
+    for i in np.flatnonzero((lens > cap) | (whole > target)).tolist():
+        d = choose_degree(ctx, int(lens[i]), target)
+        degree[i] = d
+        job_time[i] = split_busy_time(ctx.cost, int(lens[i]), d)
+    return degree, job_time
+
+
+def choose_target(ctx: Context, whole: np.ndarray, bound: float, slots: int,
+                  steps: int = 6) -> tuple[float, np.ndarray, np.ndarray]:
+    """Per-rank target ``M`` balancing height against area.
+
+    A low target spreads long sequences widely (their busy times fall, but splitting costs kernel
+    efficiency and communication, so the total rank-time grows); a high one keeps them narrow.
+    The step is at least ``max(M, max_i T_i, area / slots)``: starting from the lower bound, the
+    target is bisected between it and the area bound that spreading to it implies, keeping the
+    target with the smallest estimate."""
+
+    def estimate(m: float):
+        degree, job_time = degrees_for(ctx, whole, m)
+        area = float((degree * job_time).sum()) / slots
+        return max(m, float(job_time.max(initial=0.0)), area), degree, job_time
+
+    best_est, best_deg, best_time = estimate(bound)
+    best_m = bound
+    lo, hi = bound, best_est
+    for _ in range(steps if hi > lo * 1.01 else 0):
+        mid = 0.5 * (lo + hi)
+        est, deg, jt = estimate(mid)
+        if est < best_est:
+            best_est, best_deg, best_time, best_m = est, deg, jt, mid
+        if est > mid:
+            lo = mid  # the area (or a job) still exceeds the target: spread less
+        else:
+            hi = mid
+    return best_m, best_deg, best_time
+
+
 def member_tokens(length: int, parts: int, align: int) -> int:
     """Most tokens one member holds when ``length`` is zigzag-split over ``parts`` ranks."""
     rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
@@ -116,22 +160,30 @@ def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) 
 
 
 def plan_hdp_greedy(ctx: Context, polish_moves: int = 20000) -> Plan:
+    """Place the degrees of two targets (the lower bound, and the height/area compromise of
+    :func:`choose_target`) and keep the plan the cost model finds faster."""
+    n, cap = ctx.num_ranks, ctx.capacity
+    total = int(ctx.seq_lens.sum())
+    num_waves = max(1, math.ceil(total / (0.9 * n * cap))) if ctx.sync == "wave" else 1
+    whole = ctx.cost.seq_time(ctx.seq_lens)
+    bound = ctx.cost.lower_bound(ctx.seq_lens) / num_waves
+    candidates = [(bound, *degrees_for(ctx, whole, bound))]
+    target, degree, job_time = choose_target(ctx, whole, bound, n * num_waves)
+    if not np.array_equal(degree, candidates[0][1]):
+        candidates.append((target, degree, job_time))
+    plans = [_place(ctx, whole, num_waves, t, d, jt, polish_moves) for t, d, jt in candidates]
+    if len(plans) == 1:
+        return plans[0]
+    times = [ctx.cost.evaluate(p).step_time_s for p in plans]
+    return plans[int(np.argmin(times))]
+
+
+def _place(ctx: Context, whole: np.ndarray, num_waves: int, target: float, degree: np.ndarray, job_time: np.ndarray,
+           polish_moves: int) -> Plan:
+    """Place sequences of the given degrees on ranks and waves (steps 3 and 4 of the module doc)."""
     lens = ctx.seq_lens
     n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
-    cost = ctx.cost
     wave_sync = ctx.sync == "wave"
-    total = int(lens.sum())
-    num_waves = max(1, math.ceil(total / (0.9 * n * cap))) if wave_sync else 1
-    bound = cost.lower_bound(lens)
-    target = bound / num_waves
-    whole = cost.seq_time(lens)
-    # Degrees.
-    degree = np.ones(lens.size, dtype=np.int64)
-    job_time = whole.copy()
-    for i in np.flatnonzero((lens > cap) | (whole > target)).tolist():
-        d = choose_degree(ctx, int(lens[i]), target)
-        degree[i] = d
-        job_time[i] = split_busy_time(cost, int(lens[i]), d)
     multi = np.flatnonzero(degree > 1)
     multi = multi[np.argsort(-job_time[multi], kind="stable")]
     single = np.flatnonzero((degree == 1) & (lens > 0))
