@@ -60,6 +60,14 @@ def _scores(qc, kc, a: int, b: int, c: int, e: int, shift: int, causal: bool, sc
     return s
 
 
+def _key_blocks(k, v, k0: int, nk: int, b: int, shift: int, causal: bool, ad: torch.dtype):
+    """Chunks ``(c, e, k, v)`` of a segment's keys that query rows before ``b`` can see."""
+    k_stop = min(nk, b + shift) if causal else nk
+    for c in range(0, k_stop, K_CHUNK):
+        e = min(k_stop, c + K_CHUNK)
+        yield c, e, k[k0 + c:k0 + e].to(ad), v[k0 + c:k0 + e].to(ad)
+
+
 class ReferenceBackend:
     """Exact pure-torch attention for any device and dtype, chunked to bound memory."""
 
@@ -89,11 +97,7 @@ class ReferenceBackend:
                 m = torch.full((hk, g, b - a), -math.inf, dtype=ad, device=q.device)
                 s_sum = torch.zeros((hk, g, b - a), dtype=ad, device=q.device)
                 acc = torch.zeros((hk, g, b - a, d), dtype=ad, device=q.device)
-                k_stop = min(nk, b - 1 + shift + 1) if causal else nk
-                for c in range(0, k_stop, K_CHUNK):
-                    e = min(k_stop, c + K_CHUNK)
-                    kc = k[k0 + c:k0 + e].to(ad)
-                    vc = v[k0 + c:k0 + e].to(ad)
+                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad):
                     s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -134,11 +138,7 @@ class ReferenceBackend:
                 L = lse[:, rows].to(ad).reshape(hk, g, b - a)
                 L = torch.where(torch.isinf(L), torch.full_like(L, math.inf), L)  # rows without keys: p = 0
                 dqc = torch.zeros((b - a, hk, g, d), dtype=ad, device=q.device)
-                k_stop = min(nk, b - 1 + shift + 1) if causal else nk
-                for c in range(0, k_stop, K_CHUNK):
-                    e = min(k_stop, c + K_CHUNK)
-                    kc = k[k0 + c:k0 + e].to(ad)
-                    vc = v[k0 + c:k0 + e].to(ad)
+                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad):
                     s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     p = torch.exp(s - L[..., None])
                     dv[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)
