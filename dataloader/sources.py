@@ -267,15 +267,19 @@ class MegatronSource:
         ends = self.pointers + lengths * self.dtype.itemsize
         over = np.flatnonzero(ends > size)
         self.skipped_documents = self.skipped_tokens = 0
+        lengths = lengths.copy()
+
+        def skip(docs: np.ndarray) -> None:
+            self.skipped_documents += int(docs.size)
+            self.skipped_tokens += int(lengths[docs].sum())
+            lengths[docs] = 0
+
         if over.size:
             first = int(over[0])
             if not skip_bad:
                 raise DataError(f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} but the file "
                                 f"has {size} (use --skip-bad-records to skip the documents past its end)")
-            self.skipped_documents += int(over.size)
-            self.skipped_tokens += int(lengths[over].sum())
-            lengths = lengths.copy()
-            lengths[over] = 0
+            skip(over)
         self.vocab_size = vocab_size
         self.bin_path = bin_
         self._data = np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
@@ -288,10 +292,7 @@ class MegatronSource:
                     pos = int(bad[0])
                     raise DataError(f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is outside the "
                                     f"vocabulary [0, {vocab_size}) (use --skip-bad-records to skip such documents)")
-                self.skipped_documents += int(docs.size)
-                self.skipped_tokens += int(lengths[docs].sum())
-                lengths = lengths.copy()
-                lengths[docs] = 0
+                skip(docs)
         self.skipped_documents += n_empty
         self.lengths = lengths
 

@@ -174,9 +174,9 @@ class Plan:
                 raise PlanError(f"PLAN.json lacks the required key {key!r}")
         if not isinstance(d["waves"], list) or not all(isinstance(w, list) for w in d["waves"]):
             raise PlanError("PLAN.json 'waves' must be a list (waves) of lists (ranks) of [seq, start, end] lists")
-        for name in ("seq_lens",):
-            if not isinstance(d[name], list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in d[name]):
-                raise PlanError(f"PLAN.json {name!r} must be a list of integers")
+        lens = d["seq_lens"]
+        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in lens):
+            raise PlanError("PLAN.json 'seq_lens' must be a list of integers")
         num_waves = len(d["waves"])
         offload = d.get("offload")
         kw: dict[str, Any] = dict(

@@ -34,16 +34,20 @@ class Workload:
     lengths: np.ndarray | None = None
     source: str = ""
 
-    def sample_lengths(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """``n`` lengths drawn from the distribution (int64, >= 1)."""
-        if self.lengths is not None:
-            return self.lengths[rng.integers(0, self.lengths.size, size=n)]
+    def _buckets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(low, high, mean length, sample probability) of each bucket (log-uniform inside)."""
         lo = np.array([b[0] for b in self.buckets], dtype=np.float64)
         hi = np.array([b[1] for b in self.buckets], dtype=np.float64)
         share = np.array([b[2] for b in self.buckets], dtype=np.float64)
         mean = (hi - lo) / np.log(hi / lo)
         prob = share / mean
-        prob /= prob.sum()
+        return lo, hi, mean, prob / prob.sum()
+
+    def sample_lengths(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` lengths drawn from the distribution (int64, >= 1)."""
+        if self.lengths is not None:
+            return self.lengths[rng.integers(0, self.lengths.size, size=n)]
+        lo, hi, _, prob = self._buckets()
         which = rng.choice(len(self.buckets), size=n, p=prob)
         u = rng.random(n)
         return np.maximum(1, (lo[which] * (hi[which] / lo[which]) ** u).astype(np.int64))
@@ -52,12 +56,8 @@ class Workload:
     def mean_length(self) -> float:
         if self.lengths is not None:
             return float(self.lengths.mean())
-        lo = np.array([b[0] for b in self.buckets], dtype=np.float64)
-        hi = np.array([b[1] for b in self.buckets], dtype=np.float64)
-        share = np.array([b[2] for b in self.buckets], dtype=np.float64)
-        mean = (hi - lo) / np.log(hi / lo)
-        prob = share / mean
-        return float((prob * mean).sum() / prob.sum())
+        _, _, mean, prob = self._buckets()
+        return float((prob * mean).sum())
 
     def sample_batch(self, rng: np.random.Generator, tokens_per_step: int | None = None,
                      max_seq: int | None = None) -> np.ndarray:

@@ -6,7 +6,7 @@ Token counts are ints; times are seconds from the one :class:`hdp.CostModel`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -141,6 +141,5 @@ def _split_busy_time(cost: CostModel, length: int, parts: int, sync: str) -> flo
         return float(cost.seq_time(length))
     rank, seq, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]), first_rank=np.array([0]))
     plan = Plan([length], parts, rank, np.zeros_like(rank), seq, start, end, sync="peer")
-    sub = CostModel(cost.model, cost.cluster.with_ranks(parts), cost.activation_checkpointing, cost.capacity_override,
-                    cost.grad_accum_bytes, cost.kv_prefetch_blocks, cost.loss_chunk_tokens)
+    sub = replace(cost, cluster=cost.cluster.with_ranks(parts))
     return float(sub.evaluate(plan).busy_s.max())
