@@ -281,7 +281,8 @@ class CostModel:
         """Most tokens a rank holds in one wave with all checkpointed activations in host memory."""
         if self.ckpt_bytes_per_token == 0:
             return self.capacity(sync, kv_block_tokens)
-        return int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token) // 128 * 128
+        offloaded = int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token) // 128 * 128
+        return max(offloaded, self.capacity(sync, kv_block_tokens))
 
     def offload_needed(self, tokens: np.ndarray, sync: str, kv_block_tokens: int = 8192) -> np.ndarray:
         """Smallest offload fraction that lets a rank hold ``tokens`` tokens (0 up to the capacity;

@@ -26,14 +26,14 @@ import numpy as np
 
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 
-from . import bytescale, hdp_greedy, hybridcp, static
+from . import bytescale, hdp, hybridcp, static
 from .common import Context, PlanningError
 
 STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
     "static": (static.plan_static, static.NATIVE_SYNC),
     "hybridcp": (hybridcp.plan_hybridcp, hybridcp.NATIVE_SYNC),
     "bytescale": (bytescale.plan_bytescale, bytescale.NATIVE_SYNC),
-    "hdp": (hdp_greedy.plan_hdp_greedy, hdp_greedy.NATIVE_SYNC),
+    "hdp": (hdp.plan_hdp, hdp.NATIVE_SYNC),
 }
 
 

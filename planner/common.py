@@ -52,46 +52,66 @@ def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.nda
     return np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
 
 
-def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, first_rank: np.ndarray | None = None,
-                  ranks: list[np.ndarray] | None = None,
+def zigzag_shares(lengths: np.ndarray, parts: np.ndarray,
                   align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Zigzag-split many sequences at once. Returns (rank, seq, start, end) of the non-empty chunks,
-    ordered by sequence (in the given order), then head before tail on each rank.
+    """Zigzag shares of many sequences, one row per group member: (sequence index into
+    ``lengths``, member index, head tokens, tail tokens).
 
     Member ``i`` of a sequence's group of ``p`` ranks gets a share of ``floor`` or ``ceil`` of
     ``L / p`` tokens (so it never holds more than a ``p``-th, rounded up), half as the head chunk
-    ``i`` and half as the tail chunk ``2p - 1 - i``: equal causal work per member. The ``i``-th
-    member is rank ``first_rank[s] + i`` (consecutive ranks) or ``ranks[s][i]`` (explicit). With
-    ``align > 1``, shares and halves are multiples of ``align`` tokens where the sequence allows."""
-    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    ``i`` and half as the tail chunk ``2p - 1 - i``: equal causal work per member. With
+    ``align > 1``, shares and halves are multiples of ``align`` tokens where the sequence allows.
+    A group of one holds the whole sequence as its head."""
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = np.asarray(parts, dtype=np.int64)
-    n_chunks = 2 * parts
-    rep = np.repeat(np.arange(seq_ids.size), n_chunks)
-    offsets = np.cumsum(n_chunks) - n_chunks
-    k = np.arange(rep.size) - offsets[rep]  # chunk index inside its sequence
+    rep = np.repeat(np.arange(lengths.size), parts)
+    offsets = np.cumsum(parts) - parts
+    member = np.arange(rep.size) - offsets[rep]
     L, p = lengths[rep], parts[rep]
-    a = np.broadcast_to(np.asarray(align, dtype=np.int64), seq_ids.shape)[rep]
-    member = np.where(k < p, k, 2 * p - 1 - k)
+    a = np.broadcast_to(np.asarray(align, dtype=np.int64), lengths.shape)[rep]
     share = _member_bound(member + 1, L, p, a) - _member_bound(member, L, p, a)
     head = share // 2
     head = np.where(share >= 2 * a, head // a * a, head)
-    head = np.where(p == 1, share, head)  # one member: the whole sequence as one shard
-    size = np.where(k < p, head, share - head)
-    cum = np.cumsum(size)
-    end = cum - (cum[offsets] - size[offsets])[rep]
-    start = end - size
+    head = np.where(p == 1, share, head)
+    return rep, member, head, share - head
+
+
+def zigzag_positions(rep: np.ndarray, head: np.ndarray, tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each member's chunks lie (rows as from :func:`zigzag_shares`, grouped by sequence):
+    (head start, tail end). Heads of members ``0..p-1`` come first, then tails of ``p-1..0``."""
+    n_seq = int(rep.max()) + 1 if rep.size else 0
+    first = np.searchsorted(rep, np.arange(n_seq))
+    head_cum = np.cumsum(head)
+    head_start = head_cum - head - (head_cum - head)[first][rep]
+    head_total = np.bincount(rep, weights=head, minlength=n_seq).astype(np.int64)
+    tail_cum = np.cumsum(tail)
+    tail_before = (tail_cum - tail) - (tail_cum - tail)[first][rep]  # tails of members before i
+    tail_total = np.bincount(rep, weights=tail, minlength=n_seq).astype(np.int64)
+    tail_end = head_total[rep] + tail_total[rep] - tail_before
+    return head_start, tail_end
+
+
+def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, first_rank: np.ndarray | None = None,
+                  ranks: list[np.ndarray] | None = None,
+                  align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Zigzag-split many sequences at once (shares of :func:`zigzag_shares`). Returns (rank, seq,
+    start, end) of the non-empty chunks, ordered by sequence (in the given order), then member,
+    then head before tail. The ``i``-th member is rank ``first_rank[s] + i`` (consecutive ranks)
+    or ``ranks[s][i]`` (explicit)."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    rep, member, head, tail = zigzag_shares(lengths, parts, align)
+    head_start, tail_end = zigzag_positions(rep, head, tail)
     if ranks is not None:
         flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in ranks]) if ranks else np.zeros(0, np.int64)
-        member_offsets = np.cumsum(parts) - parts
-        rank = flat[member_offsets[rep] + member]
+        rank = flat[np.arange(rep.size)]
     else:
         rank = np.asarray(first_rank, dtype=np.int64)[rep] + member
-    # Order: sequence, then member, then head (k < parts) before tail.
-    order = np.lexsort((k, member, rep))
-    keep = (end > start)[order]
-    order = order[keep]
-    return rank[order], seq_ids[rep][order], start[order], end[order]
+    # Interleave each member's head and tail chunk.
+    start = np.stack([head_start, tail_end - tail], axis=1).reshape(-1)
+    end = np.stack([head_start + head, tail_end], axis=1).reshape(-1)
+    keep = end > start
+    return (np.repeat(rank, 2)[keep], np.repeat(seq_ids[rep], 2)[keep], start[keep], end[keep])
 
 
 class PlanBuilder:

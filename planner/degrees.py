@@ -1,0 +1,267 @@
+"""How long a sequence takes on ``d`` ranks, for many ``d`` at once, and the relaxation bound.
+
+A sequence zigzag-split over ``d`` ranks (consecutive from a node boundary, ``ranks_per_node``
+per node) is a *malleable job*: its ranks start together and are held for the slowest member's
+busy time ``T(d)`` (the cost model's ``peer`` rule), so it covers an area ``d * T(d)`` of rank-time
+(``peer`` sync; cells holding a multi-rank shard hold nothing else) or at least its members'
+compute (``wave`` sync, where a wave lasts as long as its slowest rank anyway and whole sequences
+may share a member's cell).
+
+:func:`split_times` is the closed form of what :meth:`hdp.CostModel.evaluate` computes for such a
+plan (``tests/test_degrees.py`` checks the two agree): for member ``i`` of ``d`` with head ``h_i``
+and tail ``t_i`` tokens, the tail chunks of members ``j > i`` lie before member ``i``'s, so it
+receives every other head and the tails of ``j > i``, and sends its head to all ``d - 1`` others
+and its tail to the ``i`` members ``j < i``. Vectorised over all members of all (length, degree)
+pairs: one call prices a whole degree menu.
+
+:func:`relaxation_bound` is the planner's own lower bound: choose one degree per sequence so
+that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job -- the rectangles may be
+cut (the area is divisible) but every job keeps its height. It is exact over ``M`` (a sweep
+over every height in the menus), so it is at least the LP relaxation of the malleable-job MILP
+(:mod:`planner.hdp_ilp`) and at most any plan built from such jobs. Degrees the menu skips are
+covered by the smaller height and smaller area of the two menu degrees around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from hdp import CostModel
+from hdp.cost import KVTraffic
+
+from .common import zigzag_positions, zigzag_shares
+
+BLOCK_ALIGN = 128  # block granularity of multi-rank shards (tokens)
+
+
+def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: str = "peer",
+                align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
+    job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
+    capacity offload the needed share of their activations (priced by the cost model)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    m, rpn = cost.model, cost.cluster.ranks_per_node
+    rep, member, head, tail = zigzag_shares(lengths, parts, align)
+    head_start, tail_end = zigzag_positions(rep, head, tail)
+    held = head + tail
+    attn_layer = (cost.attn_time(head_start, head_start + head) * (head > 0)
+                  + cost.attn_time(tail_end - tail, tail_end) * (tail > 0))
+    compute = m.layers * attn_layer + cost.dense_time(held)
+    d = parts[rep]
+    # Node of each member (groups start at a node boundary) and per-node sums.
+    node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
+    node_heads = np.bincount(node_idx, weights=head)
+    node_size = np.bincount(node_idx)
+    # Tails of members j > i on i's node: the node's tail total minus the inclusive prefix.
+    tail_cum = np.cumsum(tail)
+    node_first = np.searchsorted(node_idx, np.arange(node_heads.size))
+    node_tail_incl = tail_cum - (tail_cum - tail)[node_first][node_idx]
+    node_tails = np.bincount(node_idx, weights=tail)
+    received = tail_end - held
+    in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
+    out_all = (d - 1) * head + member * tail
+    out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
+    blk = 8192  # Plan.kv_block_tokens
+    msgs_in = (d - 1) + received // blk
+    msgs_out = (d - 1) + out_all // blk
+    traffic = KVTraffic(in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None)
+    t_fwd, t_bwd = cost.comm_time_per_layer(traffic)
+    fs = cost.attn_fwd_share
+    exposed = m.layers * (np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer))
+    exposed = np.where(d > 1, exposed, 0.0)
+    fraction = cost.offload_needed(held, sync)
+    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
+    busy = compute + exposed + offload
+    busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
+    n = lengths.size
+    height = np.full(n, -np.inf)
+    np.maximum.at(height, rep, busy)
+    most = np.zeros(n, dtype=np.int64)
+    np.maximum.at(most, rep, held)
+    if sync == "peer":
+        area = parts * height  # the members start together and wait for the slowest
+    else:
+        # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
+        # member's cell (their dense layers then run at the packed efficiency, and their attention
+        # may hide under its K/V traffic): count only compute, dense at the best efficiency.
+        g = cost.cluster.gpu
+        dense = held * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
+        packed = m.layers * attn_layer + dense / (g.peak_flops * g.linear_efficiency(max(cost.offload_capacity(sync), 1)))
+        area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
+    return height, area, most
+
+
+def degree_menu(length: int, num_ranks: int, offload_capacity: int, ratio: float = 1.08,
+                dense_up_to: int = 16) -> np.ndarray:
+    """Candidate degrees of one sequence: from the fewest ranks that can hold it (with offload),
+    every ``d`` up to ``dense_up_to``, then every ``ratio``-th, and all ranks."""
+    d = max(1, -(-length // max(offload_capacity, 1)))
+    if d > num_ranks:
+        return np.zeros(0, dtype=np.int64)
+    out = [d]
+    while d < num_ranks:
+        d = d + 1 if d < dense_up_to else max(d + 1, int(round(d * ratio)))
+        out.append(min(num_ranks, d))
+    return np.asarray(out, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Menu:
+    """The priced degrees of one sequence length (arrays sorted by degree)."""
+
+    degrees: np.ndarray
+    height: np.ndarray
+    area: np.ndarray
+    most_tokens: np.ndarray
+
+
+@lru_cache(maxsize=4096)
+def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bool = False) -> Menu:
+    """Priced degree menu of one length (cached per cost model, so repeated lengths are free).
+    Degrees above the one with the smallest height are dropped: they are slower and larger.
+    ``pow2``: powers of two only (Megatron's CP group sizes)."""
+    c = cost.cluster
+    off_cap = cost.offload_capacity(sync)
+
+    def price(deg: np.ndarray) -> Menu:
+        align = np.where(length >= 2 * deg * BLOCK_ALIGN, BLOCK_ALIGN, 1)
+        h, a, most = split_times(cost, np.full(deg.size, length), deg, sync, align)
+        return Menu(deg, h, a, most)
+
+    if pow2:
+        d_min = max(1, -(-length // max(capacity, 1)))
+        deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(c.num_ranks)) + 1)
+        mu = price(deg.astype(np.int64))
+        return _until_lowest(mu)
+    # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
+    coarse = price(degree_menu(length, c.num_ranks, off_cap, ratio=1.5, dense_up_to=4))
+    if coarse.degrees.size == 0:
+        return coarse
+    ok = np.isfinite(coarse.height)
+    top = int(coarse.degrees[ok][int(np.argmin(coarse.height[ok]))] * 1.5) + 1 if ok.any() else c.num_ranks
+    return _until_lowest(price(degree_menu(length, min(c.num_ranks, top), off_cap)))
+
+
+def _until_lowest(mu: Menu) -> Menu:
+    """The feasible entries up to the lowest height."""
+    ok = np.isfinite(mu.height)
+    if not ok.any():
+        return mu
+    keep = ok & (mu.degrees <= mu.degrees[ok][int(np.argmin(mu.height[ok]))])
+    return Menu(mu.degrees[keep], mu.height[keep], mu.area[keep], mu.most_tokens[keep])
+
+
+def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
+    """Least time whole sequences can take on one rank: their attention, and dense layers at the
+    efficiency of a micro-batch of ``cell_tokens`` tokens (sharing a cell with other sequences
+    raises the dense efficiency; the per-layer overhead is shared too, so it is left out)."""
+    g, m = cost.cluster.gpu, cost.model
+    L = np.asarray(lengths, dtype=np.float64)
+    dense = L * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
+    return m.layers * cost.attn_time(np.zeros_like(L), L) + dense / (g.peak_flops * g.linear_efficiency(max(cell_tokens, 1)))
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """Solution of the relaxation: the bound (seconds), its height ``M``, its area (rank-seconds),
+    and the priced menus of the sequences that may split (``long_ids``)."""
+
+    bound_s: float
+    height_s: float
+    area_s: float
+    seq_lens: np.ndarray
+    long_ids: np.ndarray
+    menus: tuple[Menu, ...]
+
+    def degrees_at(self, height: float, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+        """(degree, busy time s) of every sequence: the smallest-area menu degree no taller than
+        ``height`` (the lowest one where none is)."""
+        degrees = np.ones(self.seq_lens.size, dtype=np.int64)
+        job_time = np.asarray(cost.seq_time(self.seq_lens), dtype=np.float64)
+        for i, mu in zip(self.long_ids.tolist(), self.menus):
+            allowed = mu.height <= height * (1 + 1e-12)
+            k = int(np.argmin(np.where(allowed, mu.area, np.inf))) if allowed.any() else int(np.argmin(mu.height))
+            degrees[i] = mu.degrees[k]
+            job_time[i] = mu.height[k]
+        return degrees, job_time
+
+
+def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, slots: int,
+                     fixed_s: float = 0.0, min_step_s: float = 0.0, pow2: bool = False) -> Relaxation:
+    """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
+    that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
+    to the bound (parameter collectives); ``min_step_s`` floors the busy part; ``pow2`` restricts
+    degrees to powers of two (Megatron's CP groups)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    packed = packed_time(cost, lens, cost.offload_capacity(sync))
+    # Sequences that fit a rank and take less than the mean never gain from splitting (a split
+    # covers at least the packed area, and every M is at least the mean): they stay whole.
+    simple = float(packed.sum()) / max(slots, 1)
+    long_ids = np.flatnonzero((lens > capacity) | (packed > simple))
+    short = np.ones(lens.size, dtype=bool)
+    short[long_ids] = False
+    base_area = float(packed[short].sum())
+    base_height = float(packed[short].max(initial=0.0))
+    menus = tuple(length_menu(cost, int(lens[i]), sync, capacity, pow2) for i in long_ids.tolist())
+    # Events: (height at which an option becomes allowed, the sequence, its area).
+    ev_h, ev_seq, ev_area = [], [], []
+    for j, mu in enumerate(menus):
+        if mu.degrees.size == 0 or not np.isfinite(mu.height).any():
+            raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
+        h, a = mu.height.copy(), mu.area.copy()
+        if mu.degrees[0] == 1:  # whole on one rank it may share its cell: packed, as the short ones
+            h[0] = a[0] = packed[long_ids[j]]
+        # Degrees the menu skips lie between two menu entries: cover them by the smaller height and
+        # area of those two (a virtual option), so the sweep stays a bound.
+        gaps = np.flatnonzero(np.diff(mu.degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
+        h = np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])])
+        a = np.concatenate([a, np.minimum(a[gaps], a[gaps + 1])])
+        ev_h.append(h)
+        ev_area.append(a)
+        ev_seq.append(np.full(h.size, j))
+    if not menus:
+        b = max(base_height, simple, min_step_s) + fixed_s
+        return Relaxation(b, base_height, base_area, lens, long_ids, menus)
+    H = np.concatenate(ev_h)
+    A = np.concatenate(ev_area)
+    S = np.concatenate(ev_seq)
+    order = np.lexsort((A, H))
+    # Sweep M over the option heights, keeping each sequence's smallest allowed area.
+    best_area = np.full(len(menus), np.inf)
+    total, feasible = 0.0, 0
+    best = (np.inf, 0.0, 0.0)
+    for h, a, s in zip(H[order].tolist(), A[order].tolist(), S[order].tolist()):
+        cur = best_area[s]
+        if a < cur:
+            if cur == np.inf:
+                feasible += 1
+                total += a
+            else:
+                total += a - cur
+            best_area[s] = a
+        if feasible == len(menus):
+            m_here = max(h, base_height)  # the short sequences are as tall as base_height anyway
+            value = max(m_here, (base_area + total) / slots, min_step_s)
+            if value < best[0]:
+                best = (value, m_here, base_area + total)
+    value, m_star, area = best
+    return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
+
+
+def step_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, pow2: bool = False) -> float:
+    """The planner's lower bound of the step time, seconds: :func:`relaxation_bound` over all
+    ranks plus what the synchronisation mode adds for parameter collectives (``wave``: at least
+    as many waves as the tokens need with offload, each gathering and scattering parameters)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    n, layers = cost.cluster.num_ranks, cost.model.layers
+    if sync == "wave":
+        waves = max(1, -(-int(lens.sum()) // (n * max(cost.offload_capacity(sync), 1))))
+        coll = 2 * cost.allgather_time() + cost.reduce_scatter_time()
+        return relaxation_bound(cost, lens, sync, capacity, n, fixed_s=waves * coll / layers,
+                                min_step_s=waves * coll, pow2=pow2).bound_s
+    return relaxation_bound(cost, lens, sync, capacity, n, pow2=pow2,
+                            fixed_s=(cost.allgather_time() + cost.reduce_scatter_time()) / layers).bound_s

@@ -1,0 +1,384 @@
+"""``hdp``: malleable-job degrees from the relaxation, node-aware placement, gaps filled.
+
+1. Degrees (:mod:`planner.degrees`): every long sequence gets a menu of degrees priced by the
+   cost model (compute at the kernel efficiency of its blocks, exposed K/V traffic over NVLink
+   and the NIC, host offload where its members hold more than the capacity). The relaxation picks
+   the height ``M`` minimising ``max(M, area / ranks)`` and, for each sequence, the smallest-area
+   degree no taller than ``M``: so a sequence spans more ranks than its memory needs when that
+   shortens the step, and fewer when more would only expose communication. Short sequences stay
+   whole. Where the MILP of :mod:`planner.hdp_ilp` fits the time budget it chooses the degrees
+   instead, warm-started from these.
+2. Placement, tallest job first: a multi-rank job takes the least-loaded ranks of one node when it
+   fits in a node (else the least-loaded whole nodes), blocks of 128 tokens in zigzag head/tail
+   pairs; ``wave`` sync: in the wave where it finishes first, keeping its cells to itself;
+   ``peer`` sync: after everything already on its members.
+3. Single-rank sequences, longest first: ``peer``: into the idle gaps before multi-rank jobs
+   (the ranks of a job start together, so the less-loaded members wait), best fit, then LPT onto
+   the least-loaded rank; then moves from the most to the least loaded rank while the maximum
+   falls. ``wave``: LPT over the free rank-wave cells with room.
+4. ``form="megatron"``: degrees are powers of two on aligned groups of consecutive ranks
+   (Megatron's hybrid-CP groups), every wave a barrier-separated group (see
+   :func:`plan_hdp_megatron`).
+
+Several heights around ``M`` are placed; the cost model keeps the fastest plan, which reports its
+gap to the bound in ``predicted["bound_s"]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+
+import numpy as np
+
+from hdp import Plan
+
+from .common import Context, PlanBuilder, PlanningError, zigzag_arrays
+from .degrees import BLOCK_ALIGN, Relaxation, length_menu, relaxation_bound, step_bound
+
+NATIVE_SYNC = "peer"
+HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation's M
+
+
+def check_fits(ctx: Context) -> None:
+    """Raise PlanningError when the longest sequence cannot be held by all ranks together."""
+    longest = int(ctx.seq_lens.max(initial=0))
+    off_cap = max(ctx.cost.offload_capacity(ctx.sync), ctx.capacity)
+    if longest > off_cap * ctx.num_ranks:
+        raise PlanningError(
+            f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at {off_cap} tokens each "
+            f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq")
+
+
+def plan_hdp(ctx: Context, polish_moves: int = 20000, use_ilp: bool | None = None,
+             ilp_time_limit_s: float = 2.0) -> Plan:
+    """Plan with the relaxation's degrees (or the MILP's where it fits) at a few heights; keep
+    the fastest by the cost model. ``use_ilp``: ``None`` = where it fits the budget."""
+    from . import hdp_ilp
+
+    check_fits(ctx)
+    n, cap = ctx.num_ranks, ctx.capacity
+    num_waves = num_waves_for(ctx)
+    rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n)
+    candidates = [rel.degrees_at(h, ctx.cost) for h in candidate_heights(rel, ctx.sync)]
+    if ctx.sync == "wave" and num_waves > 1:  # also balance each wave as if area spread evenly
+        per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n * num_waves)
+        candidates += [per_wave.degrees_at(per_wave.height_s * f, ctx.cost) for f in HEIGHT_FACTORS]
+    info: dict[str, float] = {}
+    if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, n)):
+        choice = hdp_ilp.solve_degrees(rel, ctx.cost, n * num_waves, warm=candidates[0][0],
+                                       time_limit_s=ilp_time_limit_s)
+        info.update(choice.info)
+        if choice.degrees is not None:
+            candidates.insert(0, (choice.degrees, choice.job_time))
+    best: tuple[float, Plan] | None = None
+    seen: list[np.ndarray] = []
+    for degree, job_time in candidates:
+        if any(np.array_equal(degree, d) for d in seen):
+            continue
+        seen.append(degree)
+        plan = _place(ctx, num_waves, degree, job_time, polish_moves)
+        t = ctx.cost.evaluate(plan).step_time_s
+        if best is None or t < best[0]:
+            best = (t, plan)
+    plan = best[1]
+    plan.predicted.update(info)
+    plan.predicted["bound_s"] = step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap)
+    plan.predicted["relaxation_height_s"] = rel.height_s
+    return plan
+
+
+def candidate_heights(rel: Relaxation, sync: str) -> list[float]:
+    """Job heights to place. ``peer``: around the relaxation's ``M``. ``wave``: a step is the sum
+    of its waves' heights, so tall jobs must share waves side by side (shelves); from the
+    shortest the tallest job can be (every job on its fastest degree: narrow shelves, more area)
+    up to ``M`` (every job on its smallest area: wide shelves)."""
+    if sync == "peer" or not rel.menus:
+        return [rel.height_s * f for f in HEIGHT_FACTORS]
+    floor = max(float(mu.height.min()) for mu in rel.menus)
+    top = max(floor, rel.height_s)
+    return [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
+
+
+def num_waves_for(ctx: Context) -> int:
+    """Waves a ``wave``-sync plan aims at (90% full, so sequences pack); 1 in ``peer`` sync."""
+    if ctx.sync != "wave":
+        return 1
+    return max(1, math.ceil(int(ctx.seq_lens.sum()) / (0.9 * ctx.num_ranks * ctx.capacity)))
+
+
+def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:
+    """``d`` ranks for one job: the least-loaded ranks of one node if ``d <= rpn``, else whole
+    nodes with the smallest maximum load plus the least-loaded ranks of one more node."""
+    n = load_row.size
+    nodes = -(-n // rpn)
+    padded = np.full(nodes * rpn, np.inf)
+    padded[:n] = np.where(eligible, load_row, np.inf)
+    grid = padded.reshape(nodes, rpn)
+    order = np.argsort(grid, axis=1, kind="stable")
+    sorted_loads = np.take_along_axis(grid, order, axis=1)
+    if d <= rpn:
+        score = sorted_loads[:, d - 1]
+        k = int(np.argmin(score))
+        if not np.isfinite(score[k]):
+            return None
+        return np.sort(k * rpn + order[k, :d])
+    full, rem = divmod(d, rpn)
+    node_max = sorted_loads[:, -1]
+    by_max = np.argsort(node_max, kind="stable")
+    chosen_nodes = by_max[:full]
+    if not np.isfinite(node_max[chosen_nodes]).all():
+        return None
+    members = [np.arange(k * rpn, (k + 1) * rpn) for k in chosen_nodes]
+    if rem:
+        rest = by_max[full:]
+        if rest.size == 0:
+            return None
+        score = sorted_loads[rest, rem - 1]
+        k = int(rest[int(np.argmin(score))])
+        if not np.isfinite(sorted_loads[k, rem - 1]):
+            return None
+        members.append(k * rpn + order[k, :rem])
+    return np.sort(np.concatenate(members))
+
+
+def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray, polish_moves: int) -> Plan:
+    """Place sequences of the given degrees on ranks and waves (steps 2 and 3 of the module doc)."""
+    lens, cost = ctx.seq_lens, ctx.cost
+    n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
+    off_cap = max(cost.offload_capacity(ctx.sync), cap)
+    whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
+    # Jobs placed as blocks: split sequences, and whole ones that need offload to fit a rank.
+    job = (degree > 1) | (lens > cap)
+    multi = np.flatnonzero(job)
+    multi = multi[np.argsort(-job_time[multi], kind="stable")]
+    single = np.flatnonzero(~job & (lens > 0))
+    single = single[np.argsort(-whole[single], kind="stable")]
+    builder = PlanBuilder(ctx, "hdp")
+    if ctx.sync == "wave":
+        keys = _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, builder)
+    else:
+        keys = _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves, builder)
+    multi_members, multi_key, single_rank, single_key = keys
+    # Waves: the distinct keys in order (the placers use sparse, ordered keys).
+    all_keys = np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]])
+    uniq = np.unique(all_keys)
+    if multi.size:
+        aligns = np.array([_align(int(lens[i]), int(degree[i])) for i in multi.tolist()], dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(multi, lens[multi], degree[multi], ranks=multi_members, align=aligns)
+        pos = np.empty(lens.size, dtype=np.int64)
+        pos[multi] = np.arange(multi.size)
+        wave = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))[pos[seq]]
+        builder.add(wave, rank, seq, start, end)
+        if ctx.sync == "peer":  # offload where a member holds more than the capacity
+            cell_tokens: dict[tuple[int, int], int] = {}
+            for w, r, a, b in zip(wave.tolist(), rank.tolist(), start.tolist(), end.tolist()):
+                cell_tokens[(w, r)] = cell_tokens.get((w, r), 0) + b - a
+            for (w, r), t in cell_tokens.items():
+                if t > cap:
+                    builder.offload[(w, r)] = float(cost.offload_needed(np.array([t]), ctx.sync)[0])
+    if single.size:
+        builder.add(np.searchsorted(uniq, single_key[single]), single_rank[single], single, 0, lens[single])
+    builder.info = {"multi_rank_sequences": float(multi.size), "max_degree": float(degree.max(initial=1)),
+                    "offloading_cells": float(len(builder.offload))}
+    return builder.build()
+
+
+def _align(length: int, parts: int) -> int:
+    """Blocks of 128 tokens where every share can hold two (the rule the menus were priced with)."""
+    return BLOCK_ALIGN if length >= 2 * parts * BLOCK_ALIGN else 1
+
+
+def _most_tokens(length: int, parts: int) -> int:
+    rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
+                                        first_rank=np.array([0]), align=_align(length, parts))
+    return int(np.bincount(rank, weights=end - start).max())
+
+
+def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, builder):
+    """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
+    raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
+    (ties: the fullest), on the least-loaded ranks with token room; whole sequences, longest
+    first: a cell whose load stays under its wave's height (the least-loaded such), else the cell
+    that raises its wave least; a new wave when no cell has room."""
+    lens = ctx.seq_lens
+    n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
+    tokens = np.zeros((num_waves, n), dtype=np.int64)
+    load = np.zeros((num_waves, n))
+
+    def add_wave() -> None:
+        nonlocal tokens, load
+        tokens = np.vstack([tokens, np.zeros((1, n), dtype=np.int64)])
+        load = np.vstack([load, np.zeros((1, n))])
+
+    members_of, key_of = [], []
+    for i in multi.tolist():
+        L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
+        per_rank = _most_tokens(L, d)
+        best = None
+        for w in range(tokens.shape[0] + 1):
+            if w == tokens.shape[0]:
+                if best is not None:
+                    break
+                add_wave()
+            members = _pick_members(load[w], d, rpn, tokens[w] + per_rank <= off_cap)
+            if members is None:
+                continue
+            height = float(load[w].max())
+            finish = float(load[w, members].max()) + t
+            score = (max(0.0, finish - height), -height)
+            if best is None or score < best[0]:
+                best = (score, w, members, finish)
+        _, w, members, finish = best
+        tokens[w, members] += per_rank
+        load[w, members] = finish
+        members_of.append(members)
+        key_of.append(w)
+    single_rank = np.full(lens.size, -1, dtype=np.int64)
+    single_key = np.full(lens.size, -1, dtype=np.int64)
+    heights = [float(h) for h in load.max(axis=1)]
+    heaps = [[(float(load[w, r]), r) for r in range(n)] for w in range(tokens.shape[0])]
+    room_max = [int(cap - tokens[w].min()) for w in range(tokens.shape[0])]
+    for h in heaps:
+        heapq.heapify(h)
+    for i in single.tolist():
+        L, t = int(lens[i]), float(whole[i])
+        best = None  # ((raise, new load), wave)
+        for w, h in enumerate(heaps):
+            if room_max[w] < L:
+                continue
+            # The wave's least-loaded cell with room: the heap's top unless it is full; after a
+            # few full ones, a scan of the wave.
+            skipped = []
+            while h and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap) and len(skipped) < 8:
+                item = heapq.heappop(h)
+                if item[0] == load[w, item[1]]:  # not stale: full for this sequence only
+                    skipped.append(item)
+            for item in skipped:
+                heapq.heappush(h, item)
+            if h and h[0][0] == load[w, h[0][1]] and tokens[w, h[0][1]] + L <= cap:
+                cell_load = h[0][0]
+            else:
+                cell_load = float(np.where(tokens[w] + L <= cap, load[w], np.inf).min())
+            new_load = cell_load + t
+            score = (max(0.0, new_load - heights[w]), new_load)
+            if best is None or score < best[0]:
+                best = (score, w)
+        if best is None:
+            add_wave()
+            heights.append(0.0)
+            heaps.append([(0.0, r) for r in range(n)])
+            room_max.append(cap)
+            best = ((t, t), tokens.shape[0] - 1)
+        w = best[1]
+        fits = tokens[w] + L <= cap
+        r = int(np.argmin(np.where(fits, load[w], np.inf)))
+        tokens[w, r] += L
+        room_max[w] = int(cap - tokens[w].min())
+        load[w, r] += t
+        heights[w] = max(heights[w], float(load[w, r]))
+        heapq.heappush(heaps[w], (float(load[w, r]), r))  # the old entry is now stale
+        single_rank[i], single_key[i] = r, w
+    for (w, r) in zip(*np.nonzero(tokens > cap)):
+        builder.offload[(int(w), int(r))] = float(ctx.cost.offload_needed(np.array([tokens[w, r]]), ctx.sync)[0])
+    return members_of, key_of, single_rank, single_key
+
+
+def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves, builder):
+    """``peer`` sync. Keys order each rank's work: a multi-rank job placed ``k``-th has key
+    ``(2k + 1) * S``; singles in the gap before it ``2k * S + j``; the tail after a rank's last job
+    ``(2 K + 2) * S + j`` (``S`` exceeds any count of single waves)."""
+    lens = ctx.seq_lens
+    n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
+    stride = int(lens.size) + 2
+    rank_load = np.zeros(n)
+    members_of, key_of = [], []
+    gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job index k) before job k on rank
+    for k, i in enumerate(multi.tolist()):
+        L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
+        if _most_tokens(L, d) > off_cap:
+            raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
+        members = _pick_members(rank_load, d, rpn, np.ones(n, dtype=bool))
+        start = float(rank_load[members].max())
+        for r in members.tolist():
+            if start - rank_load[r] > 0:
+                gaps.append((start - float(rank_load[r]), r, k))
+        rank_load[members] = start + t
+        members_of.append(members)
+        key_of.append((2 * k + 1) * stride)
+    tail_key = (2 * len(members_of) + 2) * stride
+    single_rank = np.full(lens.size, -1, dtype=np.int64)
+    single_key = np.full(lens.size, -1, dtype=np.int64)
+    # Gaps first, best fit: each single into the smallest gap it fills without delaying the job.
+    room = sorted(gaps)
+    gap_waves: dict[tuple[int, int], list[int]] = {}
+    rest = []
+    for i in single.tolist():
+        t = float(whole[i])
+        j = bisect.bisect_left(room, (t, -1, -1))
+        if j == len(room):
+            rest.append(i)
+            continue
+        left, r, k = room.pop(j)
+        waves = gap_waves.setdefault((r, k), [])
+        slot = _first_fit(waves, int(lens[i]), cap)
+        single_rank[i], single_key[i] = r, 2 * k * stride + slot
+        if left - t > 0:
+            bisect.insort(room, (left - t, r, k))
+    # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
+    tail_waves: list[list[int]] = [[] for _ in range(n)]
+    heap = [(float(rank_load[r]), r) for r in range(n)]
+    heapq.heapify(heap)
+    for i in rest:
+        _, r = heapq.heappop(heap)
+        single_rank[i] = r
+        rank_load[r] += whole[i]
+        single_key[i] = tail_key + _first_fit(tail_waves[r], int(lens[i]), cap)
+        heapq.heappush(heap, (float(rank_load[r]), r))
+    if polish_moves and rest:
+        _polish_peer(np.asarray(rest), lens, whole, rank_load, tail_waves, single_rank, single_key, tail_key, cap,
+                     polish_moves)
+    return members_of, key_of, single_rank, single_key
+
+
+def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
+    """Index of the first wave (tokens used per wave) with room for ``tokens``; opens one if none."""
+    k = next((k for k, used in enumerate(waves) if used + tokens <= cap), len(waves))
+    if k == len(waves):
+        waves.append(0)
+    waves[k] += tokens
+    return k
+
+
+def _polish_peer(ids, lens, whole, rank_load, tail_waves, single_rank, single_key, tail_key, cap, moves) -> None:
+    """Move tail singles from the most to the least loaded rank while the maximum falls."""
+    by_rank: dict[int, list[int]] = {}
+    for i in ids.tolist():
+        by_rank.setdefault(int(single_rank[i]), []).append(i)
+    for _ in range(moves):
+        hi = int(np.argmax(rank_load))
+        lo = int(np.argmin(rank_load))
+        gap = rank_load[hi] - rank_load[lo]
+        # The largest sequence whose move lowers the pair's maximum.
+        best = None
+        for i in by_rank.get(hi, ()):
+            if whole[i] < gap and (best is None or whole[i] > whole[best]):
+                best = i
+        if best is None:
+            return
+        L = int(lens[best])
+        tail_waves[hi][int(single_key[best] - tail_key)] -= L
+        by_rank[hi].remove(best)
+        by_rank.setdefault(lo, []).append(best)
+        rank_load[hi] -= whole[best]
+        rank_load[lo] += whole[best]
+        single_rank[best], single_key[best] = lo, tail_key + _first_fit(tail_waves[lo], L, cap)
+
+
+def relaxation_for(ctx: Context, pow2: bool = False) -> Relaxation:
+    """The relaxation of this context (``wave`` sync: per wave)."""
+    return relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks, pow2=pow2)
+
+
+__all__ = ["NATIVE_SYNC", "plan_hdp", "length_menu"]
