@@ -73,7 +73,7 @@ def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: s
     fs = cost.attn_fwd_share
     exposed = m.layers * (np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer))
     exposed = np.where(d > 1, exposed, 0.0)
-    fraction = cost.offload_needed(held, sync)
+    fraction = np.where(held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf)
     offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
     busy = compute + exposed + offload
     busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
