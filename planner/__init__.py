@@ -7,13 +7,16 @@ fills ``plan.predicted`` from the one :class:`hdp.CostModel`:
 ``static``     DP x CP mesh, one power-of-two CP size, zigzag (Megatron / TransformerEngine)
 ``hybridcp``   Megatron-LM ``hybrid_context_parallel`` with its ``BalancedCPScheduler``
 ``bytescale``  ByteScale: whole short sequences, ``ceil(L / C)`` ranks for long ones, offload
-``hdp``        ours: balance-driven degrees, block-aligned zigzag, node-aware placement
+``flexsp``     FlexSP: MILP over power-of-two groups, DP length buckets, time limit
+``hdp``        ours: degrees from the malleable-job relaxation / MILP, 128-token zigzag blocks,
+               node-aware placement, gap filling, offload; ``form="megatron"``: Megatron's groups
 =============  ===========================================================================
 
 Options (all keyword): ``sync`` (``"wave"`` / ``"peer"``; default: the strategy's own mode where
 parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default from memory),
 ``max_seq`` (default: the longest sequence), ``tokens_per_step`` (default: the batch's tokens),
 ``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
+``form`` (``hdp`` only: ``free``, or ``megatron`` for aligned power-of-two CP groups and barriers),
 ``validate`` (default True).
 """
 
@@ -26,13 +29,14 @@ import numpy as np
 
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 
-from . import bytescale, hdp, hybridcp, static
+from . import bytescale, flexsp, hdp, hybridcp, static
 from .common import Context, PlanningError
 
 STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
     "static": (static.plan_static, static.NATIVE_SYNC),
     "hybridcp": (hybridcp.plan_hybridcp, hybridcp.NATIVE_SYNC),
     "bytescale": (bytescale.plan_bytescale, bytescale.NATIVE_SYNC),
+    "flexsp": (flexsp.plan_flexsp, flexsp.NATIVE_SYNC),
     "hdp": (hdp.plan_hdp, hdp.NATIVE_SYNC),
 }
 
@@ -83,6 +87,8 @@ def plan_and_evaluate(
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    if lens.size == 0:
+        raise PlanningError("the batch is empty: there are no sequences to plan (check the dataloader's token budget)")
     if (lens < 0).any():
         raise ValueError(f"sequence {int(np.argmax(lens < 0))} has a negative length")
     cost = opts.pop("cost", None) or CostModel(
@@ -99,10 +105,18 @@ def plan_and_evaluate(
     )
     validate = opts.pop("validate", True)
     impl = opts.pop("hybridcp_impl", "auto")
+    form = opts.pop("form", "free")
+    if form != "free" and strategy != "hdp":
+        raise TypeError(f"form={form!r} applies to the hdp strategy only")
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     t0 = time.perf_counter()
-    plan = fn(ctx, implementation=impl) if strategy == "hybridcp" else fn(ctx)
+    if strategy == "hybridcp":
+        plan = fn(ctx, implementation=impl)
+    elif strategy == "hdp":
+        plan = fn(ctx, form=form)
+    else:
+        plan = fn(ctx)
     plan_time = time.perf_counter() - t0
     if validate:
         plan.validate(capacity=cap, offload_capacity=cost.offload_capacity(sync))

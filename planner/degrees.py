@@ -128,7 +128,8 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     off_cap = cost.offload_capacity(sync)
 
     def price(deg: np.ndarray) -> Menu:
-        align = np.where(length >= 2 * deg * BLOCK_ALIGN, BLOCK_ALIGN, 1)
+        # Megatron (pow2) splits into exact shares; ours into 128-token blocks where they fit.
+        align = np.where((length >= 2 * deg * BLOCK_ALIGN) & (not pow2), BLOCK_ALIGN, 1)
         h, a, most = split_times(cost, np.full(deg.size, length), deg, sync, align)
         return Menu(deg, h, a, most)
 

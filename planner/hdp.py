@@ -34,7 +34,7 @@ import numpy as np
 
 from hdp import Plan
 
-from .common import Context, PlanBuilder, PlanningError, zigzag_arrays
+from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
 from .degrees import BLOCK_ALIGN, Relaxation, length_menu, relaxation_bound, step_bound
 
 NATIVE_SYNC = "peer"
@@ -51,12 +51,17 @@ def check_fits(ctx: Context) -> None:
             f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq")
 
 
-def plan_hdp(ctx: Context, polish_moves: int = 20000, use_ilp: bool | None = None,
+def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_ilp: bool | None = None,
              ilp_time_limit_s: float = 2.0) -> Plan:
     """Plan with the relaxation's degrees (or the MILP's where it fits) at a few heights; keep
-    the fastest by the cost model. ``use_ilp``: ``None`` = where it fits the budget."""
+    the fastest by the cost model. ``use_ilp``: ``None`` = where it fits the budget. ``form``:
+    ``free`` or ``megatron`` (:func:`plan_hdp_megatron`)."""
     from . import hdp_ilp
 
+    if form == "megatron":
+        return plan_hdp_megatron(ctx)
+    if form != "free":
+        raise ValueError(f"unknown hdp form {form!r}: choose 'free' or 'megatron'")
     check_fits(ctx)
     n, cap = ctx.num_ranks, ctx.capacity
     num_waves = num_waves_for(ctx)
@@ -67,7 +72,7 @@ def plan_hdp(ctx: Context, polish_moves: int = 20000, use_ilp: bool | None = Non
         candidates += [per_wave.degrees_at(per_wave.height_s * f, ctx.cost) for f in HEIGHT_FACTORS]
     info: dict[str, float] = {}
     if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, n)):
-        choice = hdp_ilp.solve_degrees(rel, ctx.cost, n * num_waves, warm=candidates[0][0],
+        choice = hdp_ilp.solve_degrees(rel, ctx.cost, ctx.sync, n, warm=candidates[0][0],
                                        time_limit_s=ilp_time_limit_s)
         info.update(choice.info)
         if choice.degrees is not None:
@@ -84,7 +89,7 @@ def plan_hdp(ctx: Context, polish_moves: int = 20000, use_ilp: bool | None = Non
             best = (t, plan)
     plan = best[1]
     plan.predicted.update(info)
-    plan.predicted["bound_s"] = step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap)
+    plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
 
@@ -374,6 +379,129 @@ def _polish_peer(ids, lens, whole, rank_load, tail_waves, single_rank, single_ke
         rank_load[hi] -= whole[best]
         rank_load[lo] += whole[best]
         single_rank[best], single_key[best] = lo, tail_key + _first_fit(tail_waves[lo], L, cap)
+
+
+def plan_hdp_megatron(ctx: Context) -> Plan:
+    """``hdp`` restricted to what Megatron's hybrid context parallelism executes: each sequence
+    whole on one rank or zigzag-split over an aligned power-of-two group of consecutive ranks
+    (size ``2^i`` starting at a multiple of ``2^i``), no offload; each barrier-separated group
+    partitions the ranks into such blocks, and a block runs its sequences one per micro-batch.
+
+    Degrees come from the relaxation over power-of-two menus; a group gives each degree class
+    blocks in proportion to its area (largest class first, so consecutive allocation keeps every
+    block aligned), LPT inside a class; classes left without ranks wait for the next group."""
+    lens, cost = ctx.seq_lens, ctx.cost
+    n, cap = ctx.num_ranks, ctx.capacity
+    longest = int(lens.max(initial=0))
+    if longest > 0 and next_pow2(-(-longest // cap)) > n:
+        raise PlanningError(f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
+                            f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but the cluster has {n}")
+    rel = relaxation_bound(cost, lens, "peer" if ctx.sync == "peer" else ctx.sync, cap, n, pow2=True)
+    best: tuple[float, Plan] | None = None
+    for f in HEIGHT_FACTORS:
+        degree, job_time = rel.degrees_at(rel.height_s * f, cost)
+        plan = _place_megatron(ctx, degree, job_time)
+        t = cost.evaluate(plan).step_time_s
+        if best is None or t < best[0]:
+            best = (t, plan)
+    # Megatron's own schedule is in this form too: never return a slower one.
+    from .hybridcp import plan_hybridcp
+
+    theirs = plan_hybridcp(ctx, implementation="ours")
+    t = cost.evaluate(theirs).step_time_s
+    if t < best[0]:
+        theirs.strategy = "hdp"
+        theirs.predicted["from_balanced_cp_scheduler"] = 1.0
+        best = (t, theirs)
+    plan = best[1]
+    plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
+    plan.predicted["relaxation_height_s"] = rel.height_s
+    return plan
+
+
+def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+    lens = ctx.seq_lens
+    n = ctx.num_ranks
+    whole = np.asarray(ctx.cost.seq_time(lens), dtype=np.float64)
+    time_of = np.where(degree > 1, job_time, whole)
+    todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
+    builder = PlanBuilder(ctx, "hdp")
+    rows_seq, rows_wave, rows_members = [], [], []
+    wave0 = 0
+    groups = 0
+    while todo:
+        classes: dict[int, list[int]] = {}
+        for i in todo:
+            classes.setdefault(int(degree[i]), []).append(i)
+        area = {k: sum(float(time_of[i]) for i in ids) * k for k, ids in classes.items()}
+        height = max(sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values()))
+        counts = _block_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
+        next_rank = 0
+        left: list[int] = []
+        for k in sorted(classes, reverse=True):
+            m = counts.get(k, 0)
+            if m == 0:
+                left += classes[k]
+                continue
+            mine = [(next_rank + j * k, k) for j in range(m)]
+            next_rank += m * k
+            # LPT of the class's sequences over its blocks (each block's list is its micro-batches),
+            # up to the group's height; what does not fit waits for the next group.
+            heap = [(0.0, b) for b in range(len(mine))]
+            lists: list[list[int]] = [[] for _ in mine]
+            for i in classes[k]:
+                load, b = heap[0]
+                if load > 0 and load + float(time_of[i]) > height * 1.02:
+                    left.append(i)
+                    continue
+                heapq.heapreplace(heap, (load + float(time_of[i]), b))
+                lists[b].append(i)
+            for (first, size), ids in zip(mine, lists):
+                for slot, i in enumerate(ids):
+                    rows_seq.append(i)
+                    rows_wave.append(wave0 + slot)
+                    rows_members.append(np.arange(first, first + size, dtype=np.int64))
+        placed_waves = [w for w in rows_wave if w >= wave0]
+        if groups > 0:
+            builder.barriers.append(wave0)
+        wave0 = max(placed_waves, default=wave0 - 1) + 1
+        groups += 1
+        if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a block
+            raise PlanningError("hdp (megatron form): no group could be formed")
+        todo = left
+    seq_a = np.asarray(rows_seq, dtype=np.int64)
+    parts = np.asarray([m.size for m in rows_members], dtype=np.int64)
+    rank, seq, start, end = zigzag_arrays(seq_a, lens[seq_a], parts, ranks=rows_members)
+    pos = np.empty(lens.size, dtype=np.int64)
+    pos[seq_a] = np.arange(seq_a.size)
+    builder.add(np.asarray(rows_wave, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+    builder.info = {"groups": float(groups), "max_degree": float(degree.max(initial=1))}
+    return builder.build()
+
+
+def _block_counts(area: dict[int, float], jobs: dict[int, int], n: int, height: float) -> dict[int, int]:
+    """Blocks per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
+    each class the blocks its area needs (at least one), largest class first while ranks last;
+    spare ranks go one block at a time to the class with the most work per rank (never more
+    blocks than sequences)."""
+    counts: dict[int, int] = {}
+    free = n
+    for k in sorted(area, reverse=True):
+        want = min(jobs[k], max(1, int(round(area[k] / (k * height)))))
+        m = min(want, free // k)
+        if m:
+            counts[k] = m
+            free -= m * k
+    heap = [(-area[k] / (counts[k] * k), k) for k in counts]
+    heapq.heapify(heap)
+    while heap:
+        _, k = heapq.heappop(heap)
+        if k > free or counts[k] >= jobs[k]:
+            continue
+        counts[k] += 1
+        free -= k
+        heapq.heappush(heap, (-area[k] / (counts[k] * k), k))
+    return counts
 
 
 def relaxation_for(ctx: Context, pow2: bool = False) -> Relaxation:

@@ -1,2 +1,145 @@
-"""placeholder while wiring"""
-def fits_budget(rel, n): return False
+"""The malleable-job MILP of DESIGN.md, with pulp: one degree per long sequence.
+
+Sequences of equal length form a bucket ``b`` (``c_b`` sequences) with the priced menu of
+:func:`planner.degrees.length_menu` (degree ``k``: height ``h_bk`` s, area ``a_bk`` rank-s)::
+
+    minimise    M + eps * (sum_bk a_bk n_bk) / slots
+    subject to  sum_k n_bk = c_b                     every sequence gets one degree
+                n_bk <= c_b * y_bk                   y_bk = 1 where degree k is used
+                h_bk * y_bk <= M                     every used degree within the height
+                A_short + sum_bk a_bk n_bk <= slots * M
+                M >= h_short                          the tallest unsplit sequence
+                n_bk integer >= 0, y_bk binary
+
+``slots`` is the ranks (``peer``) or ranks x waves (``wave``). The sweep of
+:func:`planner.degrees.relaxation_bound` solves this exactly when every bucket holds one
+sequence; the MILP also handles buckets of many equal lengths (synthetic and bucketed corpora)
+and verifies the sweep. Its LP relaxation (``lp_bound_s``) is weaker than the sweep's bound, which
+stays the reported one.
+
+Solver: HiGHS (``highspy``) where installed, else the CBC that pulp bundles; one thread, a node
+limit (deterministic: a time limit alone would let two runs disagree) and a time limit as a
+safety net. The warm start (the sweep's degrees) bounds the objective (HiGHS) or is the initial
+solution (CBC). On failure or timeout: a warning, and the caller keeps the heuristic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hdp import CostModel
+
+from .degrees import Relaxation, packed_time
+
+MAX_OPTIONS = 3000  # (bucket, degree) pairs the MILP takes within the planning budget
+MAX_RANKS = 512  # above this the sweep alone plans (and is exact for distinct lengths)
+NODE_LIMIT = 2000
+
+
+@dataclass
+class IlpChoice:
+    """The MILP's degrees (``None`` where it failed) and what to report."""
+
+    degrees: np.ndarray | None
+    job_time: np.ndarray | None
+    info: dict[str, float] = field(default_factory=dict)
+
+
+def solver_name() -> str:
+    """``highs`` where highspy is importable, else ``cbc``."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return "cbc"
+    return "highs"
+
+
+def fits_budget(rel: Relaxation, num_ranks: int) -> bool:
+    """Whether the MILP fits the planning time budget (small and mid-size steps)."""
+    return num_ranks <= MAX_RANKS and 0 < sum(mu.degrees.size for mu in rel.menus) <= MAX_OPTIONS
+
+
+def _make_solver(name: str, time_limit_s: float, mip: bool = True):
+    import pulp
+
+    if name == "highs":
+        return pulp.HiGHS(mip=mip, msg=False, threads=1, timeLimit=time_limit_s, mip_max_nodes=NODE_LIMIT,
+                          random_seed=0)
+    return pulp.PULP_CBC_CMD(mip=mip, msg=False, threads=1, timeLimit=time_limit_s, maxNodes=NODE_LIMIT,
+                             warmStart=mip, options=["randomSeed 0", "randomCbcSeed 0"])
+
+
+def solve_degrees(rel: Relaxation, cost: CostModel, sync: str, slots: int, warm: np.ndarray, time_limit_s: float = 2.0,
+                  solver: str | None = None, eps: float = 1e-4) -> IlpChoice:
+    """Solve the MILP (module docstring) for the long sequences of ``rel``; ``warm``: degrees of
+    every sequence to start from."""
+    import pulp
+
+    name = solver or solver_name()
+    lens = rel.seq_lens
+    long_lens = lens[rel.long_ids]
+    buckets: dict[int, list[int]] = {}
+    for j, L in enumerate(long_lens.tolist()):
+        buckets.setdefault(int(L), []).append(j)  # j indexes rel.long_ids / rel.menus
+    short = np.ones(lens.size, dtype=bool)
+    short[rel.long_ids] = False
+
+    packed = packed_time(cost, lens, cost.offload_capacity(sync))
+    area_short = float(packed[short].sum())
+    h_short = float(packed[short].max(initial=0.0))
+
+    prob = pulp.LpProblem("hdp_degrees", pulp.LpMinimize)
+    M = prob.add_variable("M", lowBound=h_short)
+    n_vars: dict[tuple[int, int], pulp.LpVariable] = {}
+    area_terms = []
+    for b, (L, members) in enumerate(sorted(buckets.items())):
+        mu = rel.menus[members[0]]
+        c = len(members)
+        warm_counts = {}
+        for j in members:
+            d = int(warm[rel.long_ids[j]])
+            warm_counts[d] = warm_counts.get(d, 0) + 1
+        row = []
+        for k, (d, h, a) in enumerate(zip(mu.degrees.tolist(), mu.height.tolist(), mu.area.tolist())):
+            n = prob.add_variable(f"n_{b}_{k}", lowBound=0, upBound=c, cat="Integer")
+            y = prob.add_variable(f"y_{b}_{k}", cat="Binary")
+            n.setInitialValue(warm_counts.get(d, 0))
+            y.setInitialValue(1 if warm_counts.get(d, 0) else 0)
+            prob += n <= c * y
+            prob += h * y <= M
+            n_vars[(b, k)] = n
+            row.append(n)
+            area_terms.append(a * n)
+        prob += pulp.lpSum(row) == c
+    prob += area_short + pulp.lpSum(area_terms) <= slots * M
+    prob += M + eps * (pulp.lpSum(area_terms) / slots)
+    info: dict[str, float] = {"ilp_variables": float(2 * len(n_vars)), "ilp_solver_highs": float(name == "highs")}
+    try:
+        if pulp.LpStatus[prob.solve(_make_solver(name, time_limit_s, mip=False))] == "Optimal":
+            info["lp_bound_s"] = float(M.value())
+        status = prob.solve(_make_solver(name, time_limit_s))
+    except Exception as e:  # solver missing, crashed, or refused the model
+        warnings.warn(f"hdp: the MILP solver ({name}) failed ({e}); keeping the heuristic's degrees", RuntimeWarning)
+        info["ilp_failed"] = 1.0
+        return IlpChoice(None, None, info)
+    if pulp.LpStatus[status] != "Optimal" or M.value() is None:
+        warnings.warn(f"hdp: the MILP ({name}) ended '{pulp.LpStatus[status]}' within {time_limit_s:.1f} s / "
+                      f"{NODE_LIMIT} nodes; keeping the heuristic's degrees", RuntimeWarning)
+        info["ilp_failed"] = 1.0
+        return IlpChoice(None, None, info)
+    info["ilp_objective_s"] = float(M.value())
+    degrees = np.asarray(warm, dtype=np.int64).copy()
+    job_time = np.asarray(cost.seq_time(lens), dtype=np.float64)
+    for b, (L, members) in enumerate(sorted(buckets.items())):
+        mu = rel.menus[members[0]]
+        assigned: list[int] = []
+        for k in range(mu.degrees.size):
+            assigned += [k] * int(round(n_vars[(b, k)].value() or 0))
+        # Larger degrees to the first members (equal lengths: any order is the same job).
+        for j, k in zip(members, sorted(assigned, reverse=True)):
+            degrees[rel.long_ids[j]] = mu.degrees[k]
+            job_time[rel.long_ids[j]] = mu.height[k]
+    return IlpChoice(degrees, job_time, info)

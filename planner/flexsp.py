@@ -1,0 +1,194 @@
+"""``flexsp``: FlexSP (ASPLOS '25): sequences on power-of-two sequence-parallel groups chosen by
+a MILP per step, over length buckets from dynamic programming, with a time limit.
+
+1. Buckets: the sorted lengths are cut into at most ``MAX_BUCKETS`` runs by dynamic programming,
+   minimising the attention overestimate ``sum (max_in_bucket^2 - L^2)``; a bucket is priced at
+   its longest sequence.
+2. MILP (pulp; HiGHS where installed, else CBC), for a step time ``M``: integers ``m_g`` (groups
+   of ``g`` ranks, ``g`` a power of two that holds the bucket) and ``x_bg`` (sequences of bucket
+   ``b`` on size-``g`` groups) with ``sum_g g m_g <= N``, ``sum_g x_bg = c_b``,
+   ``sum_b x_bg t_bg <= m_g M`` and ``t_bg <= M`` where used. ``M`` is bisected (each test a small
+   feasibility MILP; ``m_g M`` is what makes the joint problem bilinear). ``t_bg``: the cost
+   model's time of one bucket sequence zigzag-split over ``g`` ranks (FlexSP uses Ulysses
+   all-to-all; here every strategy is priced by the same cost model).
+3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
+   over its groups by LPT; a group runs them one micro-batch after another (``peer`` sync: groups
+   do not wait for each other); single-rank groups pack whole sequences by first-fit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+
+import numpy as np
+
+from hdp import Plan
+
+from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
+from .degrees import split_times
+from .hdp_ilp import _make_solver, solver_name
+
+NATIVE_SYNC = "peer"
+MAX_BUCKETS = 16
+BISECTION_STEPS = 8
+TIME_LIMIT_S = 0.5  # per feasibility MILP
+
+
+def length_buckets(lengths: np.ndarray, max_buckets: int = MAX_BUCKETS) -> list[np.ndarray]:
+    """Indices of ``lengths`` in at most ``max_buckets`` runs of the sorted order (DP on the
+    attention overestimate of pricing every sequence at its bucket's longest)."""
+    order = np.argsort(lengths, kind="stable")
+    L = lengths[order].astype(np.float64)
+    n = L.size
+    if n <= max_buckets:
+        return [order[i:i + 1] for i in range(n)]
+    sq = np.concatenate([[0.0], np.cumsum(L * L)])
+    best = np.full((max_buckets + 1, n + 1), np.inf)
+    cut = np.zeros((max_buckets + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, max_buckets + 1):
+        for j in range(k, n + 1):
+            i = np.arange(k - 1, j)  # the bucket is sequences i..j-1, priced at L[j-1]
+            c = best[k - 1, i] + (j - i) * L[j - 1] ** 2 - (sq[j] - sq[i])
+            a = int(np.argmin(c))
+            best[k, j], cut[k, j] = c[a], i[a]
+    out, j = [], n
+    for k in range(max_buckets, 0, -1):
+        i = int(cut[k, j])
+        out.append(order[i:j])
+        j = i
+    return [b for b in reversed(out) if b.size]
+
+
+def plan_flexsp(ctx: Context) -> Plan:
+    import pulp
+
+    lens, cost = ctx.seq_lens, ctx.cost
+    n, cap = ctx.num_ranks, ctx.capacity
+    ids = np.flatnonzero(lens > 0)
+    longest = int(lens.max(initial=0))
+    if longest and next_pow2(-(-longest // cap)) > n:
+        raise PlanningError(f"flexsp: a sequence of {longest} tokens needs a group of {next_pow2(-(-longest // cap))} "
+                            f"ranks (a power of two) at {cap} tokens each, but the cluster has {n}")
+    buckets = length_buckets(lens[ids])
+    rep_len = [int(lens[ids[b]].max()) for b in buckets]
+    sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
+    t: dict[tuple[int, int], float] = {}
+    for b, L in enumerate(rep_len):
+        for g in sizes:
+            if g >= next_pow2(-(-L // cap)) and L >= g:
+                t[(b, g)] = float(split_times(cost, np.array([L]), np.array([g]), ctx.sync)[0][0])
+    counts = [b.size for b in buckets]
+    name = solver_name()
+
+    def feasible(M: float) -> dict[tuple[int, int], int] | None:
+        prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
+        m = {g: prob.add_variable(f"m_{g}", 0, n // g, cat="Integer") for g in sizes}
+        x = {k: prob.add_variable(f"x_{k[0]}_{k[1]}", 0, counts[k[0]], cat="Integer") for k, v in t.items() if v <= M}
+        for b in range(len(buckets)):
+            row = [x[k] for k in x if k[0] == b]
+            if not row:
+                return None
+            prob += pulp.lpSum(row) == counts[b]
+        for g in sizes:
+            load = [x[k] * t[k] for k in x if k[1] == g]
+            if load:
+                prob += pulp.lpSum(load) <= M * m[g]
+        prob += pulp.lpSum(g * m[g] for g in sizes) <= n
+        prob += pulp.lpSum([])  # feasibility only: the first schedule found will do
+        status = prob.solve(_make_solver(name, TIME_LIMIT_S))
+        if pulp.LpStatus[status] != "Optimal":
+            return None
+        sol = {k: int(round(v.value() or 0)) for k, v in x.items()}
+        sol.update({(-1, g): int(round(m[g].value() or 0)) for g in sizes})
+        return sol
+
+    whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
+    lo = max(min(v for (b, _), v in t.items() if b == bb) for bb in range(len(buckets))) if buckets else 0.0
+    hi = float(whole[ids].sum()) + 1.0
+    sol = None
+    try:
+        for _ in range(BISECTION_STEPS if buckets else 0):
+            mid = (lo + hi) / 2 if sol is not None else hi
+            found = feasible(mid)
+            if found is None:
+                lo = mid
+            else:
+                sol, hi = found, mid
+    except Exception as e:  # the solver failed: every bucket on its smallest group
+        warnings.warn(f"flexsp: the MILP solver ({name}) failed ({e}); using the smallest groups", RuntimeWarning)
+        sol = None
+    if sol is None:
+        sol = {}
+        for b in range(len(buckets)):
+            g = min(g for (bb, g) in t if bb == b)
+            sol[(b, g)] = sol.get((b, g), 0) + counts[b]
+        for g in sizes:
+            sol[(-1, g)] = 1 if any(k[1] == g and v for k, v in sol.items() if k[0] >= 0) else 0
+        if sum(g * sol[(-1, g)] for g in sizes) > n:
+            raise PlanningError("flexsp: the MILP found no schedule and one group per size does not fit the cluster")
+    # Spare ranks: one more group at a time to the class with the most work per group.
+    load = {g: sum(v * t[k] for k, v in sol.items() if k[0] >= 0 and k[1] == g) for g in sizes}
+    spare = n - sum(g * sol.get((-1, g), 0) for g in sizes)
+    while True:
+        fits = [g for g in sizes if g <= spare and load[g] > 0 and sol.get((-1, g), 0) < sum(
+            v for k, v in sol.items() if k[0] >= 0 and k[1] == g)]
+        if not fits:
+            break
+        g = max(fits, key=lambda g: load[g] / max(sol.get((-1, g), 0), 1))
+        sol[(-1, g)] = sol.get((-1, g), 0) + 1
+        spare -= g
+    return _place(ctx, buckets, ids, sol, sizes, whole)
+
+
+def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
+    lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
+    builder = PlanBuilder(ctx, "flexsp")
+    next_rank = 0
+    rows_seq, rows_wave, rows_members = [], [], []
+    for g in sorted(sizes, reverse=True):
+        groups = sol.get((-1, g), 0)
+        seqs = []
+        for b, members in enumerate(buckets):
+            k = sol.get((b, g), 0)
+            if k:
+                taken = [int(ids[i]) for i in members[:k]]
+                buckets[b] = members[k:]
+                seqs += taken
+        if not seqs:
+            continue
+        groups = max(groups, 1)
+        first = [next_rank + j * g for j in range(groups)]
+        next_rank += groups * g
+        heap = [(0.0, j) for j in range(groups)]
+        lists: list[list[int]] = [[] for _ in range(groups)]
+        for i in sorted(seqs, key=lambda i: -whole[i]):
+            load, j = heapq.heappop(heap)
+            lists[j].append(i)
+            heapq.heappush(heap, (load + float(whole[i]), j))
+        for j, seq_list in enumerate(lists):
+            if g == 1:
+                waves: list[int] = []
+                for i in seq_list:
+                    k = next((k for k, used in enumerate(waves) if used + lens[i] <= cap), len(waves))
+                    if k == len(waves):
+                        waves.append(0)
+                    waves[k] += int(lens[i])
+                    builder.add(k, first[j], i, 0, int(lens[i]))
+            else:
+                for slot, i in enumerate(seq_list):
+                    rows_seq.append(i)
+                    rows_wave.append(slot)
+                    rows_members.append(np.arange(first[j], first[j] + g, dtype=np.int64))
+    if next_rank > n:
+        raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")
+    if rows_seq:
+        seq_a = np.asarray(rows_seq, dtype=np.int64)
+        parts = np.asarray([m.size for m in rows_members], dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(seq_a, lens[seq_a], parts, ranks=rows_members)
+        pos = np.empty(lens.size, dtype=np.int64)
+        pos[seq_a] = np.arange(seq_a.size)
+        builder.add(np.asarray(rows_wave, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+    builder.info = {"buckets": float(len(buckets)), "groups": float(sum(sol.get((-1, g), 0) for g in sizes))}
+    return builder.build()
