@@ -35,6 +35,7 @@ from hdp.cost import KVTraffic
 from .common import zigzag_positions, zigzag_shares
 
 BLOCK_ALIGN = 128  # block granularity of multi-rank shards (tokens)
+MIN_SHARE = 1024  # fewest tokens per member in a menu degree
 
 
 def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: str = "peer",
@@ -139,12 +140,15 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         mu = price(deg.astype(np.int64))
         return _until_lowest(mu)
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
-    coarse = price(degree_menu(length, c.num_ranks, off_cap, ratio=1.5, dense_up_to=4))
+    # Members holding under MIN_SHARE tokens run the kernel far below its rate and wait on K/V:
+    # such degrees are never the fastest, so the menu stops there.
+    widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1))))
+    coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4))
     if coarse.degrees.size == 0:
         return coarse
     ok = np.isfinite(coarse.height)
-    top = int(coarse.degrees[ok][int(np.argmin(coarse.height[ok]))] * 1.5) + 1 if ok.any() else c.num_ranks
-    return _until_lowest(price(degree_menu(length, min(c.num_ranks, top), off_cap)))
+    top = int(coarse.degrees[ok][int(np.argmin(coarse.height[ok]))] * 1.5) + 1 if ok.any() else widest
+    return _until_lowest(price(degree_menu(length, min(widest, top), off_cap)))
 
 
 def _until_lowest(mu: Menu) -> Menu:

@@ -1,0 +1,118 @@
+"""The planner's targets (issue #3), measured side by side in one run.
+
+1. Quality: every strategy on the four standard workloads at several cluster sizes, for each
+   model: step / simple lower bound, step / the planner's bound (``predicted["bound_s"]``), and
+   hdp's speed-up over each baseline.
+2. Planning time of hdp on one core as the cluster and the batch grow (byted-2m, 32K tokens per
+   rank: 1024 ranks = 32M tokens, 16,384 ranks = 512M; plus 16,384 ranks at 256M tokens).
+
+    python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 --out docs/figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hdp import ClusterSpec, CostModel, model_preset
+from hdp.workloads import get_workload, workload_names
+from planner import plan_and_evaluate
+
+BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
+
+
+def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int) -> list[dict]:
+    rows = []
+    for model_name in models:
+        model = model_preset(model_name)
+        for wl in workloads:
+            lens = get_workload(wl).sample_batch(np.random.default_rng(seed))
+            for n in gpus:
+                cluster = ClusterSpec.preset("h100", n)
+                cost = CostModel(model, cluster)
+                row = {"model": model_name, "workload": wl, "gpus": n}
+                for strategy in BASELINES + ["hdp", "hdp-megatron"]:
+                    name, kw = ("hdp", {"form": "megatron"}) if strategy == "hdp-megatron" else (strategy, {})
+                    if name == "hybridcp":
+                        kw = {"hybridcp_impl": "ours"}  # identical decisions to megatron-core's, faster
+                    try:
+                        plan, rep = plan_and_evaluate(lens, cluster, model, name, cost=cost, **kw)
+                    except Exception as e:  # a baseline that cannot form its groups here
+                        row[strategy] = {"error": str(e)}
+                        continue
+                    row[strategy] = {"step_s": rep.step_time_s, "lb_s": rep.lower_bound_s,
+                                     "bound_s": plan.predicted.get("bound_s"), "plan_s": rep.plan_time_s,
+                                     "sync": plan.sync}
+                rows.append(row)
+                h = row["hdp"]
+                base = {b: row[b]["step_s"] / h["step_s"] for b in BASELINES if "step_s" in row[b]}
+                print(f"{model_name:9s} {wl:15s} {n:5d}  hdp {h['step_s']:9.2f} s  xLB {h['step_s'] / h['lb_s']:5.2f}  "
+                      f"xbound {h['step_s'] / h['bound_s']:5.3f}  plan {h['plan_s']:5.2f} s  "
+                      + "  ".join(f"vs {b} {v:5.2f}x" for b, v in base.items())
+                      + (f"  megatron-form xbound {row['hdp-megatron']['step_s'] / row['hdp-megatron']['bound_s']:5.3f}"
+                         if "step_s" in row["hdp-megatron"] else ""), flush=True)
+    return rows
+
+
+def planning_time(points: list[tuple[int, int]], seed: int) -> list[dict]:
+    rows = []
+    model = model_preset("llama-7b")
+    for n, tokens in points:
+        lens = get_workload("byted-2m").sample_batch(np.random.default_rng(seed), tokens_per_step=tokens)
+        cluster = ClusterSpec.preset("h100", n)
+        t0 = time.perf_counter()
+        plan, rep = plan_and_evaluate(lens, cluster, model, "hdp", validate=False)
+        total = time.perf_counter() - t0
+        rows.append({"gpus": n, "tokens": tokens, "sequences": int(lens.size), "plan_s": rep.plan_time_s,
+                     "with_evaluation_s": total, "x_bound": rep.step_time_s / plan.predicted["bound_s"]})
+        print(f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  {lens.size:7d} sequences  "
+              f"plan {rep.plan_time_s:6.2f} s  (+ evaluation {total - rep.plan_time_s:5.2f} s)  "
+              f"step/bound {rows[-1]['x_bound']:.3f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama-7b,llama-70b")
+    ap.add_argument("--gpus", default="64,256,1024")
+    ap.add_argument("--workloads", default=",".join(workload_names()))
+    ap.add_argument("--scaling", default="256:8M,1024:32M,4096:128M,16384:256M,16384:512M",
+                    help="RANKS:TOKENS points for the planning-time curve")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="folder for bench_planner.json and planner_time.png")
+    args = ap.parse_args()
+    from hdp.specs import parse_size
+
+    q = quality(args.models.split(","), [int(g) for g in args.gpus.split(",")], args.workloads.split(","), args.seed)
+    points = [(int(p.split(":")[0]), parse_size(p.split(":")[1])) for p in args.scaling.split(",") if p]
+    s = planning_time(points, args.seed)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_planner.json").write_text(json.dumps({"quality": q, "planning": s}, indent=1))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        ax[0].loglog([r["gpus"] for r in s], [r["plan_s"] for r in s], "o-")
+        ax[0].set_xlabel("ranks")
+        ax[0].set_ylabel("hdp planning time per step, s (one core)")
+        ax[1].loglog([r["sequences"] for r in s], [r["plan_s"] for r in s], "o-")
+        ax[1].set_xlabel("sequences in the global batch")
+        for a in ax:
+            a.axhline(0.5, ls=":", c="gray")
+            a.axhline(5.0, ls=":", c="gray")
+            a.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "planner_time.png", dpi=120)
+        print(f"wrote {out / 'bench_planner.json'} and {out / 'planner_time.png'}")
+
+
+if __name__ == "__main__":
+    main()
