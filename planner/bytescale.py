@@ -21,7 +21,7 @@ import numpy as np
 
 from hdp import Plan
 
-from .common import Context, PlanBuilder, PlanningError, zigzag_arrays
+from .common import Context, PlanBuilder, PlanningError
 
 NATIVE_SYNC = "peer"
 
@@ -59,7 +59,7 @@ def plan_bytescale(ctx: Context) -> Plan:
     load = np.zeros(n)
     wave_tokens: list[list[int]] = [[] for _ in range(n)]  # tokens in each of a rank's micro-batches
     builder = PlanBuilder(ctx, "bytescale")
-    long_ids, long_parts, long_members, long_waves = [], [], [], []
+    long_ids, long_members, long_waves = [], [], []
     short_heap: list[tuple[float, int]] | None = None
     placed_short: list[tuple[int, int, int]] = []  # (wave, rank, seq)
     for i in order.tolist():
@@ -88,7 +88,6 @@ def plan_bytescale(ctx: Context) -> Plan:
                 if frac > 0:
                     builder.offload[(wave, r)] = frac
             long_ids.append(i)
-            long_parts.append(d)
             long_members.append(members)
             long_waves.append(wave)
             continue
@@ -110,11 +109,7 @@ def plan_bytescale(ctx: Context) -> Plan:
         placed_short.append((best, r, i))
         heapq.heappush(short_heap, (float(load[r]), r))
     if long_ids:
-        ids = np.asarray(long_ids, dtype=np.int64)
-        rank, seq, start, end = zigzag_arrays(ids, lens[ids], np.asarray(long_parts), ranks=long_members)
-        pos = np.empty(lens.size, dtype=np.int64)
-        pos[ids] = np.arange(ids.size)
-        builder.add(np.asarray(long_waves, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+        builder.add_zigzag(long_ids, long_waves, long_members)
     if placed_short:
         w, r, s = (np.asarray(c, dtype=np.int64) for c in zip(*placed_short))
         builder.add(w, r, s, 0, lens[s])

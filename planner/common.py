@@ -6,8 +6,7 @@ Token counts are ints; times are seconds from the one :class:`hdp.CostModel`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -130,8 +129,33 @@ class PlanBuilder:
         arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (wave, rank, seq, start, end)))
         self._cols.append(tuple(a.reshape(-1) for a in arrays))
 
+    def add_zigzag(self, seq_ids, waves, members: list[np.ndarray], align: int | np.ndarray = 1):
+        """Zigzag-split sequences ``seq_ids[k]`` over the ranks ``members[k]`` in wave ``waves[k]``;
+        returns the added shards' (wave, rank, seq, start, end)."""
+        seq_ids = np.asarray(seq_ids, dtype=np.int64)
+        parts = np.asarray([m.size for m in members], dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(seq_ids, self.ctx.seq_lens[seq_ids], parts, ranks=members, align=align)
+        pos = np.empty(self.ctx.seq_lens.size, dtype=np.int64)
+        pos[seq_ids] = np.arange(seq_ids.size)
+        wave = np.asarray(waves, dtype=np.int64)[pos[seq]]
+        self.add(wave, rank, seq, start, end)
+        return wave, rank, seq, start, end
+
     def add_whole(self, wave: int, rank: int, seq: int) -> None:
         self.add(wave, rank, seq, 0, int(self.ctx.seq_lens[seq]))
+
+    def offload_where_needed(self) -> None:
+        """Offload, in every cell holding more than the capacity, the share of its activations
+        the cost model says it must (cells already given a fraction keep it)."""
+        if not self._cols:
+            return
+        wave, rank, _, start, end = (np.concatenate(c) for c in zip(*self._cols))
+        cells, idx = np.unique(wave * self.ctx.num_ranks + rank, return_inverse=True)
+        tokens = np.bincount(idx, weights=end - start)
+        over = tokens > self.ctx.capacity
+        fractions = self.ctx.cost.offload_needed(tokens[over], self.ctx.sync)
+        for cell, f in zip(cells[over].tolist(), fractions.tolist()):
+            self.offload.setdefault(divmod(cell, self.ctx.num_ranks), float(f))
 
     def build(self) -> Plan:
         if self._cols:
@@ -147,19 +171,3 @@ class PlanBuilder:
         return Plan(self.ctx.seq_lens, self.ctx.num_ranks, rank, wave, seq, start, end, sync=self.ctx.sync,
                     num_waves=num_waves, offload=offload, barriers=self.barriers, strategy=self.strategy,
                     capacity=self.ctx.capacity, predicted=self.info)
-
-
-def split_busy_time(cost: CostModel, length: int, parts: int, sync: str = "peer") -> float:
-    """Busy time (compute + exposed KV traffic) of the slowest rank when one sequence of ``length``
-    tokens is zigzag-split over ``parts`` consecutive ranks (filling nodes), seconds."""
-    return _split_busy_time(cost, int(length), int(parts), sync)
-
-
-@lru_cache(maxsize=65536)
-def _split_busy_time(cost: CostModel, length: int, parts: int, sync: str) -> float:
-    if parts == 1:
-        return float(cost.seq_time(length))
-    rank, seq, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]), first_rank=np.array([0]))
-    plan = Plan([length], parts, rank, np.zeros_like(rank), seq, start, end, sync="peer")
-    sub = replace(cost, cluster=cost.cluster.with_ranks(parts))
-    return float(sub.evaluate(plan).busy_s.max())

@@ -25,7 +25,7 @@ import numpy as np
 
 from hdp import Plan
 
-from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
+from .common import Context, PlanBuilder, PlanningError, next_pow2
 from .degrees import split_times
 from .hdp_ilp import _make_solver, solver_name
 
@@ -184,11 +184,6 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
     if next_rank > n:
         raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")
     if rows_seq:
-        seq_a = np.asarray(rows_seq, dtype=np.int64)
-        parts = np.asarray([m.size for m in rows_members], dtype=np.int64)
-        rank, seq, start, end = zigzag_arrays(seq_a, lens[seq_a], parts, ranks=rows_members)
-        pos = np.empty(lens.size, dtype=np.int64)
-        pos[seq_a] = np.arange(seq_a.size)
-        builder.add(np.asarray(rows_wave, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+        builder.add_zigzag(rows_seq, rows_wave, rows_members)
     builder.info = {"buckets": float(len(buckets)), "groups": float(sum(sol.get((-1, g), 0) for g in sizes))}
     return builder.build()

@@ -35,7 +35,7 @@ import numpy as np
 from hdp import Plan
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
-from .degrees import BLOCK_ALIGN, Relaxation, length_menu, relaxation_bound, step_bound
+from .degrees import BLOCK_ALIGN, Relaxation, relaxation_bound, step_bound
 
 NATIVE_SYNC = "peer"
 HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation's M
@@ -150,8 +150,7 @@ def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) 
 
 def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray, polish_moves: int) -> Plan:
     """Place sequences of the given degrees on ranks and waves (steps 2 and 3 of the module doc)."""
-    lens, cost = ctx.seq_lens, ctx.cost
-    n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
+    lens, cost, cap = ctx.seq_lens, ctx.cost, ctx.capacity
     off_cap = max(cost.offload_capacity(ctx.sync), cap)
     whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
     # Jobs placed as blocks: split sequences, and whole ones that need offload to fit a rank.
@@ -162,29 +161,20 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
     single = single[np.argsort(-whole[single], kind="stable")]
     builder = PlanBuilder(ctx, "hdp")
     if ctx.sync == "wave":
-        keys = _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, builder)
+        keys = _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
     else:
-        keys = _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves, builder)
+        keys = _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves)
     multi_members, multi_key, single_rank, single_key = keys
     # Waves: the distinct keys in order (the placers use sparse, ordered keys).
     all_keys = np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]])
     uniq = np.unique(all_keys)
     if multi.size:
         aligns = np.array([_align(int(lens[i]), int(degree[i])) for i in multi.tolist()], dtype=np.int64)
-        rank, seq, start, end = zigzag_arrays(multi, lens[multi], degree[multi], ranks=multi_members, align=aligns)
-        pos = np.empty(lens.size, dtype=np.int64)
-        pos[multi] = np.arange(multi.size)
-        wave = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))[pos[seq]]
-        builder.add(wave, rank, seq, start, end)
-        if ctx.sync == "peer":  # offload where a member holds more than the capacity
-            cell_tokens: dict[tuple[int, int], int] = {}
-            for w, r, a, b in zip(wave.tolist(), rank.tolist(), start.tolist(), end.tolist()):
-                cell_tokens[(w, r)] = cell_tokens.get((w, r), 0) + b - a
-            for (w, r), t in cell_tokens.items():
-                if t > cap:
-                    builder.offload[(w, r)] = float(cost.offload_needed(np.array([t]), ctx.sync)[0])
+        waves = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))
+        builder.add_zigzag(multi, waves, multi_members, align=aligns)
     if single.size:
         builder.add(np.searchsorted(uniq, single_key[single]), single_rank[single], single, 0, lens[single])
+    builder.offload_where_needed()
     builder.info = {"multi_rank_sequences": float(multi.size), "max_degree": float(degree.max(initial=1)),
                     "offloading_cells": float(len(builder.offload))}
     return builder.build()
@@ -201,7 +191,7 @@ def _most_tokens(length: int, parts: int) -> int:
     return int(np.bincount(rank, weights=end - start).max())
 
 
-def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, builder):
+def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap):
     """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
     raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
     (ties: the fullest), on the least-loaded ranks with token room; whole sequences, longest
@@ -285,12 +275,10 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap,
         heights[w] = max(heights[w], float(load[w, r]))
         heapq.heappush(heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         single_rank[i], single_key[i] = r, w
-    for (w, r) in zip(*np.nonzero(tokens > cap)):
-        builder.offload[(int(w), int(r))] = float(ctx.cost.offload_needed(np.array([tokens[w, r]]), ctx.sync)[0])
     return members_of, key_of, single_rank, single_key
 
 
-def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves, builder):
+def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves):
     """``peer`` sync. Keys order each rank's work: a multi-rank job placed ``k``-th has key
     ``(2k + 1) * S``; singles in the gap before it ``2k * S + j``; the tail after a rank's last job
     ``(2 K + 2) * S + j`` (``S`` exceeds any count of single waves)."""
@@ -469,12 +457,7 @@ def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> P
         if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a block
             raise PlanningError("hdp (megatron form): no group could be formed")
         todo = left
-    seq_a = np.asarray(rows_seq, dtype=np.int64)
-    parts = np.asarray([m.size for m in rows_members], dtype=np.int64)
-    rank, seq, start, end = zigzag_arrays(seq_a, lens[seq_a], parts, ranks=rows_members)
-    pos = np.empty(lens.size, dtype=np.int64)
-    pos[seq_a] = np.arange(seq_a.size)
-    builder.add(np.asarray(rows_wave, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+    builder.add_zigzag(rows_seq, rows_wave, rows_members)
     builder.info = {"groups": float(groups), "max_degree": float(degree.max(initial=1))}
     return builder.build()
 
@@ -504,9 +487,4 @@ def _block_counts(area: dict[int, float], jobs: dict[int, int], n: int, height: 
     return counts
 
 
-def relaxation_for(ctx: Context, pow2: bool = False) -> Relaxation:
-    """The relaxation of this context (``wave`` sync: per wave)."""
-    return relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks, pow2=pow2)
-
-
-__all__ = ["NATIVE_SYNC", "plan_hdp", "length_menu"]
+__all__ = ["NATIVE_SYNC", "plan_hdp", "plan_hdp_megatron"]

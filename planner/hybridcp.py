@@ -25,7 +25,7 @@ import numpy as np
 
 from hdp import Plan
 
-from .common import Context, PlanBuilder, PlanningError, zigzag_arrays
+from .common import Context, PlanBuilder, PlanningError
 
 NATIVE_SYNC = "peer"
 
@@ -274,11 +274,6 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
         if wave0 > 0:
             builder.barriers.append(wave0)
         wave0 += max((len(ids) for ids in group), default=0)
-    seq_a = np.asarray(seq_rows, dtype=np.int64)
-    parts = np.asarray([m.size for m in member_rows], dtype=np.int64)
-    rank, seq, start, end = zigzag_arrays(seq_a, lens[seq_a], parts, ranks=member_rows)
-    pos = np.empty(lens.size, dtype=np.int64)
-    pos[seq_a] = np.arange(seq_a.size)
-    builder.add(np.asarray(wave_rows, dtype=np.int64)[pos[seq]], rank, seq, start, end)
+    builder.add_zigzag(seq_rows, wave_rows, member_rows)
     builder.info = {"groups": float(len(id_groups)), "megatron_scheduler": float(use_megatron)}
     return builder.build()

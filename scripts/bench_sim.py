@@ -60,7 +60,7 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
     import numpy as np
 
     from hdp import CostModel
-    from planner.common import split_busy_time
+    from planner.degrees import split_times
 
     cost = CostModel(model, cluster)
     cap = cost.capacity("peer")
@@ -70,7 +70,8 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
         L = int(w.sample_batch(rng).max())
         lo = max(1, -(-L // cap))
         ds = sorted(set(np.geomspace(lo, cluster.num_ranks, 48).astype(int).tolist()) | {lo})
-        out.append(min(split_busy_time(cost, L, d) for d in ds if d <= cluster.num_ranks))
+        ds = np.asarray([d for d in ds if d <= cluster.num_ranks], dtype=np.int64)
+        out.append(float(split_times(cost, np.full(ds.size, L), ds)[0].min()))
     return float(np.mean(out))
 
 
