@@ -77,7 +77,7 @@ def plan_flexsp(ctx: Context) -> Plan:
     t: dict[tuple[int, int], float] = {}
     for b, L in enumerate(rep_len):
         for g in sizes:
-            if g >= next_pow2(-(-L // cap)) and L >= g:
+            if g >= next_pow2(-(-L // cap)):  # a short sequence may run on a larger group
                 t[(b, g)] = float(split_times(cost, np.array([L]), np.array([g]), ctx.sync)[0][0])
     counts = [b.size for b in buckets]
     name = solver_name()
