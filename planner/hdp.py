@@ -392,12 +392,12 @@ def plan_hdp_megatron(ctx: Context) -> Plan:
         t = cost.evaluate(plan).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
-    # Megatron's own schedule is in this form too: never return a slower one.
+    # Megatron's own schedule is a candidate where it keeps to the form.
     from .hybridcp import plan_hybridcp
 
     theirs = plan_hybridcp(ctx, implementation="ours")
     t = cost.evaluate(theirs).step_time_s
-    if t < best[0]:
+    if t < best[0] and aligned_groups(theirs):  # its empty-rank filling can break alignment
         theirs.strategy = "hdp"
         theirs.predicted["from_balanced_cp_scheduler"] = 1.0
         best = (t, theirs)
@@ -405,6 +405,18 @@ def plan_hdp_megatron(ctx: Context) -> Plan:
     plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
+
+
+def aligned_groups(plan: Plan) -> bool:
+    """Whether every sequence lies on one rank or on an aligned power-of-two group of consecutive
+    ranks (size ``2^i`` starting at a multiple of ``2^i``)."""
+    pairs = np.unique(plan.seq * plan.num_ranks + plan.rank)
+    seq, rank = pairs // plan.num_ranks, pairs % plan.num_ranks
+    first = np.searchsorted(seq, seq)  # index of each sequence's first (lowest) rank
+    size = np.bincount(seq, minlength=plan.seq_lens.size)[seq]
+    lowest = rank[first]
+    return bool(((size & (size - 1)) == 0).all() and (lowest % size == 0).all()
+                and (rank - lowest == np.arange(seq.size) - first).all())
 
 
 def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
