@@ -102,12 +102,20 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """``forward(input_ids [T], position_ids [T], ctx) -> logits [T, vocab]`` (fp32 logits)."""
+    """``forward(input_ids [T], position_ids [T], ctx) -> logits [T, vocab]`` (fp32 logits), or with
+    ``labels [T]`` (next tokens, ``-100`` ignored) the summed cross-entropy, a scalar.
 
-    def __init__(self, spec: ModelSpec, activation_checkpointing: bool = False) -> None:
+    The loss path never holds more than ``loss_chunk_tokens`` rows of logits: each chunk's LM head
+    and cross-entropy are recomputed in backward (with a 128K vocabulary, 32K tokens of fp32 logits
+    alone are 16 GiB). The cost model's memory estimate assumes the same chunk
+    (``CostModel.loss_chunk_tokens``).
+    """
+
+    def __init__(self, spec: ModelSpec, activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
         self.norm = RMSNorm(spec.hidden)
@@ -121,7 +129,8 @@ class Llama(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
         # Selective offload: the first ``offload`` share of the layers keep what backward needs
         # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
@@ -132,7 +141,20 @@ class Llama(nn.Module):
                     x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
                 else:
                     x = layer(x, position_ids, ctx)
-        return self.lm_head(self.norm(x)).float()
+        h = self.norm(x)
+        if labels is None:
+            return self.lm_head(h).float()
+        total = None
+        # range(0, max(T, 1)): an empty input still runs one (empty) chunk, so that the loss
+        # depends on every parameter and backward reaches FSDP's gradient reduction.
+        for a in range(0, max(h.shape[0], 1), self.loss_chunk_tokens):
+            b = a + self.loss_chunk_tokens
+            part = torch.utils.checkpoint.checkpoint(self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False)
+            total = part if total is None else total + part
+        return total
+
+    def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(self.lm_head(h).float(), labels)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

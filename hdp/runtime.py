@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .model import AttentionContext, Llama, token_loss_sum
+from .model import AttentionContext, Llama
 
 
 @dataclass
@@ -74,8 +74,7 @@ def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None
     def forward_backward(ids, pos, labels, ctx) -> None:
         nonlocal total
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(ids, pos, ctx)
-        loss = token_loss_sum(logits, labels) / max(step.loss_tokens, 1)
+            loss = model(ids, pos, ctx, labels) / max(step.loss_tokens, 1)
         (loss * grad_scale).backward()
         total += loss.detach().double()
 

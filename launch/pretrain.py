@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     pl.add_argument("--strategy", default="hdp", help="hdp, static, hybridcp or bytescale")
     pl.add_argument("--sync", choices=("wave", "peer"), default=None, help="default: peer where memory allows")
     pl.add_argument("--capacity", type=parse_size, default=None, help="tokens per rank per wave (default: from memory)")
+    pl.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                    help="auto: one CUDA GPU per local rank where there are enough, else CPU (gloo)")
     pl.add_argument("--gpu", default=None, help=f"GPU profile for planning: {', '.join(GPU_PRESETS)} (default: detected)")
     pl.add_argument("--plan-ahead", type=int, default=2)
     o = p.add_argument_group("output")
@@ -81,16 +83,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def init_distributed() -> tuple[int, int, int, torch.device]:
-    """(rank, world, ranks per node, device) from torchrun's environment; a 1-rank run needs none."""
+def init_distributed(device_kind: str = "auto") -> tuple[int, int, int, torch.device]:
+    """(rank, world, ranks per node, device) from torchrun's environment (NCCL on CUDA, gloo on
+    CPU); a plain ``python pretrain.py`` runs one rank without a process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_kind == "cuda" and local_world > gpus:
+        raise SystemExit(f"pretrain.py: error: --device cuda with {local_world} ranks per node, but this node has "
+                         f"{gpus} CUDA GPUs: use --nproc-per-node {gpus} or --device cpu")
+    if device_kind == "cuda" or (device_kind == "auto" and 0 < local_world <= gpus):
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1:
+    if "RANK" in os.environ:  # torchrun: FSDP2 over all ranks, one rank included
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), device
@@ -126,7 +134,7 @@ def lr_lambda(warmup: int, total: int):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rank, world, per_node, device = init_distributed()
+    rank, world, per_node, device = init_distributed(args.device)
     try:
         return train(args, rank, world, per_node, device)
     finally:
@@ -166,7 +174,8 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
                            plan_options={"sync": sync, "capacity": args.capacity,
                                          "activation_checkpointing": args.activation_checkpointing})
     torch.manual_seed(args.seed)  # identical initial weights on every rank, sharded below
-    model = Llama(spec, activation_checkpointing=args.activation_checkpointing).to(device)
+    model = Llama(spec, activation_checkpointing=args.activation_checkpointing,
+                  loss_chunk_tokens=cost.loss_chunk_tokens).to(device)
     if args.compile:
         for layer in model.layers:
             layer.mlp.compile()

@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one command, with a summary at the end.
-# Run on a machine with a CUDA GPU from the repository root (installs into ./.venv if needed):
-#   bash scripts/gpu_check.sh
+# Run on a machine with a CUDA GPU from the repository root:
+#   bash scripts/gpu_check.sh [OUT_DIR]
+# Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository is
+# put on PYTHONPATH; wheels in ./.whl, if any, are installed into a scratch folder first: for a
+# machine without internet, `pip download pulp highspy orloge cpsat-logutils -d .whl` elsewhere).
+# OUT_DIR (default /tmp/hdp-gpu-check) receives the logs and the training metrics.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-  python3 -m venv .venv && .venv/bin/python -m pip install -q --upgrade pip
-  # On a GPU machine take the CUDA build of torch that is installed or available there.
-  .venv/bin/python -m pip install -q -e ".[dev]"
+OUT_DIR=${1:-/tmp/hdp-gpu-check}
+mkdir -p "$OUT_DIR"
+has_cuda() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+if [ -x .venv/bin/python ] && has_cuda .venv/bin/python; then
+  PY=.venv/bin/python
+elif has_cuda python3; then
+  PY=python3
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hdp-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/hdp-site
+  fi
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "no CUDA GPU visible to .venv/bin/python or python3: nothing to check"; exit 1
 fi
+$PY -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")'
+
 declare -a summary
-run() {  # run NAME COMMAND...: record pass/fail
+run() {  # run NAME COMMAND...: record pass/fail, keep the log
   local name=$1; shift
   echo "=== $name: $*"
-  if "$@"; then summary+=("PASS  $name"); else summary+=("FAIL  $name"); fi
+  local log="$OUT_DIR/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_').log"
+  if "$@" 2>&1 | tee "$log"; then summary+=("PASS  $name"); else summary+=("FAIL  $name"); fi
 }
-$PY - <<'PY' || { echo "no CUDA GPU visible: nothing to check"; exit 1; }
-import torch, sys
-assert torch.cuda.is_available()
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
-PY
-run "GPU kernel and dist_attn tests" $PY -m pytest -q -rs tests/test_kernels.py tests/test_dist_attn.py -k "gpu or cuda"
-run "block-size benchmark (bench_attention --gpu)" $PY scripts/bench_attention.py --gpu
+run "GPU kernel and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_dist_attn.py -k "gpu or cuda"
+run "block-size benchmark" $PY scripts/bench_attention.py --gpu
+# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the flash backend in dist_attn.
+run "llama-1b training on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+  launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K --tokens-per-step 64K --steps 12 \
+  --warmup 4 --activation-checkpointing --metrics "$OUT_DIR/train_metrics.jsonl"
+# The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
+run "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 --timeout 300 tests
 echo
 echo "Summary ($(date -u +%Y-%m-%d), $($PY -c 'import torch; print(torch.cuda.get_device_name())')):"
 printf '  %s\n' "${summary[@]}"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,3 +179,32 @@ def test_selective_offload_keeps_the_math(tmp_path):
         run_waves(model, step)
         grads.append([q.grad.clone() for q in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_chunked_loss_matches_full_logits():
+    """The chunked loss path (LM head and cross-entropy recomputed per chunk) gives the loss and
+    gradients of ``F.cross_entropy`` over the full logits."""
+    import torch.nn.functional as F
+
+    from hdp import Plan, model_preset
+    from hdp.model import AttentionContext, Llama
+
+    T = 300
+    plan = Plan(np.array([T]), 1, np.array([0]), np.array([0]), np.array([0]), np.array([0]), np.array([T]))
+    ctx = AttentionContext(plan, 0)
+    ids = torch.randint(0, 512, (T,))
+    pos = torch.arange(T)
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    labels[::7] = -100
+    results = []
+    for chunk in (64, None):
+        torch.manual_seed(0)
+        model = Llama(model_preset("tiny"), loss_chunk_tokens=chunk or T).double()
+        loss = model(ids, pos, ctx, labels) if chunk else F.cross_entropy(model(ids, pos, ctx).double(), labels, reduction="sum")
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l_chunked, g_chunked), (l_full, g_full) = results
+    # The model hands fp32 logits to the loss (as it does on GPU), hence fp32 tolerances.
+    torch.testing.assert_close(l_chunked.double(), l_full, rtol=1e-5, atol=0)
+    for a, b in zip(g_chunked, g_full):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
