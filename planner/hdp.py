@@ -16,7 +16,9 @@
    (the ranks of a job start together, so the less-loaded members wait), best fit, then LPT onto
    the least-loaded rank; then moves from the most to the least loaded rank while the maximum
    falls. ``wave``: LPT over the free rank-wave cells with room.
-4. ``form="megatron"``: degrees are powers of two on aligned groups of consecutive ranks
+4. ``form="whole"``: every sequence on one rank (steps 3 alone), for trainers whose attention
+   cannot span ranks (Megatron without hybrid CP: ``dataloader.megatron.PackedBatchIterator``).
+5. ``form="megatron"``: degrees are powers of two on aligned groups of consecutive ranks
    (Megatron's hybrid-CP groups), every wave a barrier-separated group (see
    :func:`plan_hdp_megatron`).
 
@@ -55,16 +57,27 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
              ilp_time_limit_s: float = 2.0) -> Plan:
     """Plan with the relaxation's degrees (or the MILP's where it fits) at a few heights; keep
     the fastest by the cost model. ``use_ilp``: ``None`` = where it fits the budget. ``form``:
-    ``free`` or ``megatron`` (:func:`plan_hdp_megatron`)."""
+    ``free``, ``whole`` (every sequence on one rank: balanced placement alone, for trainers whose
+    attention cannot span ranks) or ``megatron`` (:func:`plan_hdp_megatron`)."""
     from . import hdp_ilp
 
     if form == "megatron":
         return plan_hdp_megatron(ctx)
-    if form != "free":
-        raise ValueError(f"unknown hdp form {form!r}: choose 'free' or 'megatron'")
+    if form not in ("free", "whole"):
+        raise ValueError(f"unknown hdp form {form!r}: choose 'free', 'whole' or 'megatron'")
     check_fits(ctx)
     n, cap = ctx.num_ranks, ctx.capacity
     num_waves = num_waves_for(ctx)
+    if form == "whole":  # every sequence on one rank: only the placement balances
+        longest = int(ctx.seq_lens.max(initial=0))
+        if longest > cap:
+            raise PlanningError(f"hdp (whole form): a sequence of {longest} tokens does not fit one rank's "
+                                f"{cap} tokens; raise the capacity or use a form that splits sequences")
+        degree = np.ones(ctx.seq_lens.size, dtype=np.int64)
+        plan = _place(ctx, num_waves, degree, np.asarray(ctx.cost.seq_time(ctx.seq_lens), dtype=np.float64),
+                      polish_moves)
+        plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
+        return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n)
     candidates = [rel.degrees_at(h, ctx.cost) for h in candidate_heights(rel, ctx.sync)]
     if ctx.sync == "wave" and num_waves > 1:  # also balance each wave as if area spread evenly

@@ -257,23 +257,56 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
         id_groups = megatron_groups(lens[nz].tolist(), cap, n)
     else:
         id_groups = BalancedCPSchedule(cap, n).groups(lens[nz].tolist())
-    builder = PlanBuilder(ctx, "hybridcp")
+    plan = plan_from_sample_id_groups(ctx, id_groups, nz, "hybridcp")
+    plan.predicted["groups"] = float(len(id_groups))
+    plan.predicted["megatron_scheduler"] = float(use_megatron)
+    return plan
+
+
+def plan_from_sample_id_groups(ctx: Context, id_groups: list[list[list[int]]], seq_of_id: np.ndarray | None = None,
+                               strategy: str = "hybridcp") -> Plan:
+    """The plan Megatron's ``hybrid_context_parallel_forward_backward`` executes for a schedule.
+
+    ``id_groups[g][r]``: the sample ids rank ``r`` runs in group ``g``, in order, one micro-batch
+    each, zigzag-split over the ranks that list the same id in that group (its CP group); a
+    barrier separates groups. ``seq_of_id[i]``: the batch index of sample id ``i`` (default: the
+    identity). Inside a group every rank runs its list in order and waits for its CP partners, so a
+    sample's wave is the first at which it heads the remaining list of every rank that holds it;
+    lists whose orders contradict each other would deadlock, and raise :class:`PlanningError`.
+    """
+    n = ctx.num_ranks
+    if seq_of_id is None:
+        seq_of_id = np.arange(ctx.seq_lens.size)
+    builder = PlanBuilder(ctx, strategy)
     wave0 = 0
     seq_rows, wave_rows, member_rows = [], [], []
-    for group in id_groups:
+    for g, group in enumerate(id_groups):
+        if len(group) != n:
+            raise PlanningError(f"group {g} lists {len(group)} ranks, but there are {n}")
         holders: dict[int, list[int]] = {}
-        slot: dict[int, int] = {}
         for r, ids in enumerate(group):
-            for j, sid in enumerate(ids):
+            for sid in ids:
                 holders.setdefault(sid, []).append(r)
-                slot[sid] = j  # CP partners list their sub-samples in the same order
-        for sid, ranks in holders.items():
-            seq_rows.append(int(nz[sid]))
-            wave_rows.append(wave0 + slot[sid])
-            member_rows.append(np.asarray(ranks, dtype=np.int64))
-        if wave0 > 0:
+        head = [0] * n
+        left = sum(len(ids) for ids in group)
+        wave = wave0
+        while left:
+            ready = {ids[head[r]] for r, ids in enumerate(group) if head[r] < len(ids)}
+            ready = [sid for sid in sorted(ready)
+                     if all(head[r] < len(group[r]) and group[r][head[r]] == sid for r in holders[sid])]
+            if not ready:
+                raise PlanningError(f"group {g}: the ranks' sample orders contradict each other (the CP groups "
+                                    "would wait for each other forever)")
+            for sid in ready:
+                seq_rows.append(int(seq_of_id[sid]))
+                wave_rows.append(wave)
+                member_rows.append(np.asarray(holders[sid], dtype=np.int64))
+                for r in holders[sid]:
+                    head[r] += 1
+                    left -= 1
+            wave += 1
+        if wave0 > 0 and wave > wave0:
             builder.barriers.append(wave0)
-        wave0 += max((len(ids) for ids in group), default=0)
+        wave0 = wave
     builder.add_zigzag(seq_rows, wave_rows, member_rows)
-    builder.info = {"groups": float(len(id_groups)), "megatron_scheduler": float(use_megatron)}
     return builder.build()

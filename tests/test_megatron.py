@@ -1,0 +1,263 @@
+"""Megatron-LM integration (``dataloader.megatron``) against the real megatron-core (0.16.1).
+
+Schedules are checked by an independent reading of Megatron's execution rules (lock-step CP
+partners inside a group, aligned power-of-two CP groups, a sub-sample on every rank in the last
+group); the wrapper runs on gloo ranks over a ``GPTDataset`` built with Megatron's own
+``IndexedDatasetBuilder`` and is compared with Megatron's ``HybridCPDataLoaderWrapper``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distributed import run_ranks
+from planner import PlanningError
+from planner.hybridcp import megatron_available
+
+pytestmark = pytest.mark.skipif(not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')")
+
+
+class Group:
+    """A stand-in DPxCP group: the scheduler needs only its size."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def check_megatron_can_run(sample_id_groups, groups, id_len: dict[int, int], n: int, cap: int) -> None:
+    """What Megatron's hybrid_context_parallel_forward_backward needs of a schedule."""
+    seen: dict[int, int] = {}
+    for g, (ids_group, lens_group) in enumerate(zip(sample_id_groups, groups)):
+        assert len(ids_group) == n and len(lens_group) == n
+        holders: dict[int, list[int]] = {}
+        for r, ids in enumerate(ids_group):
+            assert len(set(ids)) == len(ids), f"rank {r} lists a sample twice in group {g}"
+            assert lens_group[r] == [id_len[s] for s in ids]
+            for s in ids:
+                holders.setdefault(s, []).append(r)
+        for s, ranks in holders.items():
+            assert s not in seen, f"sample {s} in groups {seen[s]} and {g}"
+            seen[s] = g
+            k = len(ranks)
+            # One rank, or an aligned power-of-two block of consecutive ranks, or all ranks.
+            assert ranks == list(range(ranks[0], ranks[0] + k))
+            assert k == n or (k & (k - 1) == 0 and ranks[0] % k == 0), ranks
+            assert id_len[s] <= cap * k, f"sample {s}: {id_len[s]} tokens on {k} ranks of {cap}"
+        # Lock-step: a rank runs its list in order; a sample starts when all its holders reach it.
+        pos = [0] * n
+        while any(pos[r] < len(ids_group[r]) for r in range(n)):
+            moved = False
+            for r in range(n):
+                if pos[r] < len(ids_group[r]):
+                    s = ids_group[r][pos[r]]
+                    if all(pos[q] < len(ids_group[q]) and ids_group[q][pos[q]] == s for q in holders[s]):
+                        for q in holders[s]:
+                            pos[q] += 1
+                        moved = True
+            assert moved, f"group {g} deadlocks"
+    assert set(seen) == {s for s, L in id_len.items() if L > 0}
+    assert all(sample_id_groups[-1][r] for r in range(n)), "a rank has no sub-sample in the last group"
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.sampled_from([2, 4, 8, 16]), cap=st.integers(256, 4096), data=st.data())
+def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
+    from dataloader.megatron import HDPScheduler
+
+    count = data.draw(st.integers(n, 4 * n))
+    lens = data.draw(st.lists(st.integers(1, cap * n), min_size=count, max_size=count))
+    ids = data.draw(st.permutations(list(range(1000, 1000 + count))))
+    id_len = dict(zip(ids, lens))
+    groups, sample_id_groups = HDPScheduler(cap, Group(n)).get_groups_and_subsamples(list(id_len.items()), None)
+    check_megatron_can_run(sample_id_groups, groups, id_len, n, cap)
+
+
+def test_megatron_scheduler_errors():
+    from dataloader.megatron import HDPScheduler
+
+    with pytest.raises(PlanningError, match="cannot give each of 8 ranks one"):
+        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(0, 100), (1, 200)], None)
+    with pytest.raises(PlanningError, match="no sub-sample"):
+        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(0, 0)], None)
+    with pytest.raises(PlanningError, match="cannot hold a 9000-token sequence"):
+        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 9000)], None)
+    with pytest.raises(PlanningError, match="needs a CP group of 8 ranks"):
+        HDPScheduler(1024, Group(6)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 5000)], None)
+
+
+@pytest.mark.parametrize("workload, ranks, cap", [("wlb-128k", 64, 16384), ("byted-2m", 64, 65536),
+                                                  ("wlb-128k", 256, 16384), ("github-2m", 256, 65536)])
+def test_megatron_scheduler_beats_balanced_cp_scheduler(workload, ranks, cap):
+    """Same batches, same cost model, both schedules priced as Megatron executes them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    from dataloader.megatron import HDPScheduler, megatron_plan
+    from hdp.workloads import get_workload
+
+    w = get_workload(workload)
+    for seed in range(2):
+        lens = w.sample_batch(np.random.default_rng(seed), ranks * cap, min(w.max_seq, ranks * cap))
+        items = list(enumerate(int(x) for x in lens))
+        ours = HDPScheduler(cap, Group(ranks))
+        groups, sample_id_groups = ours.get_groups_and_subsamples(items, None)
+        check_megatron_can_run(sample_id_groups, groups, dict(items), ranks, cap)
+        _, theirs = BalancedCPScheduler(cap, Group(ranks)).get_groups_and_subsamples(items, None)
+        t_ours = ours.executed_plan().predicted["step_time_s"]
+        t_theirs = megatron_plan(ours.cost, items, theirs).predicted["step_time_s"]
+        assert t_ours < t_theirs, (workload, ranks, seed, t_ours, t_theirs)
+
+
+# ---------------------------------------------------------------- the wrapper on gloo ranks
+
+SEQ = 1024  # GPTDataset sample length
+PER_REPLICA = 3  # packed samples each DP replica reads per step
+CAP = 512  # max_seqlen_per_dp_cp_rank
+
+
+def write_corpus(prefix: str, docs: int = 300, seed: int = 0) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(docs):
+        n = int(rng.choice([rng.integers(20, 200), rng.integers(200, 1500)]))
+        builder.add_document(torch.from_numpy(np.append(rng.integers(1, 999, n - 1), 0).astype(np.int32)), [n])
+    builder.finalize(prefix + ".idx")
+
+
+def gpt_dataset(prefix: str, cache: str):
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    class Tokenizer:  # what GPTDataset reads of a tokenizer
+        eod, pad, vocab_size = 0, 1000, 1001
+        unique_identifiers = {"class": "TestTokenizer"}
+
+    config = GPTDatasetConfig(random_seed=1, sequence_length=SEQ, tokenizer=Tokenizer(), reset_position_ids=True,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              path_to_cache=cache)
+    indexed = IndexedDataset(prefix)
+    return GPTDataset(indexed, prefix, np.arange(len(indexed)), 64, Split.train, config)
+
+
+class Config:
+    max_seqlen_per_dp_cp_rank = CAP
+
+
+def _wrapper_ranks(rank, world, prefix, cp, out_dir):
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from dataloader.megatron import HDPDataLoaderWrapper, add_cu_seqlens
+
+    dp = world // cp
+    # Megatron's rank order with TP = 1: cp fastest, then dp.
+    dp_groups = [dist.new_group([c + cp * d for d in range(dp)]) for c in range(cp)]
+    tp_groups = [dist.new_group([r]) for r in range(world)]
+    pgs = ProcessGroupCollection()
+    pgs.dp_cp, pgs.dp, pgs.tp = dist.group.WORLD, dp_groups[rank % cp], tp_groups[rank]
+    ds = gpt_dataset(prefix, os.path.join(out_dir, "cache"))  # built by the test process
+    replica = rank // cp
+    batch = [add_cu_seqlens(ds[replica * PER_REPLICA + i]) for i in range(PER_REPLICA)]
+
+    ours = HDPDataLoaderWrapper(iter([batch]), Config(), pg_collection=pgs)
+    samples, sample_id_groups = next(ours)
+    # Every rank sees the same schedule; it received exactly its sub-samples, with their tokens.
+    all_groups = [None] * world
+    dist.all_gather_object(all_groups, sample_id_groups)
+    assert all(g == sample_id_groups for g in all_groups)
+    mine = {s for g in sample_id_groups for s in g[rank]}
+    assert set(samples) == mine
+    # The sub-samples in global id order: DP replica 0's samples first, each split at position resets.
+    expected = []
+    for d in range(dp):
+        for i in range(PER_REPLICA):
+            s = ds[d * PER_REPLICA + i]
+            starts = [int(x) for x in torch.nonzero(s["position_ids"] == 0).flatten()] + [SEQ]
+            expected += [{k: v[a:b] for k, v in s.items()} for a, b in zip(starts[:-1], starts[1:]) if b > a]
+    lengths = {i: int(e["tokens"].numel()) for i, e in enumerate(expected)}
+    for gid, sample in samples.items():
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(sample[key], expected[gid][key]), (gid, key)
+    groups_lens = [[[lengths[s] for s in ids] for ids in g] for g in sample_id_groups]
+    check_megatron_can_run(sample_id_groups, groups_lens, lengths, world, CAP)
+
+    # Megatron's own wrapper on the same batch (CUDA calls patched to the CPU, nothing else).
+    from unittest import mock
+
+    from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
+
+    with mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        theirs_samples, theirs_groups = next(HybridCPDataLoaderWrapper(iter([batch]), Config(), pg_collection=pgs))
+    assert {s for g in theirs_groups for s in g[rank]} == set(theirs_samples)
+    assert set(next(iter(theirs_samples.values()))) == set(next(iter(samples.values())))  # same keys
+    if rank == 0:
+        from dataloader.megatron import megatron_plan
+
+        items = list(lengths.items())
+        cost = ours.cp_balancing_scheduler.cost
+        t_ours = megatron_plan(cost, items, sample_id_groups).predicted["step_time_s"]
+        t_theirs = megatron_plan(cost, items, theirs_groups).predicted["step_time_s"]
+        with open(os.path.join(out_dir, "times.txt"), "w") as f:
+            f.write(f"{t_ours} {t_theirs}")
+
+
+@pytest.mark.parametrize("world, cp", [(4, 2), (2, 1)])
+def test_megatron_wrapper_on_gloo(tmp_path, world, cp):
+    prefix = str(tmp_path / "corpus")
+    write_corpus(prefix)
+    gpt_dataset(prefix, str(tmp_path / "cache"))  # GPTDataset builds its index cache on global rank 0 only
+    run_ranks(_wrapper_ranks, world, prefix, cp, str(tmp_path), timeout=240)
+    t_ours, t_theirs = map(float, (tmp_path / "times.txt").read_text().split())
+    assert t_ours <= t_theirs * 1.0001, (t_ours, t_theirs)
+
+
+def test_megatron_packed_batch_iterator(tmp_path):
+    """The external-dataloader path: whole sequences per DP replica, THD PackedSeqParams whose
+    cu_seqlens cut the micro-batch into the documents, each padded to a multiple of 2 * cp."""
+    from dataloader import BatchStream, HDPDataLoader, SyntheticSource
+    from dataloader.megatron import PackedBatchIterator
+    from hdp import ClusterSpec, model_preset
+
+    src = SyntheticSource("wlb-128k", 200, 2048, 0)
+    stream = BatchStream([src.lengths], 8192, 2048)
+    loader = HDPDataLoader([src], stream, ClusterSpec.preset("cpu", 1), model_preset("tiny"),
+                           plan_options={"form": "whole", "capacity": 4096})
+    it = PackedBatchIterator(loader, num_microbatches=6, pad_multiple=4)
+    batches = [next(it) for _ in range(6)]
+    step = it.step_data
+    loader.close()
+    real = [b for b in batches if b["loss_mask"].sum() > 0]
+    assert len(real) == sum(1 for w in step.waves if w.input_ids.numel())
+    trained = 0
+    for b in batches:
+        p = b["packed_seq_params"]
+        cu = b["cu_seqlens"].tolist()
+        assert p.qkv_format == "thd" and torch.equal(p.cu_seqlens_q, b["cu_seqlens"])
+        assert cu[-1] == b["tokens"].shape[1] and all((y - x) % 4 == 0 for x, y in zip(cu[:-1], cu[1:]))
+        assert p.max_seqlen_q == max(y - x for x, y in zip(cu[:-1], cu[1:]))
+        for x, y in zip(cu[:-1], cu[1:]):  # positions restart with every document
+            assert b["position_ids"][0, x] == 0
+        trained += int(b["loss_mask"].sum())
+    assert trained == sum(int((w.labels != -100).sum()) for w in step.waves)
+    with pytest.raises(PlanningError, match="raise --global-batch-size"):
+        it2 = PackedBatchIterator(HDPDataLoader([src], BatchStream([src.lengths], 8192, 2048), ClusterSpec.preset("cpu", 1),
+                                                model_preset("tiny"), plan_options={"form": "whole", "capacity": 2048}),
+                                  num_microbatches=1)
+        next(it2)
