@@ -16,6 +16,8 @@ check, clear error).
 * :class:`PackedBatchIterator` -- for ``--dataloader-type external`` and Megatron versions
   without hybrid CP: our dataloader's micro-batches as Megatron batch dicts with THD
   ``PackedSeqParams``.
+* :func:`install` -- makes Megatron-LM's training loop build :class:`HDPDataLoaderWrapper` where it
+  builds ``HybridCPDataLoaderWrapper`` (one line in ``pretrain_gpt.py``).
 * :func:`add_cu_seqlens` -- the packed-sample ``cu_seqlens`` of a ``GPTDataset`` sample built with
   ``reset_position_ids``.
 
@@ -58,6 +60,26 @@ def require_megatron():
                           "HDPDataLoaderWrapper needs >= 0.16 (pip install -U 'megatron-core>=0.16'); "
                           "with older versions use dataloader.megatron.PackedBatchIterator")
     return mcore
+
+
+def install(**scheduler_options: Any) -> None:
+    """Make Megatron-LM use :class:`HDPDataLoaderWrapper` wherever it would build
+    ``HybridCPDataLoaderWrapper`` (``--hybrid-context-parallel``). Call it once in
+    ``pretrain_gpt.py`` before ``pretrain(...)``; ``scheduler_options`` go to :class:`HDPScheduler`
+    (model, gpu, gpus_per_node, sync)."""
+    import sys
+
+    require_megatron()
+    import megatron.core.datasets.data_schedule as data_schedule
+
+    def wrapper(data_iterator, config, pg_collection=None):
+        return HDPDataLoaderWrapper(data_iterator, config, pg_collection, scheduler_options=scheduler_options)
+
+    data_schedule.HybridCPDataLoaderWrapper = wrapper
+    # Megatron-LM's training loop imports the name at module load: rebind it there too.
+    training = sys.modules.get("megatron.training.training")
+    if training is not None and hasattr(training, "HybridCPDataLoaderWrapper"):
+        training.HybridCPDataLoaderWrapper = wrapper
 
 
 class HDPScheduler:

@@ -401,10 +401,11 @@ def plan_hdp_megatron(ctx: Context) -> Plan:
     best: tuple[float, Plan] | None = None
     for f in HEIGHT_FACTORS:
         degree, job_time = rel.degrees_at(rel.height_s * f, cost)
-        plan = _place_megatron(ctx, degree, job_time)
-        t = cost.evaluate(plan).step_time_s
-        if best is None or t < best[0]:
-            best = (t, plan)
+        for place in (_place_megatron, _place_megatron_one_group):
+            plan = place(ctx, degree, job_time)
+            t = cost.evaluate(plan).step_time_s
+            if best is None or t < best[0]:
+                best = (t, plan)
     # Megatron's own schedule is a candidate where it keeps to the form.
     from .hybridcp import plan_hybridcp
 
@@ -485,6 +486,53 @@ def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> P
     builder.add_zigzag(rows_seq, rows_wave, rows_members)
     builder.info = {"groups": float(groups), "max_degree": float(degree.max(initial=1))}
     return builder.build()
+
+
+def _place_megatron_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+    """The Megatron form as one group (no barrier): each rank runs its list of sub-samples in
+    order and waits only for the CP partners of each; a rank may change CP size between its
+    sub-samples. Lists are formed by simulating start times: multi-rank jobs, tallest first, on
+    the aligned block whose busiest member frees first (the others idle until then); single-rank
+    sequences, longest first, into the tightest idle gap they fit, else after the least-loaded
+    rank's work. Every rank lists its items by start time, so partners meet in the same order
+    and no CP group waits for another in a cycle."""
+    from .hybridcp import plan_from_sample_id_groups
+
+    lens, n = ctx.seq_lens, ctx.num_ranks
+    whole = np.asarray(ctx.cost.seq_time(lens), dtype=np.float64)
+    load = np.zeros(n)
+    items: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # per rank: (start, sequence)
+    gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
+    jobs = [i for i in np.argsort(-job_time, kind="stable").tolist() if degree[i] > 1 and lens[i] > 0]
+    for i in jobs:
+        d = int(degree[i])
+        starts = load.reshape(-1, d).max(axis=1) if n % d == 0 else np.array([load.max()])
+        b = int(np.argmin(starts))
+        members = range(b * d, (b + 1) * d) if n % d == 0 else range(n)
+        t0 = float(starts[b])
+        for r in members:
+            if t0 - load[r] > 0:
+                bisect.insort(gaps, (t0 - float(load[r]), float(load[r]), r))
+            items[r].append((t0, i))
+            load[r] = t0 + float(job_time[i])
+    heap = [(float(load[r]), r) for r in range(n)]
+    heapq.heapify(heap)
+    for i in [i for i in np.argsort(-whole, kind="stable").tolist() if degree[i] <= 1 and lens[i] > 0]:
+        t = float(whole[i])
+        k = bisect.bisect_left(gaps, (t, -1.0, -1))
+        if k < len(gaps):
+            length, start, r = gaps.pop(k)
+            items[r].append((start, i))
+            if length - t > 0:
+                bisect.insort(gaps, (length - t, start + t, r))
+            continue
+        end, r = heapq.heappop(heap)
+        items[r].append((end, i))
+        heapq.heappush(heap, (end + t, r))
+    lists = [[i for _, i in sorted(row)] for row in items]
+    plan = plan_from_sample_id_groups(ctx, [lists], None, "hdp")
+    plan.predicted.update({"groups": 1.0, "max_degree": float(degree.max(initial=1))})
+    return plan
 
 
 def _block_counts(area: dict[int, float], jobs: dict[int, int], n: int, height: float) -> dict[int, int]:

@@ -261,3 +261,24 @@ def test_megatron_packed_batch_iterator(tmp_path):
                                                 model_preset("tiny"), plan_options={"form": "whole", "capacity": 2048}),
                                   num_microbatches=1)
         next(it2)
+
+
+def test_megatron_install_replaces_the_wrapper(monkeypatch):
+    """After install(), the name Megatron's training loop calls builds our wrapper."""
+    import megatron.core.datasets.data_schedule as data_schedule
+
+    from dataloader.megatron import HDPDataLoaderWrapper, install
+
+    monkeypatch.setattr(data_schedule, "HybridCPDataLoaderWrapper", data_schedule.HybridCPDataLoaderWrapper)
+    install(model="llama-70b")
+
+    class Pgs:
+        dp_cp, dp, tp = Group(8), Group(4), Group(1)
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    w = data_schedule.HybridCPDataLoaderWrapper(iter([]), Config(), pg_collection=Pgs())
+    assert isinstance(w, HDPDataLoaderWrapper)
+    assert w.cp_balancing_scheduler.cost.model.name == "llama-70b"
+    assert w.cp_balancing_scheduler.max_seq_len_per_rank == CAP
