@@ -409,19 +409,26 @@ class CostModel:
         """(forward, backward) KV transfer time of one layer per cell, seconds."""
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
         dkv = 4.0 / self.model.dtype_bytes  # dK/dV partials travel in fp32
+        blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
+        t_fwd, t_bwd = np.zeros(blocks_all.shape), np.zeros(blocks_all.shape)
+        # Only cells that exchange K/V cost anything; at scale they are a small share of the
+        # (waves x ranks) grid, so the arithmetic runs on them alone.
+        cells = np.nonzero(blocks_all > 0)
+        if cells[0].size == 0:
+            return t_fwd, t_bwd
+        in_intra, in_inter = traffic.in_intra[cells], traffic.in_inter[cells]
+        out_intra, out_inter = traffic.out_intra[cells], traffic.out_inter[cells]
+        blocks = blocks_all[cells]
 
-        def link_time(in_intra, in_inter, out_intra, out_inter):
-            return np.maximum.reduce([in_intra / g.nvlink_bw, in_inter / g.nic_bw, out_intra / g.nvlink_bw, out_inter / g.nic_bw])
+        def link_time(i_intra, i_inter, o_intra, o_inter):
+            return np.maximum(np.maximum(i_intra / g.nvlink_bw, i_inter / g.nic_bw),
+                              np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw))
 
-        lat = np.where(traffic.in_inter + traffic.out_inter > 0, g.nic_latency, g.nvlink_latency)
-        blocks = np.maximum(traffic.in_msgs, traffic.out_msgs)
-        t_fwd = kvb * link_time(traffic.in_intra, traffic.in_inter, traffic.out_intra, traffic.out_inter) + blocks * lat
+        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
+        t_fwd[cells] = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
         # Backward: KV in again and dK/dV of the owners' blocks in; KV out again and dK/dV out.
-        t_bwd = kvb * link_time(traffic.in_intra + dkv * traffic.out_intra, traffic.in_inter + dkv * traffic.out_inter,
-                                traffic.out_intra + dkv * traffic.in_intra, traffic.out_inter + dkv * traffic.in_inter)
-        t_bwd = t_bwd + 2 * blocks * lat
-        t_fwd = np.where(blocks > 0, t_fwd, 0.0)
-        t_bwd = np.where(blocks > 0, t_bwd, 0.0)
+        t_bwd[cells] = kvb * link_time(in_intra + dkv * out_intra, in_inter + dkv * out_inter,
+                                       out_intra + dkv * in_intra, out_inter + dkv * in_inter) + 2 * blocks * lat
         return t_fwd, t_bwd
 
     # ------------------------------------------------------------------ evaluation
@@ -431,7 +438,9 @@ class CostModel:
         cell = plan.wave * N + plan.rank
         attn = np.bincount(cell, weights=self.attn_time(plan.start, plan.end), minlength=W * N).reshape(W, N)
         tokens = plan.tokens_per_cell()
-        compute = self.model.layers * attn + self.dense_time(tokens)
+        compute = self.model.layers * attn.astype(np.float64)
+        busy = np.nonzero(tokens > 0)  # most cells of a large peer plan are empty
+        compute[busy] += self.dense_time(tokens[busy])
         return attn, compute
 
     def evaluate(self, plan: Plan, plan_time_s: float = 0.0) -> StepReport:

@@ -182,19 +182,51 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
     else:
         keys = _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves)
     multi_members, multi_key, single_rank, single_key = keys
-    # Waves: the distinct keys in order (the placers use sparse, ordered keys).
-    all_keys = np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]])
-    uniq = np.unique(all_keys)
+    if ctx.sync == "wave":  # waves: the distinct keys in order (the placers use sparse, ordered keys)
+        uniq = np.unique(np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]]))
+        multi_wave = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))
+        single_wave = np.searchsorted(uniq, single_key[single])
+    else:
+        multi_wave, single_wave = _peer_levels(ctx.num_ranks, multi_members, multi_key,
+                                               single_rank[single], single_key[single])
     if multi.size:
         aligns = np.array([_align(int(lens[i]), int(degree[i])) for i in multi.tolist()], dtype=np.int64)
-        waves = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))
-        builder.add_zigzag(multi, waves, multi_members, align=aligns)
+        builder.add_zigzag(multi, multi_wave, multi_members, align=aligns)
     if single.size:
-        builder.add(np.searchsorted(uniq, single_key[single]), single_rank[single], single, 0, lens[single])
+        builder.add(single_wave, single_rank[single], single, 0, lens[single])
     builder.offload_where_needed()
     builder.info = {"multi_rank_sequences": float(multi.size), "max_degree": float(degree.max(initial=1)),
                     "offloading_cells": float(len(builder.offload))}
     return builder.build()
+
+
+def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], single_rank: np.ndarray,
+                 single_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``peer`` sync: the fewest waves that keep every rank's order of work (its keys) and give a
+    multi-rank job one wave on all its members. Items in key order; each takes the first wave
+    after the last one its ranks used. A rank's singles with one key share a cell. (One wave per
+    distinct key would also be right, but at 16K ranks gives hundreds of mostly empty waves that
+    every (waves x ranks) array of the cost model pays for.)"""
+    next_free = np.zeros(n, dtype=np.int64)
+    multi_wave = np.zeros(len(multi_key), dtype=np.int64)
+    cells, cell_of = np.unique(single_rank * (int(single_key.max(initial=0)) + 1) + single_key, return_inverse=True) \
+        if single_rank.size else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    cell_rank = single_rank[np.unique(cell_of, return_index=True)[1]] if single_rank.size else cells
+    cell_key = single_key[np.unique(cell_of, return_index=True)[1]] if single_rank.size else cells
+    cell_wave = np.zeros(cells.size, dtype=np.int64)
+    # Jobs first on ties: a job's key is never equal to a single's (odd vs even multiples).
+    order = sorted([(int(k), 0, j) for j, k in enumerate(multi_key)] + [(int(k), 1, c) for c, k in enumerate(cell_key.tolist())])
+    for _, is_cell, j in order:
+        if is_cell:
+            r = int(cell_rank[j])
+            cell_wave[j] = next_free[r]
+            next_free[r] += 1
+        else:
+            members = multi_members[j]
+            w = int(next_free[members].max())
+            multi_wave[j] = w
+            next_free[members] = w + 1
+    return multi_wave, cell_wave[cell_of] if single_rank.size else np.zeros(0, dtype=np.int64)
 
 
 def _align(length: int, parts: int) -> int:
