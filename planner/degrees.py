@@ -142,13 +142,24 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
     # Members holding under MIN_SHARE tokens run the kernel far below its rate and wait on K/V:
     # such degrees are never the fastest, so the menu stops there.
-    widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1))))
+    # One degree beyond the fewest that hold it: 128-token blocks can leave the fewest a block
+    # over the capacity (1793 tokens on 3 ranks of 640: 641 on one).
+    widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1)) + 1))
     coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4))
     if coarse.degrees.size == 0:
         return coarse
     ok = np.isfinite(coarse.height)
     top = int(coarse.degrees[ok][int(np.argmin(coarse.height[ok]))] * 1.5) + 1 if ok.any() else widest
-    return _until_lowest(price(degree_menu(length, min(widest, top), off_cap)))
+    fine = degree_menu(length, min(widest, top), off_cap)
+    # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
+    # degree is often a whole number of nodes: add the node multiples around every fine degree.
+    # (Without them a 231K-token sequence at 1024 ranks got 31 ranks, 8.02 s, where 32 take 7.76 s,
+    # and the sweep's virtual options, which assume heights between two entries lie above the
+    # lower one, were not a bound.)
+    rpn = c.ranks_per_node
+    nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
+    nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
+    return _until_lowest(price(np.unique(np.concatenate([fine, nodes]))))
 
 
 def _until_lowest(mu: Menu) -> Menu:
