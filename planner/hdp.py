@@ -284,6 +284,7 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
     heights = [float(h) for h in load.max(axis=1)]
     heaps = [[(float(load[w, r]), r) for r in range(n)] for w in range(tokens.shape[0])]
     room_max = [int(cap - tokens[w].min()) for w in range(tokens.shape[0])]
+    new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()  # a wave's collectives
     for h in heaps:
         heapq.heapify(h)
     for i in single.tolist():
@@ -309,6 +310,14 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
             score = (max(0.0, new_load - heights[w]), new_load)
             if best is None or score < best[0]:
                 best = (score, w)
+        if (best is None or best[0][0] > 0) and off_cap > cap:
+            # Every cell with room raises its wave (or none has room): a cell that offloads part
+            # of its activations may raise it less.
+            off = _offloaded_cell(ctx, tokens, load, heights, L, t, off_cap)
+            if off is not None and (best is None or off[0][0] < best[0][0]):
+                best = off
+        if best is not None and best[0][0] >= new_wave_s + t:  # a new wave of its own costs less
+            best = None
         if best is None:
             add_wave()
             heights.append(0.0)
@@ -317,14 +326,36 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
             best = ((t, t), tokens.shape[0] - 1)
         w = best[1]
         fits = tokens[w] + L <= cap
-        r = int(np.argmin(np.where(fits, load[w], np.inf)))
+        if len(best) > 2:  # an offloaded cell
+            r = best[2]
+        else:
+            r = int(np.argmin(np.where(fits, load[w], np.inf)))
         tokens[w, r] += L
         room_max[w] = int(cap - tokens[w].min())
-        load[w, r] += t
+        load[w, r] += t if len(best) == 2 else best[0][1] - load[w, r]
         heights[w] = max(heights[w], float(load[w, r]))
         heapq.heappush(heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         single_rank[i], single_key[i] = r, w
     return members_of, key_of, single_rank, single_key
+
+
+def _offloaded_cell(ctx, tokens, load, heights, L, t, off_cap):
+    """``wave`` sync: ``((raise, new load), wave, rank)`` of the cell that raises its wave least
+    (then the least loaded) when it takes a sequence of ``L`` tokens and ``t`` seconds beyond the
+    capacity, offloading what it must, with the exposed host-copy time added; ``None`` if no cell
+    has room even with offload."""
+    cost = ctx.cost
+    new_tokens = tokens + L
+    ok = new_tokens <= off_cap
+    if not ok.any():
+        return None
+    frac = np.where(ok, cost.offload_needed(np.where(ok, new_tokens, 0), ctx.sync), 0.0)
+    exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load + t))
+    new_load = np.where(ok, load + t + exposed, np.inf)
+    raise_by = np.maximum(0.0, new_load - np.asarray(heights)[:, None])
+    best = int(np.lexsort((new_load.ravel(), raise_by.ravel()))[0])  # least raise, then least load
+    w, r = np.unravel_index(best, raise_by.shape)
+    return ((float(raise_by[w, r]), float(new_load[w, r])), int(w), int(r))
 
 
 def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves):
