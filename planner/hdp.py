@@ -120,7 +120,10 @@ def candidate_heights(rel: Relaxation, sync: str) -> list[float]:
         return [rel.height_s * f for f in HEIGHT_FACTORS]
     floor = max(float(mu.height.min()) for mu in rel.menus)
     top = max(floor, rel.height_s)
-    return [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
+    shelves = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
+    # Below the floor the tallest job stays at its fastest while the others get faster too, so
+    # they stack under it in fewer, fuller waves (llama-70b github-2m at 64 ranks: 1400 s -> 1262 s).
+    return [floor * 0.25, floor * 0.5] + shelves
 
 
 def num_waves_for(ctx: Context) -> int:
