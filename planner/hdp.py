@@ -10,20 +10,24 @@
    instead, warm-started from these.
 2. Placement, tallest job first: a multi-rank job takes the least-loaded ranks of one node when it
    fits in a node (else the least-loaded whole nodes), blocks of 128 tokens in zigzag head/tail
-   pairs; ``wave`` sync: in the wave where it finishes first, keeping its cells to itself;
-   ``peer`` sync: after everything already on its members.
+   pairs; ``wave`` sync: in the wave whose height it raises least; ``peer`` sync: after
+   everything already on its members.
 3. Single-rank sequences, longest first: ``peer``: into the idle gaps before multi-rank jobs
    (the ranks of a job start together, so the less-loaded members wait), best fit, then LPT onto
    the least-loaded rank; then moves from the most to the least loaded rank while the maximum
-   falls. ``wave``: LPT over the free rank-wave cells with room.
-4. ``form="whole"``: every sequence on one rank (steps 3 alone), for trainers whose attention
+   falls. Waves are then the fewest that keep each rank's order (lock-step levels). ``wave``:
+   the cell with token room that raises its wave least; where that raise is positive, a cell
+   that offloads part of its activations (host copy priced) may raise it less; a new wave only
+   when it costs less than the raise.
+4. ``form="whole"``: every sequence on one rank (step 3 alone), for trainers whose attention
    cannot span ranks (Megatron without hybrid CP: ``dataloader.megatron.PackedBatchIterator``).
 5. ``form="megatron"``: degrees are powers of two on aligned groups of consecutive ranks
-   (Megatron's hybrid-CP groups), every wave a barrier-separated group (see
-   :func:`plan_hdp_megatron`).
+   (Megatron's hybrid-CP groups): barrier-separated groups, or one group of start-time-ordered
+   lists (see :func:`plan_hdp_megatron`).
 
-Several heights around ``M`` are placed; the cost model keeps the fastest plan, which reports its
-gap to the bound in ``predicted["bound_s"]``.
+Several heights around ``M`` are placed (in ``wave`` sync also shelves down to a quarter of the
+tallest job's fastest time); the cost model keeps the fastest plan, which reports its gap to the
+bound in ``predicted["bound_s"]``.
 """
 
 from __future__ import annotations
