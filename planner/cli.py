@@ -44,6 +44,9 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
                    help="synchronisation mode for every strategy (default: each strategy's own where memory allows)")
     g.add_argument("--hybridcp-impl", choices=("auto", "megatron", "ours"), default="auto",
                    help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical re-implementation")
+    g.add_argument("--hdp-form", choices=("free", "whole", "megatron"), default="free",
+                   help="what hdp plans may do: free (default), whole (every sequence on one rank) or megatron "
+                        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)")
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
@@ -91,7 +94,8 @@ def sim_main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         sim = simulate(workload, cluster, model, args.strategies, steps=args.steps, seed=args.seed,
                        max_seq=args.max_seq, tokens_per_step=args.tokens_per_step, capacity=args.capacity,
-                       sync=args.sync, hybridcp_impl=args.hybridcp_impl, progress=stderr_progress)
+                       sync=args.sync, hybridcp_impl=args.hybridcp_impl, hdp_form=args.hdp_form,
+                       progress=stderr_progress)
         c = sim.config
         print(f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} ({cluster.ranks_per_node} per node), "
               f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity {c['capacity_peer']} (peer) / "
@@ -130,8 +134,9 @@ def plan_main(argv: list[str] | None = None) -> int:
         lens = read_lengths(args.lengths)
         if args.max_seq:
             lens = split_long(lens, args.max_seq)
+        form = {"form": args.hdp_form} if args.strategy == "hdp" else {}
         plan, report = plan_and_evaluate(lens, cluster, model, args.strategy, capacity=args.capacity, sync=args.sync,
-                                         max_seq=args.max_seq, hybridcp_impl=args.hybridcp_impl)
+                                         max_seq=args.max_seq, hybridcp_impl=args.hybridcp_impl, **form)
         plan.save(args.out)
     except PlanningError as e:
         print(f"hdp-plan: error: {e}", file=sys.stderr)

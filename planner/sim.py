@@ -64,9 +64,11 @@ def simulate(
     capacity: int | None = None,
     sync: str | None = None,
     hybridcp_impl: str = "auto",
+    hdp_form: str = "free",
     progress: Callable[[str], None] | None = None,
 ) -> SimResult:
-    """Plan ``steps`` seeded global batches with each strategy and evaluate them."""
+    """Plan ``steps`` seeded global batches with each strategy and evaluate them (``hdp_form``:
+    the ``form`` of the ``hdp`` strategy: free, whole or megatron)."""
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
     cost = CostModel(model, cluster, capacity_override=capacity)
@@ -80,8 +82,9 @@ def simulate(
             if r.error is not None:
                 continue
             try:
+                form = {"form": hdp_form} if name == "hdp" else {}
                 plan, report = plan_and_evaluate(lens, cluster, model, name, cost=cost, sync=sync, max_seq=max_seq,
-                                                 tokens_per_step=tokens_per_step, hybridcp_impl=hybridcp_impl)
+                                                 tokens_per_step=tokens_per_step, hybridcp_impl=hybridcp_impl, **form)
             except PlanningError as e:
                 r.error = str(e)
                 continue

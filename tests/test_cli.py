@@ -84,3 +84,27 @@ def test_help(prog):
     fn = "sim_main" if prog == "hdp-sim" else "plan_main"
     res = run_cli(fn, "--help")
     assert res.returncode == 0 and prog in res.stdout and "--gpus" in res.stdout
+
+
+def test_plan_hdp_forms(tmp_path):
+    """--hdp-form megatron: every sequence on one rank or an aligned power-of-two block;
+    --hdp-form whole: every sequence on one rank."""
+    lens = tmp_path / "lens.txt"
+    lens.write_text("\n".join(str(x) for x in [300000, 120000, 60000, 9000, 4000, 2500, 700] * 3) + "\n")
+    for form in ("megatron", "whole"):
+        out = tmp_path / f"{form}.json"
+        extra = ["--capacity", "320K"] if form == "whole" else []
+        assert plan_main(["--lengths", str(lens), "--gpus", "16", "--hdp-form", form, "--out", str(out), *extra]) == 0
+        plan = Plan.load(out)
+        holders = {}
+        for s, r in zip(plan.seq.tolist(), plan.rank.tolist()):
+            holders.setdefault(s, set()).add(r)
+        for ranks in holders.values():
+            k, lo = len(ranks), min(ranks)
+            if form == "whole":
+                assert k == 1
+            else:
+                assert ranks == set(range(lo, lo + k)) and k & (k - 1) == 0 and lo % k == 0
+    res = run_cli("plan_main", "--lengths", str(lens), "--gpus", "16", "--hdp-form", "whole", "--capacity", "160K",
+                  "--out", str(tmp_path / "x.json"))
+    assert res.returncode == 2 and "does not fit one rank's 163840 tokens" in res.stderr
