@@ -250,7 +250,7 @@ def _most_tokens(length: int, parts: int) -> int:
 def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap):
     """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
     raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
-    (ties: the fullest), on the least-loaded ranks with token room; whole sequences, longest
+    (ties: the lowest, so tall jobs spread over waves and leave token room beside them), on the least-loaded ranks with token room; whole sequences, longest
     first: a cell whose load stays under its wave's height (the least-loaded such), else the cell
     that raises its wave least; a new wave when no cell has room."""
     lens = ctx.seq_lens
@@ -278,7 +278,7 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
                 continue
             height = float(load[w].max())
             finish = float(load[w, members].max()) + t
-            score = (max(0.0, finish - height), -height)
+            score = (max(0.0, finish - height), height)
             if best is None or score < best[0]:
                 best = (score, w, members, finish)
         _, w, members, finish = best
