@@ -250,9 +250,11 @@ def _most_tokens(length: int, parts: int) -> int:
 def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap):
     """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
     raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
-    (ties: the lowest, so tall jobs spread over waves and leave token room beside them), on the least-loaded ranks with token room; whole sequences, longest
-    first: a cell whose load stays under its wave's height (the least-loaded such), else the cell
-    that raises its wave least; a new wave when no cell has room."""
+    (ties: the lowest, so tall jobs spread over waves and leave token room beside them), on the
+    least-loaded ranks with token room; whole sequences, longest first: a cell whose load stays
+    under its wave's height (the least-loaded such), else the cell that raises its wave least
+    (with offload where that raises it less: :func:`_offloaded_cell`); a new wave when that costs
+    less than the raise."""
     lens = ctx.seq_lens
     n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
     tokens = np.zeros((num_waves, n), dtype=np.int64)
