@@ -109,6 +109,15 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         if best is None or t < best[0]:
             best = (t, plan)
     plan = best[1]
+    if ctx.sync == "wave":
+        for _ in range(3):
+            moved = _rebalance_wave(ctx, plan, ctx.cost.evaluate(plan).busy_s)
+            if moved is None:
+                break
+            t = ctx.cost.evaluate(moved).step_time_s
+            if t >= best[0]:
+                break
+            best, plan = (t, moved), moved
     plan.predicted.update(info)
     plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
     plan.predicted["relaxation_height_s"] = rel.height_s
@@ -346,6 +355,62 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
         heapq.heappush(heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         single_rank[i], single_key[i] = r, w
     return members_of, key_of, single_rank, single_key
+
+
+def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000) -> Plan | None:
+    """``wave`` sync local search on a placed plan, by the cost model's own cell times ``busy``
+    (``[waves, ranks]``; the placer's estimates miss how mixing a cell hides K/V traffic): while
+    a wave's slowest cell holds a whole single-rank sequence that another cell can take (with the
+    offload it then needs, its exposed host copy added) so that both end below the old maximum,
+    move the one that lowers it most. ``None`` if nothing moved."""
+    n, lens, cost = ctx.num_ranks, ctx.seq_lens, ctx.cost
+    off_cap = max(cost.offload_capacity(ctx.sync), ctx.capacity)
+    whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
+    holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
+    movable = np.flatnonzero((holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq]))
+    load = np.array(busy, dtype=np.float64)
+    tokens = plan.tokens_per_cell().astype(np.int64)
+    cells: dict[tuple[int, int], list[int]] = {}
+    for k in movable.tolist():
+        cells.setdefault((int(plan.wave[k]), int(plan.rank[k])), []).append(k)
+    rank = plan.rank.copy()
+    moved = False
+    for w in range(plan.num_waves):
+        for _ in range(moves_per_wave):
+            hi = int(np.argmax(load[w]))
+            top = float(load[w, hi])
+            best = None
+            for k in cells.get((w, hi), []):
+                L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
+                new_tokens = tokens[w] + L
+                fits = new_tokens <= off_cap
+                frac = np.where(fits, cost.offload_needed(np.where(fits, new_tokens, 0), ctx.sync), 0.0)
+                exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load[w] + t))
+                target = np.where(fits, load[w] + t + exposed, np.inf)
+                target[hi] = np.inf
+                lo = int(np.argmin(target))
+                new_max = max(top - t, float(target[lo]))
+                if new_max < top - 1e-9 and (best is None or new_max < best[0]):
+                    best = (new_max, k, lo, float(target[lo]))
+            if best is None:
+                break
+            _, k, lo, lo_load = best
+            L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
+            cells[(w, hi)].remove(k)
+            cells.setdefault((w, lo), []).append(k)
+            tokens[w, hi] -= L
+            tokens[w, lo] += L
+            load[w, hi] -= t
+            load[w, lo] = lo_load
+            rank[k] = lo
+            moved = True
+    if not moved:
+        return None
+    builder = PlanBuilder(ctx, plan.strategy)
+    builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
+    builder.offload_where_needed()
+    builder.info = dict(plan.predicted)
+    return builder.build()
 
 
 def _offloaded_cell(ctx, tokens, load, heights, L, t, off_cap):
