@@ -18,7 +18,8 @@
    falls. Waves are then the fewest that keep each rank's order (lock-step levels). ``wave``:
    the cell with token room that raises its wave least; where that raise is positive, a cell
    that offloads part of its activations (host copy priced) may raise it less; a new wave only
-   when it costs less than the raise.
+   when it costs less than the raise. Then, on the cost model's own cell times, whole sequences
+   move out of each wave's slowest cell while that lowers it.
 4. ``form="whole"``: every sequence on one rank (step 3 alone), for trainers whose attention
    cannot span ranks (Megatron without hybrid CP: ``dataloader.megatron.PackedBatchIterator``).
 5. ``form="megatron"``: degrees are powers of two on aligned groups of consecutive ranks
