@@ -215,9 +215,10 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
-        stats = torch.tensor([res.busy_s, COMM.fwd_bytes_sent + COMM.bwd_bytes_sent], dtype=torch.float64)
+        # On the training device: NCCL has no CPU tensors.
+        stats = torch.tensor([res.busy_s, COMM.fwd_bytes_sent + COMM.bwd_bytes_sent], dtype=torch.float64, device=device)
         if dist.is_initialized():
-            busy = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            busy = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
             dist.all_gather(busy, stats)
             busy_s = [float(b[0]) for b in busy]
             comm = sum(float(b[1]) for b in busy)
