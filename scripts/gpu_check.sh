@@ -36,10 +36,11 @@ run "GPU kernel and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider te
 run "block-size benchmark" $PY scripts/bench_attention.py --gpu
 # One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the flash backend in dist_attn.
 run "llama-1b training on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
-  launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K --tokens-per-step 64K --steps 12 \
-  --warmup 4 --activation-checkpointing --metrics "$OUT_DIR/train_metrics.jsonl"
+  launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K --tokens-per-step 64K --steps 8 \
+  --warmup 2 --activation-checkpointing --metrics "$OUT_DIR/train_metrics.jsonl"
 # The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
-run "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 8 --timeout 300 tests
+export OMP_NUM_THREADS=2  # 4 workers x up to 4 ranks each: keep threads within the cores
+run "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark -n 4 --timeout 600 tests
 echo
 echo "Summary ($(date -u +%Y-%m-%d), $($PY -c 'import torch; print(torch.cuda.get_device_name())')):"
 printf '  %s\n' "${summary[@]}"
