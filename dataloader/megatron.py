@@ -120,9 +120,8 @@ class HDPScheduler:
         lens = np.array([L for _, L in items], dtype=np.int64)
         plan = plan_step(lens, self.cost.cluster, self.cost.model, "hdp", form="megatron", cost=self.cost,
                          sync=self.sync)
-        id_groups = sample_id_groups_from_plan(plan, ids)
-        id_groups = _runnable(id_groups, dict(items), self.total_hdp_gpus)
         length = dict(items)
+        id_groups = _runnable(sample_id_groups_from_plan(plan, ids), length, self.total_hdp_gpus)
         groups = [[[length[s] for s in ranks] for ranks in g] for g in id_groups]
         self.last_schedule_s = time.perf_counter() - t0
         self._last = (items, id_groups, plan.sync)

@@ -8,7 +8,7 @@ compute (``wave`` sync, where a wave lasts as long as its slowest rank anyway an
 may share a member's cell).
 
 :func:`split_times` is the closed form of what :meth:`hdp.CostModel.evaluate` computes for such a
-plan (``tests/test_degrees.py`` checks the two agree): for member ``i`` of ``d`` with head ``h_i``
+plan (``tests/test_planner_hdp.py`` checks the two agree): for member ``i`` of ``d`` with head ``h_i``
 and tail ``t_i`` tokens, the tail chunks of members ``j > i`` lie before member ``i``'s, so it
 receives every other head and the tails of ``j > i``, and sends its head to all ``d - 1`` others
 and its tail to the ``i`` members ``j < i``. Vectorised over all members of all (length, degree)

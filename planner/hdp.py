@@ -226,11 +226,10 @@ def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], 
     every (waves x ranks) array of the cost model pays for.)"""
     next_free = np.zeros(n, dtype=np.int64)
     multi_wave = np.zeros(len(multi_key), dtype=np.int64)
-    cells, cell_of = np.unique(single_rank * (int(single_key.max(initial=0)) + 1) + single_key, return_inverse=True) \
-        if single_rank.size else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    cell_rank = single_rank[np.unique(cell_of, return_index=True)[1]] if single_rank.size else cells
-    cell_key = single_key[np.unique(cell_of, return_index=True)[1]] if single_rank.size else cells
-    cell_wave = np.zeros(cells.size, dtype=np.int64)
+    cell_id = single_rank * (int(single_key.max(initial=0)) + 1) + single_key
+    _, first, cell_of = np.unique(cell_id, return_index=True, return_inverse=True)
+    cell_rank, cell_key = single_rank[first], single_key[first]
+    cell_wave = np.zeros(first.size, dtype=np.int64)
     # Jobs first on ties: a job's key is never equal to a single's (odd vs even multiples).
     order = sorted([(int(k), 0, j) for j, k in enumerate(multi_key)] + [(int(k), 1, c) for c, k in enumerate(cell_key.tolist())])
     for _, is_cell, j in order:
@@ -243,7 +242,7 @@ def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], 
             w = int(next_free[members].max())
             multi_wave[j] = w
             next_free[members] = w + 1
-    return multi_wave, cell_wave[cell_of] if single_rank.size else np.zeros(0, dtype=np.int64)
+    return multi_wave, cell_wave[cell_of]
 
 
 def _align(length: int, parts: int) -> int:
@@ -383,11 +382,7 @@ def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: 
             best = None
             for k in cells.get((w, hi), []):
                 L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
-                new_tokens = tokens[w] + L
-                fits = new_tokens <= off_cap
-                frac = np.where(fits, cost.offload_needed(np.where(fits, new_tokens, 0), ctx.sync), 0.0)
-                exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load[w] + t))
-                target = np.where(fits, load[w] + t + exposed, np.inf)
+                target = _loads_with(ctx, tokens[w], load[w], L, t, off_cap)
                 target[hi] = np.inf
                 lo = int(np.argmin(target))
                 new_max = max(top - t, float(target[lo]))
@@ -414,19 +409,25 @@ def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: 
     return builder.build()
 
 
-def _offloaded_cell(ctx, tokens, load, heights, L, t, off_cap):
-    """``wave`` sync: ``((raise, new load), wave, rank)`` of the cell that raises its wave least
-    (then the least loaded) when it takes a sequence of ``L`` tokens and ``t`` seconds beyond the
-    capacity, offloading what it must, with the exposed host-copy time added; ``None`` if no cell
-    has room even with offload."""
+def _loads_with(ctx, tokens, load, L, t, off_cap) -> np.ndarray:
+    """Each cell's busy time once it also takes a sequence of ``L`` tokens and ``t`` seconds,
+    offloading what it then must (its exposed host-copy time added); ``inf`` where even offload
+    leaves no room. ``tokens``, ``load``: per-cell arrays of any shape."""
     cost = ctx.cost
     new_tokens = tokens + L
     ok = new_tokens <= off_cap
-    if not ok.any():
-        return None
     frac = np.where(ok, cost.offload_needed(np.where(ok, new_tokens, 0), ctx.sync), 0.0)
     exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load + t))
-    new_load = np.where(ok, load + t + exposed, np.inf)
+    return np.where(ok, load + t + exposed, np.inf)
+
+
+def _offloaded_cell(ctx, tokens, load, heights, L, t, off_cap):
+    """``wave`` sync: ``((raise, new load), wave, rank)`` of the cell that raises its wave least
+    (then the least loaded) when it takes a sequence of ``L`` tokens and ``t`` seconds beyond the
+    capacity (:func:`_loads_with`); ``None`` if no cell has room even with offload."""
+    new_load = _loads_with(ctx, tokens, load, L, t, off_cap)
+    if not np.isfinite(new_load).any():
+        return None
     raise_by = np.maximum(0.0, new_load - np.asarray(heights)[:, None])
     best = int(np.lexsort((new_load.ravel(), raise_by.ravel()))[0])  # least raise, then least load
     w, r = np.unravel_index(best, raise_by.shape)
@@ -542,8 +543,8 @@ def plan_hdp_megatron(ctx: Context) -> Plan:
     rel = relaxation_bound(cost, lens, "peer" if ctx.sync == "peer" else ctx.sync, cap, n, pow2=True)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
-    at_m = rel.degrees_at(rel.height_s, cost)
     choices = [rel.degrees_at(rel.height_s * f, cost) for f in MEGATRON_HEIGHT_FACTORS]
+    at_m = choices[MEGATRON_HEIGHT_FACTORS.index(1.0)]
     # Jobs that take a quarter of the ranks or more keep their degree at M; the rest run faster
     # (wider) after them: two 1.7M-token sequences on 128 of 256 ranks each leave no room beside
     # them, so what follows must be short (byted-2m at 256 ranks: 134.9 s -> 98.6 s).

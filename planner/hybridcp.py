@@ -208,7 +208,7 @@ class BalancedCPSchedule:
         return out
 
 
-class _WorldOfSize:
+class GroupOfSize:
     """Stands in for the DP x CP process group: Megatron's scheduler only asks for its size."""
 
     def __init__(self, n: int) -> None:
@@ -224,7 +224,7 @@ def megatron_groups(seq_lens: list[int], capacity: int, num_ranks: int) -> list[
         warnings.simplefilter("ignore")
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    sched = BalancedCPScheduler(capacity, _WorldOfSize(num_ranks))
+    sched = BalancedCPScheduler(capacity, GroupOfSize(num_ranks))
     _, id_groups = sched.get_groups_and_subsamples([(i, int(L)) for i, L in enumerate(seq_lens)], None)
     return id_groups
 

@@ -25,14 +25,7 @@ from dataloader.megatron import HDPScheduler, megatron_plan
 from hdp import ClusterSpec, CostModel, gpu_preset, model_preset
 from hdp.workloads import get_workload, workload_names
 from planner.degrees import step_bound
-
-
-class _Group:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def size(self) -> int:
-        return self.n
+from planner.hybridcp import GroupOfSize
 
 
 def main() -> None:
@@ -56,13 +49,13 @@ def main() -> None:
         for n in [int(x) for x in args.gpus.split(",")]:
             cluster = ClusterSpec(n, min(8, n), gpu_preset("h100"))
             cap = CostModel(model_preset(args.model), cluster).capacity("peer")  # from memory
-            ours = HDPScheduler(cap, _Group(n), model=args.model)
+            ours = HDPScheduler(cap, GroupOfSize(n), model=args.model)
             lens = w.sample_batch(np.random.default_rng(args.seed), n * args.tokens_per_rank, min(w.max_seq, n * cap))
             items = list(enumerate(int(x) for x in lens))
             _, our_groups = ours.get_groups_and_subsamples(items, None)
             t_ours_sched = ours.last_schedule_s
             t0 = time.perf_counter()
-            _, their_groups = BalancedCPScheduler(cap, _Group(n)).get_groups_and_subsamples(items, None)
+            _, their_groups = BalancedCPScheduler(cap, GroupOfSize(n)).get_groups_and_subsamples(items, None)
             t_their_sched = time.perf_counter() - t0
             mine, theirs = ours.executed_plan(), megatron_plan(ours.cost, items, their_groups)
             bound = float(step_bound(ours.cost, lens, mine.sync, cap))

@@ -19,19 +19,9 @@ from hypothesis import strategies as st
 
 from distributed import run_ranks
 from planner import PlanningError
-from planner.hybridcp import megatron_available
+from planner.hybridcp import GroupOfSize, megatron_available
 
 pytestmark = pytest.mark.skipif(not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')")
-
-
-class Group:
-    """A stand-in DPxCP group: the scheduler needs only its size."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def size(self) -> int:
-        return self.n
 
 
 def check_megatron_can_run(sample_id_groups, groups, id_len: dict[int, int], n: int, cap: int) -> None:
@@ -78,7 +68,7 @@ def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
     lens = data.draw(st.lists(st.integers(1, cap * n), min_size=count, max_size=count))
     ids = data.draw(st.permutations(list(range(1000, 1000 + count))))
     id_len = dict(zip(ids, lens))
-    groups, sample_id_groups = HDPScheduler(cap, Group(n)).get_groups_and_subsamples(list(id_len.items()), None)
+    groups, sample_id_groups = HDPScheduler(cap, GroupOfSize(n)).get_groups_and_subsamples(list(id_len.items()), None)
     check_megatron_can_run(sample_id_groups, groups, id_len, n, cap)
 
 
@@ -86,13 +76,13 @@ def test_megatron_scheduler_errors():
     from dataloader.megatron import HDPScheduler
 
     with pytest.raises(PlanningError, match="cannot give each of 8 ranks one"):
-        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(0, 100), (1, 200)], None)
+        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 100), (1, 200)], None)
     with pytest.raises(PlanningError, match="no sub-sample"):
-        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(0, 0)], None)
+        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 0)], None)
     with pytest.raises(PlanningError, match="cannot hold a 9000-token sequence"):
-        HDPScheduler(1024, Group(8)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 9000)], None)
+        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 9000)], None)
     with pytest.raises(PlanningError, match="needs a CP group of 8 ranks"):
-        HDPScheduler(1024, Group(6)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 5000)], None)
+        HDPScheduler(1024, GroupOfSize(6)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 5000)], None)
 
 
 @pytest.mark.parametrize("workload, ranks, cap", [("wlb-128k", 64, 16384), ("byted-2m", 64, 65536),
@@ -110,10 +100,10 @@ def test_megatron_scheduler_beats_balanced_cp_scheduler(workload, ranks, cap):
     for seed in range(2):
         lens = w.sample_batch(np.random.default_rng(seed), ranks * cap, min(w.max_seq, ranks * cap))
         items = list(enumerate(int(x) for x in lens))
-        ours = HDPScheduler(cap, Group(ranks))
+        ours = HDPScheduler(cap, GroupOfSize(ranks))
         groups, sample_id_groups = ours.get_groups_and_subsamples(items, None)
         check_megatron_can_run(sample_id_groups, groups, dict(items), ranks, cap)
-        _, theirs = BalancedCPScheduler(cap, Group(ranks)).get_groups_and_subsamples(items, None)
+        _, theirs = BalancedCPScheduler(cap, GroupOfSize(ranks)).get_groups_and_subsamples(items, None)
         t_ours = ours.executed_plan().predicted["step_time_s"]
         t_theirs = megatron_plan(ours.cost, items, theirs).predicted["step_time_s"]
         assert t_ours < t_theirs, (workload, ranks, seed, t_ours, t_theirs)
@@ -273,7 +263,7 @@ def test_megatron_install_replaces_the_wrapper(monkeypatch):
     install(model="llama-70b")
 
     class Pgs:
-        dp_cp, dp, tp = Group(8), Group(4), Group(1)
+        dp_cp, dp, tp = GroupOfSize(8), GroupOfSize(4), GroupOfSize(1)
 
     import torch.distributed as dist
 
