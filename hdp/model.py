@@ -144,10 +144,10 @@ class Llama(nn.Module):
         h = self.norm(x)
         if labels is None:
             return self.lm_head(h).float()
+        if h.shape[0] <= self.loss_chunk_tokens:  # one chunk: its logits are the budgeted buffer
+            return self._chunk_loss(h, labels)
         total = None
-        # range(0, max(T, 1)): an empty input still runs one (empty) chunk, so that the loss
-        # depends on every parameter and backward reaches FSDP's gradient reduction.
-        for a in range(0, max(h.shape[0], 1), self.loss_chunk_tokens):
+        for a in range(0, h.shape[0], self.loss_chunk_tokens):
             b = a + self.loss_chunk_tokens
             part = torch.utils.checkpoint.checkpoint(self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False)
             total = part if total is None else total + part
