@@ -14,9 +14,11 @@ again on resume), so a resumed run sees exactly the same global batches, on any 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -99,21 +101,28 @@ class HDPDataLoader:
                 batch = self.stream.next_batch()
                 state = self.stream.state_dict()
                 plan, dt = self._plan(batch)
-                item = (batch, plan, state, dt)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._hand_over((batch, plan, state, dt))
         except BaseException as e:  # surface planning errors in the training thread
-            self._queue.put(e)
+            self._hand_over(e)
+
+    def _hand_over(self, item) -> None:
+        """Queue ``item`` for the training thread unless the loader is closed meanwhile."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def _start(self) -> None:
         if self.rank == 0 and self._thread is None:
             self._queue = queue.Queue(maxsize=self.plan_ahead)
             self._thread = threading.Thread(target=self._producer, name="hdp-planner", daemon=True)
             self._thread.start()
+            # A process that exits while this thread is inside the MILP solver aborts ("terminate
+            # called without an active exception": HiGHS's C++ threads outlive the interpreter), so
+            # a loader left open (an exception in the train loop) is closed at exit too.
+            atexit.register(self.close)
 
     def ready_plans(self) -> int:
         """Planned steps waiting on rank 0 (how far planning is ahead of training)."""
@@ -223,7 +232,11 @@ class HDPDataLoader:
         self.stream.load_state_dict(state)
         self._delivered_state = self.stream.state_dict()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 300.0) -> None:
+        """Stop planning ahead and wait for the plan in progress (bounded by the MILP's time limit)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                warnings.warn(f"hdp-planner thread still planning {timeout_s:.0f} s after close()", RuntimeWarning)
+            atexit.unregister(self.close)

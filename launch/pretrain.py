@@ -136,7 +136,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, per_node, device = init_distributed(args.device)
     try:
-        return train(args, rank, world, per_node, device)
+        code = train(args, rank, world, per_node, device)
+        if dist.is_initialized():
+            dist.barrier()  # leave together: no rank closes its sockets while a peer still reads
+        return code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

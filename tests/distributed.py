@@ -21,6 +21,9 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Leave together: a rank that tears down its sockets while a peer still reads from them
+        # makes that peer fail ("Connection closed by peer").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
