@@ -193,13 +193,16 @@ class Relaxation:
     long_ids: np.ndarray
     menus: tuple[Menu, ...]
 
-    def degrees_at(self, height: float, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    def degrees_at(self, height: float, cost: CostModel, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(degree, busy time s) of every sequence: the smallest-area menu degree no taller than
-        ``height`` (the lowest one where none is)."""
+        ``height`` (the lowest one where none is); ``max_tokens``: also holding at most that many
+        tokens per member where a menu degree does."""
         degrees = np.ones(self.seq_lens.size, dtype=np.int64)
         job_time = np.asarray(cost.seq_time(self.seq_lens), dtype=np.float64)
         for i, mu in zip(self.long_ids.tolist(), self.menus):
             allowed = mu.height <= height * (1 + 1e-12)
+            if max_tokens is not None and (allowed & (mu.most_tokens <= max_tokens)).any():
+                allowed &= mu.most_tokens <= max_tokens
             k = int(np.argmin(np.where(allowed, mu.area, np.inf))) if allowed.any() else int(np.argmin(mu.height))
             degrees[i] = mu.degrees[k]
             job_time[i] = mu.height[k]

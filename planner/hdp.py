@@ -50,6 +50,7 @@ HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation
 # alone, so the jobs after it must be fast rather than area-efficient (byted-2m at 64 ranks:
 # 81 s at M, 63 s at M / 2, bound 56 s).
 MEGATRON_HEIGHT_FACTORS = (0.35, 0.5, 0.7, 1.0, 1.12)
+TOKEN_SHARES = (0.15, 0.25)  # ``wave`` sync: most tokens per member of a split, share of the offload capacity
 
 
 def check_fits(ctx: Context) -> None:
@@ -88,10 +89,13 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
         return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n)
-    candidates = [rel.degrees_at(h, ctx.cost) for h in candidate_heights(rel, ctx.sync)]
+    heights = candidate_heights(rel, ctx.sync)
+    candidates = [rel.degrees_at(h, ctx.cost) for h in heights]
+    height_of = list(heights)  # the relaxation height of each candidate (None: another source)
     if ctx.sync == "wave" and num_waves > 1:  # also balance each wave as if area spread evenly
         per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n * num_waves)
         candidates += [per_wave.degrees_at(per_wave.height_s * f, ctx.cost) for f in HEIGHT_FACTORS]
+        height_of += [None] * len(HEIGHT_FACTORS)
     info: dict[str, float] = {}
     if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, n)):
         choice = hdp_ilp.solve_degrees(rel, ctx.cost, ctx.sync, n, warm=candidates[0][0],
@@ -99,16 +103,32 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         info.update(choice.info)
         if choice.degrees is not None:
             candidates.insert(0, (choice.degrees, choice.job_time))
+            height_of.insert(0, None)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
-    for degree, job_time in candidates:
+
+    def place(degree: np.ndarray, job_time: np.ndarray) -> float:
+        nonlocal best
         if any(np.array_equal(degree, d) for d in seen):
-            continue
+            return np.inf
         seen.append(degree)
         plan = _place(ctx, num_waves, degree, job_time, polish_moves)
         t = ctx.cost.evaluate(plan).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
+        return t
+
+    times = [place(degree, job_time) for degree, job_time in candidates]
+    if ctx.sync == "wave":
+        # A wave's cells fill up with tokens before time when they hold long whole sequences
+        # (a 180K-token sequence is cheap per token next to a shard of a 1M-token one): at the
+        # two best heights, also cap the tokens each member of a split holds, so more sequences
+        # split and every cell gets a mix (llama-70b byted-2m at 256 ranks: 607 s -> 593 s).
+        off_cap = ctx.cost.offload_capacity(ctx.sync)
+        ranked = sorted((t, h) for t, h in zip(times, height_of) if h is not None and np.isfinite(t))
+        for _, h in ranked[:2]:
+            for share in TOKEN_SHARES:
+                place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)))
     plan = best[1]
     if ctx.sync == "wave":
         for _ in range(3):
