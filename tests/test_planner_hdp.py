@@ -14,7 +14,7 @@ from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import PlanningError, plan_and_evaluate, plan_step
 from planner import hdp_ilp
 from planner.common import zigzag_arrays
-from planner.degrees import split_times, step_bound
+from planner.degrees import relaxation_bound, split_times, step_bound
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -122,6 +122,25 @@ def test_ilp_agrees_with_the_relaxation_and_reports_its_lp_bound():
     assert p["ilp_objective_s"] > 0 and "ilp_failed" not in p
     assert p["lp_bound_s"] <= p["ilp_objective_s"] * (1 + 1e-9)
     assert p["bound_s"] <= p["step_time_s"]
+
+
+def test_token_capped_degrees_hold_at_most_the_cap_per_member():
+    # The wave-sync candidates that cap each member's tokens: where a menu degree holds at most
+    # the cap, the chosen one does; the cap only ever widens a split.
+    cost = CostModel(model_preset("llama-70b"), ClusterSpec.preset("h100", 64))
+    lens = np.array([1_200_000, 700_000, 180_000, 90_000] + [4000] * 300)
+    cap = cost.capacity("wave")
+    rel = relaxation_bound(cost, lens, "wave", cap, 64)
+    limit = int(0.25 * cost.offload_capacity("wave"))
+    for h in (rel.height_s, 2 * rel.height_s):
+        free, _ = rel.degrees_at(h, cost)
+        capped, times = rel.degrees_at(h, cost, limit)
+        assert np.all(capped >= free)
+        for i, mu in zip(rel.long_ids.tolist(), rel.menus):
+            k = list(mu.degrees).index(capped[i])
+            if (mu.most_tokens <= limit).any():
+                assert mu.most_tokens[k] <= limit
+            assert times[i] == mu.height[k]
 
 
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
