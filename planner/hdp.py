@@ -27,8 +27,9 @@
    lists (see :func:`plan_hdp_megatron`).
 
 Several heights around ``M`` are placed (in ``wave`` sync also shelves down to a quarter of the
-tallest job's fastest time); the cost model keeps the fastest plan, which reports its gap to the
-bound in ``predicted["bound_s"]``.
+tallest job's fastest time, and at the two best heights token-capped splits and a two-tier
+variant whose cheapest whole sequences per token get waves of their own); the cost model keeps
+the fastest plan, which reports its gap to the bound in ``predicted["bound_s"]``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation
 # 81 s at M, 63 s at M / 2, bound 56 s).
 MEGATRON_HEIGHT_FACTORS = (0.35, 0.5, 0.7, 1.0, 1.12)
 TOKEN_SHARES = (0.15, 0.25)  # ``wave`` sync: most tokens per member of a split, share of the offload capacity
+CHEAP_WAVE_SHARE = 0.4  # ``wave`` sync, two tiers: the dense waves hold at most this share of the offload capacity
 
 
 def check_fits(ctx: Context) -> None:
@@ -105,15 +107,17 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
             candidates.insert(0, (choice.degrees, choice.job_time))
             height_of.insert(0, None)
     best: tuple[float, Plan] | None = None
-    seen: list[np.ndarray] = []
+    placed: list[tuple[np.ndarray, float | None, float]] = []  # (degrees, cheap share, step s)
 
-    def place(degree: np.ndarray, job_time: np.ndarray) -> float:
+    def place(degree: np.ndarray, job_time: np.ndarray, cheap_share: float | None = None) -> float:
+        """Step time of the candidate, placed once (a repeat returns the time it got)."""
         nonlocal best
-        if any(np.array_equal(degree, d) for d in seen):
-            return np.inf
-        seen.append(degree)
-        plan = _place(ctx, num_waves, degree, job_time, polish_moves)
+        for d, c, t in placed:
+            if c == cheap_share and np.array_equal(degree, d):
+                return t
+        plan = _place(ctx, num_waves, degree, job_time, polish_moves, cheap_share)
         t = ctx.cost.evaluate(plan).step_time_s
+        placed.append((degree, cheap_share, t))
         if best is None or t < best[0]:
             best = (t, plan)
         return t
@@ -121,14 +125,18 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
     times = [place(degree, job_time) for degree, job_time in candidates]
     if ctx.sync == "wave":
         # A wave's cells fill up with tokens before time when they hold long whole sequences
-        # (a 180K-token sequence is cheap per token next to a shard of a 1M-token one): at the
-        # two best heights, also cap the tokens each member of a split holds, so more sequences
-        # split and every cell gets a mix (llama-70b byted-2m at 256 ranks: 607 s -> 593 s).
+        # (a 180K-token sequence is cheap per token next to a shard of a 1M-token one). At the
+        # two best heights, also (a) cap the tokens each member of a split holds, so more
+        # sequences split and every cell gets a mix (llama-70b byted-2m at 256 ranks: 607 s ->
+        # 593 s), and (b) give the cheapest whole sequences per token waves of their own, so the
+        # dense waves keep token room (github-2m at 256 ranks: 329 s -> 321 s; a wave costs
+        # only its collectives' tail where its compute hides them).
         off_cap = ctx.cost.offload_capacity(ctx.sync)
-        ranked = sorted((t, h) for t, h in zip(times, height_of) if h is not None and np.isfinite(t))
+        ranked = sorted((t, h) for t, h in zip(times, height_of) if h is not None)
         for _, h in ranked[:2]:
             for share in TOKEN_SHARES:
                 place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)))
+            place(*rel.degrees_at(h, ctx.cost), cheap_share=CHEAP_WAVE_SHARE)
     plan = best[1]
     if ctx.sync == "wave":
         for _ in range(3):
@@ -202,8 +210,11 @@ def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) 
     return np.sort(np.concatenate(members))
 
 
-def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray, polish_moves: int) -> Plan:
-    """Place sequences of the given degrees on ranks and waves (steps 2 and 3 of the module doc)."""
+def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray, polish_moves: int,
+           cheap_share: float | None = None) -> Plan:
+    """Place sequences of the given degrees on ranks and waves (steps 2 and 3 of the module doc).
+    ``cheap_share`` (``wave`` sync): waves of their own for the whole sequences that are cheapest
+    per token, so the other waves hold at most that share of the offload capacity."""
     lens, cost, cap = ctx.seq_lens, ctx.cost, ctx.capacity
     off_cap = max(cost.offload_capacity(ctx.sync), cap)
     whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
@@ -214,7 +225,23 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
     single = np.flatnonzero(~job & (lens > 0))
     single = single[np.argsort(-whole[single], kind="stable")]
     builder = PlanBuilder(ctx, "hdp")
-    if ctx.sync == "wave":
+    if ctx.sync == "wave" and cheap_share is not None:
+        # Two tiers: the cheapest whole sequences per token (those that fill a cell's tokens long
+        # before its time) go to waves of their own until the rest fits ``cheap_share`` of the
+        # ranks' offload capacity in one wave, so the dense waves keep token room.
+        by_density = single[np.argsort(whole[single] / lens[single], kind="stable")]
+        excess = int(lens.sum()) - cheap_share * ctx.num_ranks * off_cap
+        n_cheap = int(np.searchsorted(np.cumsum(lens[by_density]), excess)) + 1 if excess > 0 else 0
+        is_cheap = np.zeros(lens.size, dtype=bool)
+        is_cheap[by_density[:n_cheap]] = True
+        keys = _place_wave(ctx, num_waves, multi, single[~is_cheap[single]], degree, job_time, whole, off_cap)
+        cheap = single[is_cheap[single]]
+        if cheap.size:
+            _, _, cheap_rank, cheap_key = _place_wave(ctx, 1, multi[:0], cheap, degree, job_time, whole, off_cap)
+            after = max(max(keys[1], default=-1), int(keys[3].max(initial=-1))) + 1
+            keys[2][cheap] = cheap_rank[cheap]
+            keys[3][cheap] = cheap_key[cheap] + after
+    elif ctx.sync == "wave":
         keys = _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap)
     else:
         keys = _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves)

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import PlanningError, plan_and_evaluate, plan_step
+from planner import hdp as hdp_planner
 from planner import hdp_ilp
 from planner.common import zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound
+from test_strategies import check_plan
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -141,6 +143,31 @@ def test_token_capped_degrees_hold_at_most_the_cap_per_member():
             if (mu.most_tokens <= limit).any():
                 assert mu.most_tokens[k] <= limit
             assert times[i] == mu.height[k]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 8), cap=st.integers(64, 600), share=st.sampled_from([0.0, 1e-3]), data=st.data())
+def test_two_tier_wave_plans_are_valid(n, cap, share, data):
+    # The two-tier wave candidate (cheapest whole sequences in waves of their own), forced on;
+    # every such candidate is checked, not only the plan kept.
+    lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
+    place = hdp_planner._place
+    two_tier = []
+
+    def place_and_check(ctx, *args, **kwargs):
+        candidate = place(ctx, *args, **kwargs)
+        if kwargs.get("cheap_share", args[4] if len(args) > 4 else None) is not None:
+            check_plan(candidate, lens, n, cap)
+            two_tier.append(candidate)
+        return candidate
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hdp_planner, "CHEAP_WAVE_SHARE", share)
+        patch.setattr(hdp_planner, "_place", place_and_check)
+        plan = plan_step(lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "hdp", capacity=cap,
+                         sync="wave")
+    check_plan(plan, lens, n, cap)
+    assert two_tier
 
 
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
