@@ -27,7 +27,7 @@
    lists (see :func:`plan_hdp_megatron`).
 
 Several heights around ``M`` are placed (in ``wave`` sync also shelves down to a quarter of the
-tallest job's fastest time, and at the two best heights token-capped splits and a two-tier
+tallest job's fastest time, and at the best height token-capped splits and a two-tier
 variant whose cheapest whole sequences per token get waves of their own); the cost model keeps
 the fastest plan, which reports its gap to the bound in ``predicted["bound_s"]``.
 """
@@ -51,7 +51,7 @@ HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation
 # alone, so the jobs after it must be fast rather than area-efficient (byted-2m at 64 ranks:
 # 81 s at M, 63 s at M / 2, bound 56 s).
 MEGATRON_HEIGHT_FACTORS = (0.35, 0.5, 0.7, 1.0, 1.12)
-TOKEN_SHARES = (0.15, 0.25)  # ``wave`` sync: most tokens per member of a split, share of the offload capacity
+TOKEN_SHARES = (0.25,)  # ``wave`` sync: most tokens per member of a split, as a share of the offload capacity
 CHEAP_WAVE_SHARE = 0.4  # ``wave`` sync, two tiers: the dense waves hold at most this share of the offload capacity
 
 
@@ -126,17 +126,16 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
     if ctx.sync == "wave":
         # A wave's cells fill up with tokens before time when they hold long whole sequences
         # (a 180K-token sequence is cheap per token next to a shard of a 1M-token one). At the
-        # two best heights, also (a) cap the tokens each member of a split holds, so more
+        # best height, also (a) cap the tokens each member of a split holds, so more
         # sequences split and every cell gets a mix (llama-70b byted-2m at 256 ranks: 607 s ->
         # 593 s), and (b) give the cheapest whole sequences per token waves of their own, so the
         # dense waves keep token room (github-2m at 256 ranks: 329 s -> 321 s; a wave costs
         # only its collectives' tail where its compute hides them).
         off_cap = ctx.cost.offload_capacity(ctx.sync)
-        ranked = sorted((t, h) for t, h in zip(times, height_of) if h is not None)
-        for _, h in ranked[:2]:
-            for share in TOKEN_SHARES:
-                place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)))
-            place(*rel.degrees_at(h, ctx.cost), cheap_share=CHEAP_WAVE_SHARE)
+        _, h = min((t, h) for t, h in zip(times, height_of) if h is not None)
+        for share in TOKEN_SHARES:
+            place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)))
+        place(*rel.degrees_at(h, ctx.cost), cheap_share=CHEAP_WAVE_SHARE)
     plan = best[1]
     if ctx.sync == "wave":
         for _ in range(3):
