@@ -269,6 +269,16 @@ class CostModel:
 
     def capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
         """Most tokens a rank holds in one wave without offloading (multiple of 128 tokens)."""
+        key = (sync, kv_block_tokens)
+        if key not in self._capacities:  # planners ask per candidate cell: computed once
+            self._capacities[key] = self._capacity(sync, kv_block_tokens)
+        return self._capacities[key]
+
+    @cached_property
+    def _capacities(self) -> dict[tuple[str, int], int]:
+        return {}
+
+    def _capacity(self, sync: str, kv_block_tokens: int) -> int:
         if self.capacity_override is not None:
             return int(self.capacity_override)
         free = (self.memory_budget - self.static_bytes(sync) - self.loss_buffer_bytes
