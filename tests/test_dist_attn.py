@@ -117,9 +117,16 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
                 if want.numel() == 0:
                     assert got is None or got.numel() == 0
                     continue
-                err = (got.double() - want).abs().max().item()
+                diff = (got.double() - want).abs()
+                err = diff.max().item()
                 bound = tol if dtype == torch.float64 else tol * max(1.0, want.abs().max().item())
-                assert err <= bound, f"case {idx} wave {w} rank {rank} tensor {want_idx}: error {err:.3g} > {bound:.3g}"
+                if err > bound:  # say which rows, to tell a stale message (whole blocks) from rounding
+                    rows = (diff.flatten(1).amax(1) > bound).nonzero().flatten().tolist()
+                    where = [(s, a + i) for s, a, b in plan.shards(rank, w) for i in range(b - a)]
+                    raise AssertionError(
+                        f"case {idx} wave {w} rank {rank} tensor {want_idx}: error {err:.3g} > {bound:.3g} in "
+                        f"{len(rows)} of {diff.shape[0]} rows, (sequence, position) {[where[r] for r in rows[:8]]}; "
+                        f"rounds {[[(m.src, m.dst, m.tokens) for m in rnd] for rnd in plan.comm_rounds(w)]}")
 
 
 def make_cases(n: int, seed: int) -> list:
