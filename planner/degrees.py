@@ -201,8 +201,9 @@ class Relaxation:
         job_time = np.asarray(cost.seq_time(self.seq_lens), dtype=np.float64)
         for i, mu in zip(self.long_ids.tolist(), self.menus):
             allowed = mu.height <= height * (1 + 1e-12)
-            if max_tokens is not None and (allowed & (mu.most_tokens <= max_tokens)).any():
-                allowed &= mu.most_tokens <= max_tokens
+            if max_tokens is not None:
+                capped = allowed & (mu.most_tokens <= max_tokens)
+                allowed = capped if capped.any() else allowed
             k = int(np.argmin(np.where(allowed, mu.area, np.inf))) if allowed.any() else int(np.argmin(mu.height))
             degrees[i] = mu.degrees[k]
             job_time[i] = mu.height[k]

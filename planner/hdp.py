@@ -233,8 +233,9 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
         n_cheap = int(np.searchsorted(np.cumsum(lens[by_density]), excess)) + 1 if excess > 0 else 0
         is_cheap = np.zeros(lens.size, dtype=bool)
         is_cheap[by_density[:n_cheap]] = True
-        keys = _place_wave(ctx, num_waves, multi, single[~is_cheap[single]], degree, job_time, whole, off_cap)
-        cheap = single[is_cheap[single]]
+        cheap_mask = is_cheap[single]  # ``single`` keeps its longest-first order in both tiers
+        keys = _place_wave(ctx, num_waves, multi, single[~cheap_mask], degree, job_time, whole, off_cap)
+        cheap = single[cheap_mask]
         if cheap.size:
             _, _, cheap_rank, cheap_key = _place_wave(ctx, 1, multi[:0], cheap, degree, job_time, whole, off_cap)
             after = max(max(keys[1], default=-1), int(keys[3].max(initial=-1))) + 1
