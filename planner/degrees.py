@@ -181,6 +181,21 @@ def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nd
     return m.layers * cost.attn_time(np.zeros_like(L), L) + dense / (g.peak_flops * g.linear_efficiency(max(cell_tokens, 1)))
 
 
+def work_area(cost: CostModel, seq_lens: np.ndarray, degree: np.ndarray, sync: str, capacity: int) -> float:
+    """Rank-seconds of compute that any plan giving sequence ``i`` ``degree[i]`` ranks (a menu
+    degree) covers, at least: split sequences their menu area, whole ones their packed time. Divided
+    by the ranks it is a lower bound of such a plan's step (a wave lasts as long as its slowest
+    rank, so at least as long as the mean)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    area = packed_time(cost, lens, cost.offload_capacity(sync))
+    for i in np.flatnonzero(np.asarray(degree) > 1).tolist():
+        mu = length_menu(cost, int(lens[i]), sync, capacity)
+        k = int(np.searchsorted(mu.degrees, degree[i]))
+        if k < mu.degrees.size and mu.degrees[k] == degree[i]:  # else its packed time, still a bound
+            area[i] = float(mu.area[k])
+    return float(area.sum())
+
+
 @dataclass(frozen=True)
 class Relaxation:
     """Solution of the relaxation: the bound (seconds), its height ``M``, its area (rank-seconds),

@@ -15,7 +15,7 @@ from planner import PlanningError, plan_and_evaluate, plan_step
 from planner import hdp as hdp_planner
 from planner import hdp_ilp
 from planner.common import zigzag_arrays
-from planner.degrees import relaxation_bound, split_times, step_bound
+from planner.degrees import relaxation_bound, split_times, step_bound, work_area
 from test_strategies import check_plan
 
 
@@ -164,10 +164,58 @@ def test_two_tier_wave_plans_are_valid(n, cap, share, data):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hdp_planner, "CHEAP_WAVE_SHARE", share)
         patch.setattr(hdp_planner, "_place", place_and_check)
+        patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)  # skip no candidate
         plan = plan_step(lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "hdp", capacity=cap,
                          sync="wave")
     check_plan(plan, lens, n, cap)
     assert two_tier
+
+
+def _wave_plans_with_and_without_skipping(lens, cluster, model, **opts) -> tuple[list[float], list[float]]:
+    """Step times of every wave candidate placed, planning as usual and with nothing skipped
+    (the last of each list is the plan kept); each placed candidate's step is checked to be at
+    least its work spread over the ranks (the bound candidates are skipped by)."""
+    place = hdp_planner._place
+    runs: list[list[float]] = []
+
+    def place_and_check(ctx, num_waves, degree, *args, **kwargs):
+        candidate = place(ctx, num_waves, degree, *args, **kwargs)
+        step = ctx.cost.evaluate(candidate).step_time_s
+        work = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, ctx.capacity) / ctx.num_ranks
+        assert step >= work * (1 - 1e-12)
+        runs[-1].append(step)
+        return candidate
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hdp_planner, "_place", place_and_check)
+        for skip in (True, False):
+            if not skip:
+                patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)
+            runs.append([])
+            runs[-1].append(plan_and_evaluate(lens, cluster, model, "hdp", sync="wave", **opts)[1].step_time_s)
+    return runs[0], runs[1]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.sampled_from([2, 4, 8]), cap=st.integers(64, 600), data=st.data())
+def test_skipped_wave_candidates_could_not_have_won(n, cap, data):
+    # wave sync skips a candidate whose work spread over the ranks is not below the best step so
+    # far: that work is a lower bound of every candidate's step, and skipping changes no plan.
+    lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
+    skipping, everything = _wave_plans_with_and_without_skipping(
+        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), capacity=cap)
+    assert skipping[-1] == everything[-1]
+
+
+@pytest.mark.parametrize("workload", ["byted-2m", "github-2m", "wlb-128k"])
+def test_skipping_wave_candidates_saves_placements_on_real_batches(workload):
+    from hdp.workloads import get_workload
+
+    lens = get_workload(workload).sample_batch(np.random.default_rng(0), tokens_per_step=1 << 20)
+    skipping, everything = _wave_plans_with_and_without_skipping(lens, ClusterSpec.preset("h100", 16),
+                                                                 model_preset("llama-7b"))
+    assert skipping[-1] == everything[-1]
+    assert len(skipping) < len(everything)
 
 
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
