@@ -269,4 +269,6 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hdp.runtime import exit_without_teardown
+
+    exit_without_teardown(main())

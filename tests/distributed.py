@@ -19,6 +19,8 @@ def free_port() -> int:
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from hdp.runtime import exit_without_teardown
+
     try:
         fn(rank, world, *args)
         # Leave together: a rank that tears down its sockets while a peer still reads from them
@@ -26,6 +28,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown(0)  # as launch/pretrain.py does; why: its docstring
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
