@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)  # a rank that crashes prints where each thread was
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from hdp.runtime import exit_without_teardown
