@@ -1,6 +1,7 @@
 """The hdp planner: closed-form split times against the cost model, the bound against brute
 force, the Megatron form, the MILP and its fallback, errors, determinism."""
 
+import inspect
 import itertools
 import warnings
 from dataclasses import replace
@@ -169,6 +170,33 @@ def test_two_tier_wave_plans_are_valid(n, cap, share, data):
                          sync="wave")
     check_plan(plan, lens, n, cap)
     assert two_tier
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 8), cap=st.integers(64, 600), data=st.data())
+def test_no_stacking_wave_plans_are_valid(n, cap, data):
+    # The wave candidate in which a multi-rank job never joins a wave that already holds work
+    # when that raises the wave by more than STACK_SHARE of its time, forced on for every
+    # placement: valid plans, and no job stacked.
+    lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
+    place = hdp_planner._place
+    no_stacking = []
+
+    def place_without_stacking(*args, **kwargs):
+        bound = inspect.signature(place).bind(*args, **kwargs)
+        bound.arguments["stack_share"] = hdp_planner.STACK_SHARE
+        candidate = place(*bound.args, **bound.kwargs)
+        check_plan(candidate, lens, n, cap)
+        assert candidate.predicted["stacked_jobs"] == 0
+        no_stacking.append(candidate)
+        return candidate
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hdp_planner, "_place", place_without_stacking)
+        plan = plan_step(lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "hdp", capacity=cap,
+                         sync="wave")
+    check_plan(plan, lens, n, cap)
+    assert no_stacking
 
 
 def _wave_plans_with_and_without_skipping(lens, cluster, model, **opts) -> tuple[list[float], list[float]]:
