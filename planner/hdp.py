@@ -57,7 +57,7 @@ TOKEN_SHARES = (0.25,)  # ``wave`` sync: most tokens per member of a split, as a
 CHEAP_WAVE_SHARE = 0.4  # ``wave`` sync, two tiers: the dense waves hold at most this share of the offload capacity
 # ``wave`` sync, no stacking: a multi-rank job joins a wave that already holds work only if that
 # raises the wave by at most this share of the job's time (else it opens a wave of its own).
-STACK_SHARE = 0.1
+STACK_SHARE = 0.05
 
 
 def check_fits(ctx: Context) -> None:
