@@ -152,7 +152,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
     order = list(range(len(candidates)))
     if ctx.sync == "wave":
         # Least work first, so the candidates that cannot beat the best so far are skipped (at
-        # 1024 ranks most of the fast, area-hungry shelves: 70B planning 2-3x faster). A height
+        # 1024 ranks most of the fast, area-hungry shelves: 70B planning 1.5-2.7x faster). A height
         # candidate is skipped only against the best height candidate: the best height, which the
         # variants below start from, stays the one all of them placed would give.
         order.sort(key=lambda k: work_area(ctx.cost, ctx.seq_lens, candidates[k][0], ctx.sync, cap))
