@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import socket
 import time
 
@@ -37,9 +38,21 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; raises if any fails or the deadline passes."""
     ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"ranks still running after {timeout} s (deadlock?)")
+    try:
+        # A grace period lets the other ranks write their errors too: the first rank noticed is
+        # often a peer that lost its connection, not the one that failed.
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic()), grace_period=10.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"ranks still running after {timeout} s (deadlock?)")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as first:
+        errors = []
+        for rank, path in enumerate(ctx.error_files):
+            if os.path.exists(path) and os.path.getsize(path):
+                with open(path, "rb") as fh:
+                    errors.append(f"-- rank {rank}:\n{pickle.load(fh)}")
+        if len(errors) <= 1:
+            raise
+        raise AssertionError(f"{len(errors)} ranks failed:\n\n" + "\n".join(errors)) from first
