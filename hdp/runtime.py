@@ -133,4 +133,3 @@ def exit_without_teardown(code: int) -> NoReturn:
             pass
     logging.shutdown()
     os._exit(code)
-

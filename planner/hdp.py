@@ -113,6 +113,13 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
             height_of.insert(0, None)
     best: tuple[float, Plan] | None = None
     placed: list[tuple[np.ndarray, tuple, float, bool]] = []  # (degrees, variant, step s, stacked)
+    work_of: dict[bytes, float] = {}  # degrees -> work_area / ranks: the order, then every skip test
+
+    def work_s(degree: np.ndarray) -> float:
+        key = degree.tobytes()
+        if key not in work_of:
+            work_of[key] = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, cap) / n
+        return work_of[key]
 
     def place_variant(degree: np.ndarray, job_time: np.ndarray, cheap_share: float | None,
                       stack_share: float | None, prune_at: float) -> tuple[float, bool]:
@@ -124,7 +131,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         for d, v, t, stacked in placed:
             if v == variant and np.array_equal(degree, d):
                 return t, stacked
-        if ctx.sync == "wave" and work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, cap) / n >= prune_at:
+        if ctx.sync == "wave" and work_s(degree) >= prune_at:
             placed.append((degree, variant, math.inf, False))
             return math.inf, False
         plan = _place(ctx, num_waves, degree, job_time, polish_moves, cheap_share, stack_share)
@@ -155,7 +162,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         # 1024 ranks most of the fast, area-hungry shelves: 70B planning 1.5-2.7x faster). A height
         # candidate is skipped only against the best height candidate: the best height, which the
         # variants below start from, stays the one all of them placed would give.
-        order.sort(key=lambda k: work_area(ctx.cost, ctx.seq_lens, candidates[k][0], ctx.sync, cap))
+        order.sort(key=lambda k: work_s(candidates[k][0]))
     for k in order:
         is_height = height_of[k] is not None
         best_height_s = min((t for t, h in zip(times, height_of) if h is not None), default=math.inf)
