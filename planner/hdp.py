@@ -352,8 +352,11 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap,
     """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
     raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
     (ties: the lowest, so tall jobs spread over waves and leave token room beside them), on the
-    least-loaded ranks with token room; ``stack_share``: not into a wave that already holds work
-    if that raises it by more than this share of the job's time. Whole sequences, longest first:
+    least-loaded ranks with token room, each member's load growing by the job's time (a cell's
+    shards run together, layer by layer, so a wave lasts its largest cell sum, as the cost model
+    has it; members do not wait for the busiest one to start); ``stack_share``: not into a wave
+    that already holds work if that raises it by more than this share of the job's time. Whole
+    sequences, longest first:
     a cell whose load stays under its wave's height (the least-loaded such), else the cell that
     raises its wave least (with offload where that raises it less: :func:`_offloaded_cell`); a
     new wave when that costs less than the raise. Returns the placement and how many jobs joined
@@ -392,7 +395,7 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap,
         (raise_s, height), w, members, finish = best
         stacked += height > 0 and raise_s > STACK_SHARE * t
         tokens[w, members] += per_rank
-        load[w, members] = finish
+        load[w, members] += t
         members_of.append(members)
         key_of.append(w)
     single_rank = np.full(lens.size, -1, dtype=np.int64)
