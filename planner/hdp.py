@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -350,54 +351,83 @@ def _most_tokens(length: int, parts: int) -> int:
 
 def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, stack_share=None):
     """``wave`` sync: a step lasts the sum of its waves' slowest cells, so each job goes where it
-    raises that sum least. Multi-rank jobs, tallest first: the wave whose height grows least
-    (ties: the lowest, so tall jobs spread over waves and leave token room beside them), on the
-    least-loaded ranks with token room, each member's load growing by the job's time (a cell's
-    shards run together, layer by layer, so a wave lasts its largest cell sum, as the cost model
-    has it; members do not wait for the busiest one to start); ``stack_share``: not into a wave
-    that already holds work if that raises it by more than this share of the job's time. Whole
-    sequences, longest first:
-    a cell whose load stays under its wave's height (the least-loaded such), else the cell that
-    raises its wave least (with offload where that raises it less: :func:`_offloaded_cell`); a
-    new wave when that costs less than the raise. Returns the placement and how many jobs joined
-    a wave raising it by more than :data:`STACK_SHARE` of their time."""
+    raises that sum least: multi-rank jobs first (:func:`_place_wave_jobs`), then whole sequences
+    (:func:`_fill_waves`). Returns (members and wave of each job, rank and wave of each sequence,
+    how many jobs joined a wave raising it by more than :data:`STACK_SHARE` of their time)."""
+    layer = _place_wave_jobs(ctx, num_waves, multi, degree, job_time, off_cap, stack_share)
+    single_rank, single_key = _fill_waves(ctx, layer, single, whole, off_cap)
+    return layer.members, layer.wave, single_rank, single_key, layer.stacked
+
+
+@dataclass
+class JobLayer:
+    """Multi-rank jobs placed in ``wave`` sync: per job (in placement order) its members and
+    wave; per cell ``[waves, ranks]`` the tokens held and the load (s)."""
+
+    members: list[np.ndarray]
+    wave: list[int]
+    tokens: np.ndarray
+    load: np.ndarray
+    stacked: int = 0
+
+    def add_wave(self) -> None:
+        self.tokens = np.vstack([self.tokens, np.zeros((1, self.tokens.shape[1]), dtype=np.int64)])
+        self.load = np.vstack([self.load, np.zeros((1, self.load.shape[1]))])
+
+
+def _place_wave_jobs(ctx, num_waves, multi, degree, job_time, off_cap, stack_share=None) -> JobLayer:
+    """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
+    tall jobs spread over waves and leave token room beside them), on the least-loaded ranks with
+    token room, each member's load growing by the job's time (a cell's shards run together, layer
+    by layer, so a wave lasts as long as its largest cell sum, as the cost model has it: members
+    do not wait for the busiest one to start). ``stack_share``: not into a wave that already
+    holds work where that raises it by more than this share of the job's time."""
     lens = ctx.seq_lens
-    n, cap, rpn = ctx.num_ranks, ctx.capacity, ctx.ranks_per_node
-    tokens = np.zeros((num_waves, n), dtype=np.int64)
-    load = np.zeros((num_waves, n))
-
-    def add_wave() -> None:
-        nonlocal tokens, load
-        tokens = np.vstack([tokens, np.zeros((1, n), dtype=np.int64)])
-        load = np.vstack([load, np.zeros((1, n))])
-
-    members_of, key_of = [], []
-    stacked = 0
+    n, rpn = ctx.num_ranks, ctx.ranks_per_node
+    layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
         per_rank = _most_tokens(L, d)
         best = None
-        for w in range(tokens.shape[0] + 1):
-            if w == tokens.shape[0]:
+        for w in range(layer.load.shape[0] + 1):
+            if w == layer.load.shape[0]:
                 if best is not None:
                     break
-                add_wave()
-            members = _pick_members(load[w], d, rpn, tokens[w] + per_rank <= off_cap)
+                layer.add_wave()
+            load = layer.load[w]
+            members = _pick_members(load, d, rpn, layer.tokens[w] + per_rank <= off_cap)
             if members is None:
                 continue
-            height = float(load[w].max())
-            finish = float(load[w, members].max()) + t
+            height = float(load.max())
+            finish = float(load[members].max()) + t
             if stack_share is not None and height > 0 and finish - height > stack_share * t:
                 continue
             score = (max(0.0, finish - height), height)
             if best is None or score < best[0]:
-                best = (score, w, members, finish)
-        (raise_s, height), w, members, finish = best
-        stacked += height > 0 and raise_s > STACK_SHARE * t
-        tokens[w, members] += per_rank
-        load[w, members] += t
-        members_of.append(members)
-        key_of.append(w)
+                best = (score, w, members)
+        (raise_s, height), w, members = best
+        layer.stacked += height > 0 and raise_s > STACK_SHARE * t
+        layer.tokens[w, members] += per_rank
+        layer.load[w, members] += t
+        layer.members.append(members)
+        layer.wave.append(w)
+    return layer
+
+
+def _fill_waves(ctx, layer: JobLayer, single, whole, off_cap) -> tuple[np.ndarray, np.ndarray]:
+    """Whole sequences, longest first, onto the cells of ``layer`` (updated in place): a cell
+    whose load stays under its wave's height (the least-loaded such), else the cell that raises
+    its wave least (with offload where that raises it less: :func:`_offloaded_cell`); a new wave
+    when that costs less than the raise. Returns each sequence's rank and wave (-1: not placed)."""
+    lens = ctx.seq_lens
+    n, cap = ctx.num_ranks, ctx.capacity
+    tokens, load = layer.tokens, layer.load
+
+    def add_wave() -> None:
+        nonlocal tokens, load
+        layer.add_wave()
+        tokens, load = layer.tokens, layer.load
+
     single_rank = np.full(lens.size, -1, dtype=np.int64)
     single_key = np.full(lens.size, -1, dtype=np.int64)
     heights = [float(h) for h in load.max(axis=1)]
@@ -455,7 +485,7 @@ def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap,
         heights[w] = max(heights[w], float(load[w, r]))
         heapq.heappush(heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         single_rank[i], single_key[i] = r, w
-    return members_of, key_of, single_rank, single_key, stacked
+    return single_rank, single_key
 
 
 def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000) -> Plan | None:
