@@ -151,7 +151,7 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
     from hdp import checkpoint
     from hdp.model import Llama
     from hdp.runtime import run_waves, shard_model
-    from planner import PlanningError, choose_sync
+    from planner import OFFLOADING, PlanningError, choose_sync
 
     def log(msg: str) -> None:
         if rank == 0:
@@ -165,7 +165,7 @@ def train(args, rank: int, world: int, per_node: int, device: torch.device) -> i
     cost = CostModel(spec, cluster, activation_checkpointing=args.activation_checkpointing,
                      capacity_override=args.capacity)
     try:
-        sync, cap = choose_sync(cost, "peer", args.max_seq, args.sync)
+        sync, cap = choose_sync(cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING)
         sources = build_sources(args, spec.vocab)
         weights = [float(x) for x in args.data_weights.split(",")] if args.data_weights else None
         stream = BatchStream([s.lengths for s in sources], args.tokens_per_step, args.max_seq, seed=args.seed,

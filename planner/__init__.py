@@ -41,25 +41,32 @@ STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
 }
 
 
-def choose_sync(cost: CostModel, native: str, longest: int, requested: str | None = None) -> tuple[str, int]:
+# Strategies that let a rank hold more than the capacity by offloading activations to host memory.
+OFFLOADING = frozenset({"bytescale", "hdp"})
+
+
+def choose_sync(cost: CostModel, native: str, longest: int, requested: str | None = None,
+                offload: bool = False) -> tuple[str, int]:
     """(sync mode, capacity): ``requested`` if given, else ``native`` where its memory holds the
-    longest sequence on the cluster, else ``wave`` (parameters sharded). Raises PlanningError with
-    what to change when neither holds it."""
+    longest sequence on the cluster (with activation offload where ``offload``), else ``wave``
+    (parameters sharded). Raises PlanningError with what to change when neither holds it."""
     n = cost.cluster.num_ranks
     modes = [requested] if requested else ([native, "wave"] if native != "wave" else ["wave"])
     best = None
     for mode in modes:
         cap = cost.capacity(mode)
-        if cap > 0 and longest <= cap * n:
+        room = max(cost.offload_capacity(mode), cap) if offload else cap
+        if cap > 0 and longest <= room * n:
             return mode, cap
-        best = (mode, cap)
+        best = (mode, room)
     mode, cap = best
     if cap <= 0:
         raise PlanningError(
             f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: parameters, gradients and "
             f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model")
+    held = "tokens per rank per wave with activation offload" if offload else "tokens per rank per wave"
     raise PlanningError(
-        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {cap} tokens per rank per wave "
+        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {cap} {held} "
         f"= {n * cap} tokens; use at least {-(-longest // cap)} GPUs or a smaller --max-seq")
 
 
@@ -96,7 +103,10 @@ def plan_and_evaluate(
         capacity_override=opts.pop("capacity", None))
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
-    sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None))
+    form = opts.pop("form", "free")
+    # Megatron's runtime (hdp's megatron form) keeps every activation on the GPU.
+    offload = strategy in OFFLOADING and form != "megatron"
+    sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None), offload=offload)
     ctx = Context(
         seq_lens=lens, cost=cost, sync=sync, capacity=cap,
         max_seq=int(opts.pop("max_seq", None) or max(longest, 1)),
@@ -105,7 +115,6 @@ def plan_and_evaluate(
     )
     validate = opts.pop("validate", True)
     impl = opts.pop("hybridcp_impl", "auto")
-    form = opts.pop("form", "free")
     if form != "free" and strategy != "hdp":
         raise TypeError(f"form={form!r} applies to the hdp strategy only")
     if opts:
@@ -126,4 +135,4 @@ def plan_and_evaluate(
     return plan, report
 
 
-__all__ = ["STRATEGIES", "PlanningError", "choose_sync", "plan_and_evaluate", "plan_step"]
+__all__ = ["OFFLOADING", "STRATEGIES", "PlanningError", "choose_sync", "plan_and_evaluate", "plan_step"]

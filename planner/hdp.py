@@ -40,6 +40,7 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -59,6 +60,10 @@ CHEAP_WAVE_SHARE = 0.4  # ``wave`` sync, two tiers: the dense waves hold at most
 # ``wave`` sync, no stacking: a multi-rank job joins a wave that already holds work only if that
 # raises the wave by at most this share of the job's time (else it opens a wave of its own).
 STACK_SHARE = 0.05
+# ``wave`` sync, shelf candidates: first-wave heights tried, and how many of them (the best by
+# :func:`_estimate_wave_step`) are placed in full.
+SHELF_HEIGHTS = 64
+SHELF_PLACED = 3
 
 
 def check_fits(ctx: Context) -> None:
@@ -97,6 +102,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
         return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n)
+    bound_s = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
     heights = candidate_heights(rel, ctx.sync)
     candidates = [rel.degrees_at(h, ctx.cost) for h in heights]
     height_of = list(heights)  # the relaxation height of each candidate (None: another source)
@@ -181,6 +187,15 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         for share in TOKEN_SHARES:
             place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)), prune_at=best[0])
         place(*rel.degrees_at(h, ctx.cost), cheap_share=CHEAP_WAVE_SHARE, prune_at=best[0])
+        # The longest jobs side by side in one tall wave, area-efficient, the rest fast (see
+        # shelf_candidates; llama-70b byted-2m at 64 ranks: 2382 s -> 2299 s). Not where the
+        # best plan is at the bound already.
+        def hopeless(degree: np.ndarray) -> bool:  # place_variant would skip it
+            return work_s(degree) >= best[0]
+
+        if best[0] > bound_s * (1 + 1e-3):
+            for degree, job_time in shelf_candidates(ctx, rel, num_waves, heights, hopeless)[:SHELF_PLACED]:
+                place_variant(degree, job_time, None, STACK_SHARE, best[0])
     plan = best[1]
     if ctx.sync == "wave":
         for _ in range(3):
@@ -192,7 +207,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
                 break
             best, plan = (t, moved), moved
     plan.predicted.update(info)
-    plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
+    plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
 
@@ -210,6 +225,80 @@ def candidate_heights(rel: Relaxation, sync: str) -> list[float]:
     # Below the floor the tallest job stays at its fastest while the others get faster too, so
     # they stack under it in fewer, fuller waves (llama-70b github-2m at 64 ranks: 1400 s -> 1262 s).
     return [floor * 0.25, floor * 0.5] + shelves
+
+
+def shelf_candidates(ctx: Context, rel: Relaxation, num_waves: int, heights: list[float],
+                     hopeless=lambda degree: False) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``wave`` sync: (degree, busy time s) candidates whose first wave is a *shelf*, best first
+    by :func:`_estimate_wave_step` (with no stacking, the variant they are placed in).
+
+    A height ``H1`` from the longest sequence's menu (at least 1.2x its fastest time): the
+    longest sequences, longest first, each on the fewest ranks that keep it under ``H1``, join the
+    shelf while their ranks fit; then the shelf's tallest job widens to its next menu degree while
+    the ranks left allow. Every other sequence takes the relaxation's degrees at the two lowest
+    candidate ``heights`` (fast, wide jobs: the waves after the shelf balance finely); candidates
+    for which ``hopeless(degree)`` holds are left out before they are estimated. The single
+    height of :func:`candidate_heights` cannot express this: at a height where the longest jobs are
+    area-efficient, the next ones are that tall too and open tall waves that the whole sequences,
+    out of tokens before time, cannot fill (llama-70b byted-2m at 64 ranks: five jobs of 0.7-1.2M
+    tokens on one 1131 s shelf, 1.038 of the bound, where the best single height gives 1.074)."""
+    if not rel.menus:
+        return []
+    lens, cost, n = ctx.seq_lens, ctx.cost, ctx.num_ranks
+    by_length = sorted(range(len(rel.menus)), key=lambda j: (-int(lens[rel.long_ids[j]]), j))
+    first = rel.menus[by_length[0]]
+    tall = np.sort(first.height[np.isfinite(first.height) & (first.height >= 1.2 * first.height.min())])[::-1]
+    if tall.size == 0:
+        return []
+    shelf_heights = tall[:: max(1, tall.size // SHELF_HEIGHTS)]
+    whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
+    scored = []
+    for top in shelf_heights.tolist():
+        on_shelf: dict[int, int] = {}  # menu of a long sequence -> its entry
+        width = 0
+        for j in by_length:
+            fits = np.flatnonzero(rel.menus[j].height <= top)
+            if fits.size and width + int(rel.menus[j].degrees[fits[0]]) <= n:
+                on_shelf[j] = int(fits[0])
+                width += int(rel.menus[j].degrees[fits[0]])
+        tallest = [(-float(rel.menus[j].height[k]), j) for j, k in on_shelf.items()]
+        heapq.heapify(tallest)
+        while tallest:
+            j = tallest[0][1]
+            mu, k = rel.menus[j], on_shelf[j]
+            if k + 1 >= mu.degrees.size or width + int(mu.degrees[k + 1] - mu.degrees[k]) > n:
+                break
+            width += int(mu.degrees[k + 1] - mu.degrees[k])
+            on_shelf[j] = k + 1
+            heapq.heapreplace(tallest, (-float(mu.height[k + 1]), j))
+        for rest in heights[:2]:
+            degree, job_time = rel.degrees_at(rest, cost)
+            for j, k in on_shelf.items():
+                degree[rel.long_ids[j]] = rel.menus[j].degrees[k]
+                job_time[rel.long_ids[j]] = rel.menus[j].height[k]
+            if hopeless(degree):  # e.g. its work alone cannot beat the best plan so far
+                continue
+            estimate = _estimate_wave_step(ctx, num_waves, degree, job_time, whole, STACK_SHARE)
+            scored.append((estimate, len(scored), degree, job_time))
+    scored.sort(key=lambda c: c[:2])
+    return [(degree, job_time) for _, _, degree, job_time in scored]
+
+
+def _estimate_wave_step(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray,
+                        whole: np.ndarray, stack_share: float | None) -> float:
+    """Step (s) a ``wave``-sync candidate would get, from its multi-rank jobs alone
+    (:func:`_place_wave_jobs`): the waves' heights, plus the time of the sequences placed whole
+    that the cells' spare time and token room cannot take (those as a fluid of their mean time per
+    token), spread over the ranks. A tenth of a placement's cost; among 24-32 shelf candidates of
+    four llama-70b batches at 64 ranks, the three it ranks best held the one placed best."""
+    off_cap = max(ctx.cost.offload_capacity(ctx.sync), ctx.capacity)
+    multi, single = _jobs_and_singles(ctx, degree, job_time, whole)
+    layer = _place_wave_jobs(ctx, num_waves, multi, degree, job_time, off_cap, stack_share)
+    height = layer.load.max(axis=1)
+    fill_s = float(whole[single].sum())
+    per_token = fill_s / max(int(ctx.seq_lens[single].sum()), 1)
+    room = np.minimum(height[:, None] - layer.load, per_token * np.maximum(0, off_cap - layer.tokens))
+    return float(height.sum()) + max(0.0, fill_s - float(room.sum())) / ctx.num_ranks
 
 
 def num_waves_for(ctx: Context) -> int:
@@ -263,12 +352,7 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
     lens, cost, cap = ctx.seq_lens, ctx.cost, ctx.capacity
     off_cap = max(cost.offload_capacity(ctx.sync), cap)
     whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
-    # Jobs placed as blocks: split sequences, and whole ones that need offload to fit a rank.
-    job = (degree > 1) | (lens > cap)
-    multi = np.flatnonzero(job)
-    multi = multi[np.argsort(-job_time[multi], kind="stable")]
-    single = np.flatnonzero(~job & (lens > 0))
-    single = single[np.argsort(-whole[single], kind="stable")]
+    multi, single = _jobs_and_singles(ctx, degree, job_time, whole)
     builder = PlanBuilder(ctx, "hdp")
     if ctx.sync == "wave" and cheap_share is not None:
         # Two tiers: the cheapest whole sequences per token (those that fill a cell's tokens long
@@ -310,6 +394,18 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
     return builder.build()
 
 
+def _jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray,
+                      whole: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(jobs placed as blocks, tallest first: split sequences and whole ones that need offload to
+    fit a rank; sequences placed whole on one rank, slowest first)."""
+    lens = ctx.seq_lens
+    job = (degree > 1) | (lens > ctx.capacity)
+    multi = np.flatnonzero(job)
+    multi = multi[np.argsort(-job_time[multi], kind="stable")]
+    single = np.flatnonzero(~job & (lens > 0))
+    return multi, single[np.argsort(-whole[single], kind="stable")]
+
+
 def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], single_rank: np.ndarray,
                  single_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``peer`` sync: the fewest waves that keep every rank's order of work (its keys) and give a
@@ -343,7 +439,9 @@ def _align(length: int, parts: int) -> int:
     return BLOCK_ALIGN if length >= 2 * parts * BLOCK_ALIGN else 1
 
 
+@lru_cache(maxsize=1 << 16)
 def _most_tokens(length: int, parts: int) -> int:
+    """Tokens the fullest member holds when ``length`` tokens are zigzag-split over ``parts``."""
     rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
                                         first_rank=np.array([0]), align=_align(length, parts))
     return int(np.bincount(rank, weights=end - start).max())

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hdp import ClusterSpec, model_preset
 from hdp.workloads import get_workload
-from planner import STRATEGIES, PlanningError, plan_step
+from planner import OFFLOADING, STRATEGIES, PlanningError, plan_step
 from planner.common import next_pow2
 
 
@@ -64,8 +64,20 @@ def test_random_batches_give_valid_plans(strategy, n, rpn, cap, sync, data):
 def test_sequence_longer_than_the_cluster_is_a_clear_error():
     cluster = ClusterSpec.preset("h100", 4)
     for strategy in STRATEGIES:
-        with pytest.raises(PlanningError, match="cannot hold a 5000-token sequence.*at least 5 GPUs"):
-            plan_step([5000, 10], cluster, model_preset("llama-7b"), strategy, capacity=1000)
+        # 1000 tokens per rank, 2688 with all checkpointed activations offloaded (llama-7b).
+        longest = 11000 if strategy in OFFLOADING else 5000
+        with pytest.raises(PlanningError, match=f"cannot hold a {longest}-token sequence.*at least 5 GPUs"):
+            plan_step([longest, 10], cluster, model_preset("llama-7b"), strategy, capacity=1000)
+
+
+def test_offloading_strategies_plan_what_only_offload_holds():
+    """A sequence longer than the ranks hold without offload, but not with it: the strategies that
+    offload plan it, with the offload recorded in the plan (the others refuse it: above)."""
+    cluster, model = ClusterSpec.preset("h100", 4), model_preset("llama-7b")
+    for strategy in OFFLOADING:
+        plan = plan_step([5000, 10], cluster, model, strategy, capacity=1000)
+        check_plan(plan, np.array([5000, 10]), 4, 1000)
+        assert plan.offload.max() > 0
 
 
 def test_model_that_does_not_fit_is_a_clear_error():
