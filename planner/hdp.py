@@ -247,7 +247,7 @@ def shelf_candidates(ctx: Context, rel: Relaxation, num_waves: int, heights: lis
     lens, cost, n = ctx.seq_lens, ctx.cost, ctx.num_ranks
     by_length = sorted(range(len(rel.menus)), key=lambda j: (-int(lens[rel.long_ids[j]]), j))
     first = rel.menus[by_length[0]]
-    tall = np.sort(first.height[np.isfinite(first.height) & (first.height >= 1.2 * first.height.min())])[::-1]
+    tall = np.sort(first.height[np.isfinite(first.height) & (first.height >= 1.02 * first.height.min())])[::-1]
     if tall.size == 0:
         return []
     shelf_heights = tall[:: max(1, tall.size // SHELF_HEIGHTS)]
