@@ -14,7 +14,9 @@ receives every other head and the tails of ``j > i``, and sends its head to all 
 and its tail to the ``i`` members ``j < i``. Vectorised over all members of all (length, degree)
 pairs: one call prices a whole degree menu.
 
-:func:`relaxation_bound` is the planner's own lower bound: choose one degree per sequence so
+:func:`relaxation_bound` is the planner's own lower bound (:func:`step_bound` adds the parameter
+collectives and, in ``wave`` sync, takes the higher of it and :func:`shelf_bound`, which accounts
+for the token room of the longest sequences' waves): choose one degree per sequence so
 that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job -- the rectangles may be
 cut (the area is divisible) but every job keeps its height. It is exact over ``M`` (a sweep
 over every height in the menus), so it is at least the LP relaxation of the malleable-job MILP
@@ -114,12 +116,19 @@ def degree_menu(length: int, num_ranks: int, offload_capacity: int, ratio: float
 
 @dataclass(frozen=True)
 class Menu:
-    """The priced degrees of one sequence length (arrays sorted by degree)."""
+    """The priced degrees of one sequence length (arrays sorted by degree): height, area and most
+    tokens of a member as ``hdp`` splits it (128-token blocks), and for bounds the least height and
+    area of that split and the exact zigzag split other strategies use (either may be faster)."""
 
     degrees: np.ndarray
     height: np.ndarray
     area: np.ndarray
     most_tokens: np.ndarray
+    least_height: np.ndarray
+    least_area: np.ndarray
+
+    def __getitem__(self, keep: np.ndarray) -> "Menu":
+        return Menu(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
 
 
 @lru_cache(maxsize=4096)
@@ -130,11 +139,15 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     c = cost.cluster
     off_cap = cost.offload_capacity(sync)
 
-    def price(deg: np.ndarray) -> Menu:
+    def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
         # Megatron (pow2) splits into exact shares; ours into 128-token blocks where they fit.
+        lengths = np.full(deg.size, length)
         align = np.where((length >= 2 * deg * BLOCK_ALIGN) & (not pow2), BLOCK_ALIGN, 1)
-        h, a, most = split_times(cost, np.full(deg.size, length), deg, sync, align)
-        return Menu(deg, h, a, most)
+        h, a, most = split_times(cost, lengths, deg, sync, align)
+        if not exact_too or not (align > 1).any():
+            return Menu(deg, h, a, most, h, a)
+        h_exact, a_exact, _ = split_times(cost, lengths, deg, sync, 1)
+        return Menu(deg, h, a, most, np.minimum(h, h_exact), np.minimum(a, a_exact))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
@@ -147,7 +160,7 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     # One degree beyond the fewest that hold it: 128-token blocks can leave the fewest a block
     # over the capacity (1793 tokens on 3 ranks of 640: 641 on one).
     widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1)) + 1))
-    coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4))
+    coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4), exact_too=False)
     if coarse.degrees.size == 0:
         return coarse
     ok = np.isfinite(coarse.height)
@@ -170,7 +183,7 @@ def _until_lowest(mu: Menu) -> Menu:
     if not ok.any():
         return mu
     keep = ok & (mu.degrees <= mu.degrees[ok][int(np.argmin(mu.height[ok]))])
-    return Menu(mu.degrees[keep], mu.height[keep], mu.area[keep], mu.most_tokens[keep])
+    return mu[keep]
 
 
 def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
@@ -228,11 +241,14 @@ class Relaxation:
 
 
 def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, slots: int,
-                     fixed_s: float = 0.0, min_step_s: float = 0.0, pow2: bool = False) -> Relaxation:
+                     fixed_s: float = 0.0, min_step_s: float = 0.0, pow2: bool = False,
+                     any_split: bool = False) -> Relaxation:
     """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
     that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
     to the bound (parameter collectives); ``min_step_s`` floors the busy part; ``pow2`` restricts
-    degrees to powers of two (Megatron's CP groups)."""
+    degrees to powers of two (Megatron's CP groups). ``any_split``: over the exact zigzag splits
+    of other strategies too, not only hdp's 128-token blocks (a bound for any strategy's plan;
+    hdp plans with the relaxation of its own splits)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     packed = packed_time(cost, lens, cost.offload_capacity(sync))
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
@@ -249,7 +265,7 @@ def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity:
     for j, mu in enumerate(menus):
         if mu.degrees.size == 0 or not np.isfinite(mu.height).any():
             raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
-        h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2)
+        h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split)
         ev_h.append(h)
         ev_area.append(a)
         ev_seq.append(np.full(h.size, j))
@@ -282,13 +298,14 @@ def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity:
     return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
 
 
-def _bound_options(mu: Menu, packed: float, pow2: bool) -> tuple[np.ndarray, np.ndarray]:
+def _bound_options(mu: Menu, packed: float, pow2: bool, any_split: bool) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of every option a bound may give a sequence with menu ``mu``: its menu
-    entries (degree 1 at its ``packed`` time: whole on one rank it may share its cell, as the
-    short ones), plus, for each run of degrees the menu skips, a virtual option with the smaller
-    height and the smaller area of the two entries around it, so that a bound over the options
-    covers every degree."""
-    h, a = mu.height.copy(), mu.area.copy()
+    entries (hdp's split, or with ``any_split`` the faster of it and the exact zigzag split;
+    degree 1 at its ``packed`` time: whole on one rank it may share its cell, as the short ones),
+    plus, for each run of degrees the menu skips, a virtual option with the smaller height and the
+    smaller area of the two entries around it, so that a bound over the options covers every
+    degree."""
+    h, a = (mu.least_height.copy(), mu.least_area.copy()) if any_split else (mu.height.copy(), mu.area.copy())
     if mu.degrees[0] == 1:
         h[0] = a[0] = packed
     gaps = np.flatnonzero(np.diff(mu.degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
@@ -332,7 +349,7 @@ def shelf_bound(cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF
     least = packed.copy()
     options = []
     for j, mu in enumerate(rel.menus):
-        h, a = _bound_options(mu, float(packed[rel.long_ids[j]]), pow2)
+        h, a = _bound_options(mu, float(packed[rel.long_ids[j]]), pow2, any_split=True)
         order = np.argsort(h, kind="stable")
         ok = np.isfinite(h[order])
         options.append((h[order][ok], np.minimum.accumulate(a[order][ok])))  # least area at each height
@@ -375,7 +392,8 @@ def shelf_bound(cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF
 
 
 def step_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, pow2: bool = False) -> float:
-    """The planner's lower bound of the step time, seconds: :func:`relaxation_bound` over all
+    """The planner's lower bound of the step time, seconds, for a plan of any strategy's zigzag
+    splits: :func:`relaxation_bound` over all
     ranks (``wave``: or :func:`shelf_bound`, whichever is higher) plus what the synchronisation
     mode adds for parameter collectives (``wave``: at least as many waves as the tokens need with
     offload, each gathering and scattering parameters)."""
@@ -385,7 +403,7 @@ def step_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, 
         waves = max(1, -(-int(lens.sum()) // (n * max(cost.offload_capacity(sync), 1))))
         coll = 2 * cost.allgather_time() + cost.reduce_scatter_time()
         rel = relaxation_bound(cost, lens, sync, capacity, n, fixed_s=waves * coll / layers,
-                               min_step_s=waves * coll, pow2=pow2)
+                               min_step_s=waves * coll, pow2=pow2, any_split=True)
         return max(rel.bound_s, shelf_bound(cost, rel, sync, pow2=pow2) + waves * coll / layers)
-    return relaxation_bound(cost, lens, sync, capacity, n, pow2=pow2,
+    return relaxation_bound(cost, lens, sync, capacity, n, pow2=pow2, any_split=True,
                             fixed_s=(cost.allgather_time() + cost.reduce_scatter_time()) / layers).bound_s

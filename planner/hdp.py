@@ -27,11 +27,13 @@
    lists (see :func:`plan_hdp_megatron`).
 
 Several heights around ``M`` are placed (in ``wave`` sync also shelves down to a quarter of the
-tallest job's fastest time, and at the best height token-capped splits and a two-tier
-variant whose cheapest whole sequences per token get waves of their own); the cost model keeps
-the fastest plan, which reports its gap to the bound in ``predicted["bound_s"]``. In ``wave`` sync
-the candidates go least work first, and one whose work alone (:func:`planner.degrees.work_area`
-over the ranks) is not below the best step so far is not placed.
+tallest job's fastest time, at the best height token-capped splits and a two-tier variant whose
+cheapest whole sequences per token get waves of their own, and the best three *shelf*
+candidates, :func:`shelf_candidates`); the cost model keeps the fastest plan, which reports its
+gap to the bound (:func:`planner.degrees.step_bound`) in ``predicted["bound_s"]``. In ``wave``
+sync the candidates go least work first, and one whose work alone
+(:func:`planner.degrees.work_area` over the ranks) is not below the best step so far is not
+placed.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import PlanningError, plan_and_evaluate, plan_step
 from planner import hdp as hdp_planner
 from planner import hdp_ilp
-from planner.common import zigzag_arrays
+from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
 from test_strategies import check_plan
 
@@ -262,6 +262,26 @@ def test_no_stacking_wave_plans_are_valid(n, cap, data):
                          sync="wave")
     check_plan(plan, lens, n, cap)
     assert no_stacking
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.sampled_from([4, 8, 16]), data=st.data())
+def test_shelf_candidates_are_valid_plans(n, data):
+    # Every shelf candidate (the longest sequences side by side in a first wave, the rest fast),
+    # placed as plan_hdp places them: a valid plan with no job stacked.
+    cap = 1024
+    cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap)
+    room = cost.offload_capacity("wave")
+    lens = np.array([data.draw(st.integers(cap, n * room))]
+                    + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=20)))
+    ctx = Context(seq_lens=lens, cost=cost, sync="wave", capacity=cap, max_seq=int(lens.max()),
+                  tokens_per_step=int(lens.sum()))
+    rel = relaxation_bound(cost, lens, "wave", cap, n)
+    num_waves = hdp_planner.num_waves_for(ctx)
+    for degree, job_time in hdp_planner.shelf_candidates(ctx, rel, num_waves, hdp_planner.candidate_heights(rel, "wave")):
+        plan = hdp_planner._place(ctx, num_waves, degree, job_time, 0, None, hdp_planner.STACK_SHARE)
+        check_plan(plan, lens, n, cap)
+        assert plan.predicted["stacked_jobs"] == 0
 
 
 def _wave_plans_with_and_without_skipping(lens, cluster, model, **opts) -> tuple[list[float], list[float]]:
