@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterator
 
 import numpy as np
 
@@ -312,7 +313,7 @@ def _bound_options(mu: Menu, packed: float, pow2: bool, any_split: bool) -> tupl
     return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])]), np.concatenate([a, np.minimum(a[gaps], a[gaps + 1])])
 
 
-def _partitions(items: list[int]):
+def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
     """Every partition of ``items`` into non-empty groups (Bell(len) of them)."""
     if not items:
         yield []
