@@ -39,7 +39,7 @@ from hdp.cost import KVTraffic
 from .common import zigzag_positions, zigzag_shares
 
 BLOCK_ALIGN = 128  # block granularity of multi-rank shards (tokens)
-MIN_SHARE = 1024  # fewest tokens per member in a menu degree
+MIN_SHARE = BLOCK_ALIGN  # fewest tokens per member in a menu degree
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
 
@@ -117,19 +117,19 @@ def degree_menu(length: int, num_ranks: int, offload_capacity: int, ratio: float
 
 @dataclass(frozen=True)
 class Menu:
-    """The priced degrees of one sequence length (arrays sorted by degree): height, area and most
-    tokens of a member as ``hdp`` splits it (128-token blocks), and for bounds the least height and
-    area of that split and the exact zigzag split other strategies use (either may be faster)."""
+    """The priced degrees of one sequence length, arrays sorted by degree. ``degrees``, ``height``,
+    ``area``, ``most_tokens``: a member's figures as ``hdp`` splits the sequence (128-token blocks),
+    the feasible degrees up to the fastest. ``bound_*``: for bounds over every strategy's plans,
+    the degrees that either split can hold, each at the faster of hdp's split and the exact
+    zigzag split other strategies use, up to the fastest."""
 
     degrees: np.ndarray
     height: np.ndarray
     area: np.ndarray
     most_tokens: np.ndarray
-    least_height: np.ndarray
-    least_area: np.ndarray
-
-    def __getitem__(self, keep: np.ndarray) -> "Menu":
-        return Menu(*(getattr(self, f)[keep] for f in self.__dataclass_fields__))
+    bound_degrees: np.ndarray
+    bound_height: np.ndarray
+    bound_area: np.ndarray
 
 
 @lru_cache(maxsize=4096)
@@ -146,26 +146,25 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         align = np.where((length >= 2 * deg * BLOCK_ALIGN) & (not pow2), BLOCK_ALIGN, 1)
         h, a, most = split_times(cost, lengths, deg, sync, align)
         if not exact_too or not (align > 1).any():
-            return Menu(deg, h, a, most, h, a)
+            return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, _ = split_times(cost, lengths, deg, sync, 1)
-        return Menu(deg, h, a, most, np.minimum(h, h_exact), np.minimum(a, a_exact))
+        return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(h, h_exact), np.fmin(a, a_exact)))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
         deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(c.num_ranks)) + 1)
-        mu = price(deg.astype(np.int64))
-        return _until_lowest(mu)
+        return price(deg.astype(np.int64))
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
-    # Members holding under MIN_SHARE tokens run the kernel far below its rate and wait on K/V:
-    # such degrees are never the fastest, so the menu stops there.
+    # Members holding under MIN_SHARE tokens (a block) are never priced. (At 1024 tokens, the
+    # earlier limit, bytescale's or static's exact split of a short sequence over more ranks was
+    # faster than every degree priced, and the bound was not one.)
     # One degree beyond the fewest that hold it: 128-token blocks can leave the fewest a block
     # over the capacity (1793 tokens on 3 ranks of 640: 641 on one).
     widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1)) + 1))
     coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4), exact_too=False)
     if coarse.degrees.size == 0:
         return coarse
-    ok = np.isfinite(coarse.height)
-    top = int(coarse.degrees[ok][int(np.argmin(coarse.height[ok]))] * 1.5) + 1 if ok.any() else widest
+    top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
@@ -175,16 +174,19 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     rpn = c.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
-    return _until_lowest(price(np.unique(np.concatenate([fine, nodes]))))
+    return price(np.unique(np.concatenate([fine, nodes])))
 
 
 def _until_lowest(mu: Menu) -> Menu:
-    """The feasible entries up to the lowest height."""
-    ok = np.isfinite(mu.height)
-    if not ok.any():
-        return mu
-    keep = ok & (mu.degrees <= mu.degrees[ok][int(np.argmin(mu.height[ok]))])
-    return mu[keep]
+    """Each set of entries (hdp's, the bound's) cut to the feasible ones up to its lowest height."""
+
+    def keep(degrees: np.ndarray, height: np.ndarray) -> np.ndarray:
+        ok = np.isfinite(height)
+        return ok & (degrees <= degrees[ok][int(np.argmin(height[ok]))]) if ok.any() else ok
+
+    k, b = keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height)
+    return Menu(mu.degrees[k], mu.height[k], mu.area[k], mu.most_tokens[k],
+                mu.bound_degrees[b], mu.bound_height[b], mu.bound_area[b])
 
 
 def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
@@ -301,15 +303,19 @@ def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity:
 
 def _bound_options(mu: Menu, packed: float, pow2: bool, any_split: bool) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of every option a bound may give a sequence with menu ``mu``: its menu
-    entries (hdp's split, or with ``any_split`` the faster of it and the exact zigzag split;
-    degree 1 at its ``packed`` time: whole on one rank it may share its cell, as the short ones),
-    plus, for each run of degrees the menu skips, a virtual option with the smaller height and the
-    smaller area of the two entries around it, so that a bound over the options covers every
-    degree."""
-    h, a = (mu.least_height.copy(), mu.least_area.copy()) if any_split else (mu.height.copy(), mu.area.copy())
-    if mu.degrees[0] == 1:
+    entries (hdp's, or with ``any_split`` the bound's: either split, the faster; degree 1 at its
+    ``packed`` time: whole on one rank it may share its cell, as the short ones), plus, for each
+    run of degrees the menu skips, a virtual option with the smaller height and the smaller area
+    of the two entries around it, so that a bound over the options covers every degree."""
+    if any_split:
+        degrees, h, a = mu.bound_degrees, mu.bound_height.copy(), mu.bound_area.copy()
+    else:
+        degrees, h, a = mu.degrees, mu.height.copy(), mu.area.copy()
+    if h.size == 0:
+        return h, a
+    if degrees[0] == 1:
         h[0] = a[0] = packed
-    gaps = np.flatnonzero(np.diff(mu.degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
+    gaps = np.flatnonzero(np.diff(degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
     return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])]), np.concatenate([a, np.minimum(a[gaps], a[gaps + 1])])
 
 
