@@ -161,10 +161,12 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     # One degree beyond the fewest that hold it: 128-token blocks can leave the fewest a block
     # over the capacity (1793 tokens on 3 ranks of 640: 641 on one).
     widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1)) + 1))
-    coarse = price(degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4), exact_too=False)
-    if coarse.degrees.size == 0:
-        return coarse
-    top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
+    candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
+    if candidates.size == 0:  # more ranks than the cluster has
+        return price(candidates)
+    coarse = price(candidates, exact_too=False)
+    # (Where no 128-token split fits, the exact one may: price them all.)
+    top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1 if coarse.degrees.size else widest
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
@@ -266,9 +268,9 @@ def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity:
     # Events: (height at which an option becomes allowed, the sequence, its area).
     ev_h, ev_seq, ev_area = [], [], []
     for j, mu in enumerate(menus):
-        if mu.degrees.size == 0 or not np.isfinite(mu.height).any():
-            raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
         h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split)
+        if not np.isfinite(h).any():
+            raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
         ev_h.append(h)
         ev_area.append(a)
         ev_seq.append(np.full(h.size, j))

@@ -50,7 +50,7 @@ import numpy as np
 from hdp import Plan
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
-from .degrees import BLOCK_ALIGN, Relaxation, relaxation_bound, step_bound, work_area
+from .degrees import BLOCK_ALIGN, Relaxation, length_menu, relaxation_bound, step_bound, work_area
 
 NATIVE_SYNC = "peer"
 HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation's M
@@ -77,6 +77,10 @@ def check_fits(ctx: Context) -> None:
         raise PlanningError(
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at {off_cap} tokens each "
             f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq")
+    if longest > ctx.capacity and length_menu(ctx.cost, longest, ctx.sync, ctx.capacity).degrees.size == 0:
+        raise PlanningError(
+            f"hdp: a sequence of {longest} tokens fills all {ctx.num_ranks} ranks ({off_cap} tokens each with "
+            f"activation offload) so tightly that its 128-token blocks do not fit; use more GPUs or a smaller --max-seq")
 
 
 def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_ilp: bool | None = None,

@@ -125,23 +125,39 @@ def test_wave_bound_is_below_the_brute_force_optimum(lens, cap):
     assert plan.predicted["bound_s"] == pytest.approx(bound)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.sampled_from([2, 4, 8]), cap=st.sampled_from([1024, 2048]), data=st.data())
-def test_no_wave_plan_beats_the_bound(n, cap, data):
-    """Plans of every strategy in ``wave`` sync, a dominant sequence among many, take at least
-    the bound (relaxation or shelf) hdp reports."""
-    model = model_preset("llama-7b")
-    cost = CostModel(model, ClusterSpec.preset("h100", n, 4), capacity_override=cap)
-    room = cost.offload_capacity("wave")
-    giant = data.draw(st.integers(cap, n * room))
-    lens = [giant] + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=12))
+def _check_no_wave_plan_beats_the_bound(n: int, cap: int, model_name: str, lens: list[int]) -> None:
+    model = model_preset(model_name)
+    cost = CostModel(model, ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n), capacity_override=cap)
     bound = step_bound(cost, np.asarray(lens), "wave", cap)
-    for strategy in ("hdp", "bytescale", "flexsp", "static"):
+    for strategy in ("hdp", "bytescale", "flexsp", "static", "hybridcp"):
         try:
             plan = plan_step(lens, cost.cluster, model, strategy, cost=cost, sync="wave")
         except PlanningError:
             continue  # a baseline that cannot form its groups here
         assert plan.predicted["step_time_s"] >= bound * (1 - 1e-9), strategy
+
+
+@pytest.mark.parametrize("n, cap, model_name, lens", [
+    (4, 2048, "llama-7b", [2882, 1]),  # static's exact 720/721-token shares beat 128-token blocks
+    (3, 1024, "llama-7b", [1741]),  # hybridcp: 580 tokens per member
+    (4, 1024, "tiny", [2945]),  # bytescale: the exact split fits 3 ranks, blocks do not
+])
+def test_plans_that_once_beat_the_wave_bound(n, cap, model_name, lens):
+    _check_no_wave_plan_beats_the_bound(n, cap, model_name, lens)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.sampled_from([2, 3, 4, 8]), cap=st.sampled_from([512, 1024, 2048]),
+       model_name=st.sampled_from(["llama-7b", "tiny"]), data=st.data())
+def test_no_wave_plan_beats_the_bound(n, cap, model_name, data):
+    """Plans of every strategy in ``wave`` sync, one to three long sequences among short ones,
+    take at least the bound (relaxation or shelf) hdp reports."""
+    cost = CostModel(model_preset(model_name), ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n),
+                     capacity_override=cap)
+    room = cost.offload_capacity("wave")
+    lens = (data.draw(st.lists(st.integers(cap, n * room), min_size=1, max_size=3))
+            + data.draw(st.lists(st.integers(1, room), max_size=12)))
+    _check_no_wave_plan_beats_the_bound(n, cap, model_name, lens)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,6 +388,9 @@ def test_clear_errors():
     model = model_preset("llama-7b")
     with pytest.raises(PlanningError, match="cannot hold a 10000000-token sequence"):
         plan_step([10_000_000], ClusterSpec.preset("h100", 4), model, "hdp", capacity=4096)
+    # Fits 8 x 2176 tokens (offloaded) only in exact shares, not in 128-token blocks.
+    with pytest.raises(PlanningError, match="128-token blocks do not fit"):
+        plan_step([17281], ClusterSpec.preset("h100", 8, 4), model_preset("tiny"), "hdp", capacity=2048, sync="wave")
     with pytest.raises(PlanningError, match="empty"):
         plan_step([], ClusterSpec.preset("h100", 4), model, "hdp")
     with pytest.raises(ValueError, match="num_ranks"):
