@@ -141,10 +141,16 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     off_cap = cost.offload_capacity(sync)
 
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
-        # Megatron (pow2) splits into exact shares; ours into 128-token blocks where they fit.
+        # Megatron (pow2) splits into exact shares; ours into 128-token blocks where every share
+        # holds two and the fullest member fits the offload capacity, else exact shares too
+        # (planner.hdp._split, the same rule).
         lengths = np.full(deg.size, length)
         align = np.where((length >= 2 * deg * BLOCK_ALIGN) & (not pow2), BLOCK_ALIGN, 1)
         h, a, most = split_times(cost, lengths, deg, sync, align)
+        over = (align > 1) & ~np.isfinite(h)
+        if over.any():
+            align[over] = 1
+            h[over], a[over], most[over] = split_times(cost, lengths[over], deg[over], sync, 1)
         if not exact_too or not (align > 1).any():
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, _ = split_times(cost, lengths, deg, sync, 1)

@@ -50,7 +50,7 @@ import numpy as np
 from hdp import Plan
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
-from .degrees import BLOCK_ALIGN, Relaxation, length_menu, relaxation_bound, step_bound, work_area
+from .degrees import BLOCK_ALIGN, Relaxation, relaxation_bound, step_bound, work_area
 
 NATIVE_SYNC = "peer"
 HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation's M
@@ -77,10 +77,6 @@ def check_fits(ctx: Context) -> None:
         raise PlanningError(
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at {off_cap} tokens each "
             f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq")
-    if longest > ctx.capacity and length_menu(ctx.cost, longest, ctx.sync, ctx.capacity).degrees.size == 0:
-        raise PlanningError(
-            f"hdp: a sequence of {longest} tokens fills all {ctx.num_ranks} ranks ({off_cap} tokens each with "
-            f"activation offload) so tightly that its 128-token blocks do not fit; use more GPUs or a smaller --max-seq")
 
 
 def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_ilp: bool | None = None,
@@ -392,7 +388,7 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
         multi_wave, single_wave = _peer_levels(ctx.num_ranks, multi_members, multi_key,
                                                single_rank[single], single_key[single])
     if multi.size:
-        aligns = np.array([_align(int(lens[i]), int(degree[i])) for i in multi.tolist()], dtype=np.int64)
+        aligns = np.array([_split(int(lens[i]), int(degree[i]), off_cap)[0] for i in multi.tolist()], dtype=np.int64)
         builder.add_zigzag(multi, multi_wave, multi_members, align=aligns)
     if single.size:
         builder.add(single_wave, single_rank[single], single, 0, lens[single])
@@ -442,17 +438,23 @@ def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], 
     return multi_wave, cell_wave[cell_of]
 
 
-def _align(length: int, parts: int) -> int:
-    """Blocks of 128 tokens where every share can hold two (the rule the menus were priced with)."""
-    return BLOCK_ALIGN if length >= 2 * parts * BLOCK_ALIGN else 1
-
-
 @lru_cache(maxsize=1 << 16)
-def _most_tokens(length: int, parts: int) -> int:
-    """Tokens the fullest member holds when ``length`` tokens are zigzag-split over ``parts``."""
-    rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
-                                        first_rank=np.array([0]), align=_align(length, parts))
-    return int(np.bincount(rank, weights=end - start).max())
+def _split(length: int, parts: int, room: int) -> tuple[int, int]:
+    """hdp's zigzag split of ``length`` tokens over ``parts`` ranks: (block size, tokens its fullest
+    member holds). Blocks of 128 tokens where every share can hold two and the fullest member
+    stays within ``room`` tokens (the offload capacity), else exact shares: the rule the menus
+    (:func:`planner.degrees.length_menu`) are priced with."""
+
+    def most(align: int) -> int:
+        rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
+                                            first_rank=np.array([0]), align=align)
+        return int(np.bincount(rank, weights=end - start).max())
+
+    if length >= 2 * parts * BLOCK_ALIGN:
+        blocked = most(BLOCK_ALIGN)
+        if blocked <= room:
+            return BLOCK_ALIGN, blocked
+    return 1, most(1)
 
 
 def _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, stack_share=None):
@@ -493,7 +495,7 @@ def _place_wave_jobs(ctx, num_waves, multi, degree, job_time, off_cap, stack_sha
     layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
-        per_rank = _most_tokens(L, d)
+        per_rank = _split(L, d, off_cap)[1]
         best = None
         for w in range(layer.load.shape[0] + 1):
             if w == layer.load.shape[0]:
@@ -684,7 +686,7 @@ def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_mov
     gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job index k) before job k on rank
     for k, i in enumerate(multi.tolist()):
         L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
-        if _most_tokens(L, d) > off_cap:
+        if _split(L, d, off_cap)[1] > off_cap:
             raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
         members = _pick_members(rank_load, d, rpn, np.ones(n, dtype=bool))
         start = float(rank_load[members].max())
