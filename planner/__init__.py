@@ -59,15 +59,15 @@ def choose_sync(cost: CostModel, native: str, longest: int, requested: str | Non
         if cap > 0 and longest <= room * n:
             return mode, cap
         best = (mode, room)
-    mode, cap = best
-    if cap <= 0:
+    mode, room = best
+    if room <= 0:
         raise PlanningError(
             f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: parameters, gradients and "
             f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model")
     held = "tokens per rank per wave with activation offload" if offload else "tokens per rank per wave"
     raise PlanningError(
-        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {cap} {held} "
-        f"= {n * cap} tokens; use at least {-(-longest // cap)} GPUs or a smaller --max-seq")
+        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {room} {held} "
+        f"= {n * room} tokens; use at least {-(-longest // room)} GPUs or a smaller --max-seq")
 
 
 def plan_step(

@@ -145,15 +145,15 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         # holds two and the fullest member fits the offload capacity, else exact shares too
         # (planner.hdp._split, the same rule).
         lengths = np.full(deg.size, length)
-        align = np.where((length >= 2 * deg * BLOCK_ALIGN) & (not pow2), BLOCK_ALIGN, 1)
-        h, a, most = split_times(cost, lengths, deg, sync, align)
-        over = (align > 1) & ~np.isfinite(h)
-        if over.any():
-            align[over] = 1
-            h[over], a[over], most[over] = split_times(cost, lengths[over], deg[over], sync, 1)
-        if not exact_too or not (align > 1).any():
+        blocked = (length >= 2 * deg * BLOCK_ALIGN) & (not pow2)
+        h, a, most = split_times(cost, lengths, deg, sync, np.where(blocked, BLOCK_ALIGN, 1))
+        over = blocked & ~np.isfinite(h)
+        if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        h_exact, a_exact, _ = split_times(cost, lengths, deg, sync, 1)
+        h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
+        h, a, most = np.where(over, h_exact, h), np.where(over, a_exact, a), np.where(over, most_exact, most)
+        if not exact_too:
+            return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(h, h_exact), np.fmin(a, a_exact)))
 
     if pow2:
