@@ -19,7 +19,9 @@ and not counted). Token ids are int64 numpy arrays.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +87,16 @@ class JsonlSource:
         if loaded is None:
             self.offsets, self.lengths, skips = self._index()
             if cache_index:
+                # Written under a private name, then renamed: ranks that index the same file at once
+                # never read a half-written cache (one read it as an empty zip: EOFError in CI).
+                partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial.npz")
                 try:
-                    np.savez(cache, key=key, offsets=self.offsets, lengths=self.lengths,
+                    np.savez(partial, key=key, offsets=self.offsets, lengths=self.lengths,
                              skips=np.array([skips.documents, skips.tokens]), tokenizer=np.array(self.tokenizer.id))
-                except OSError:
-                    pass  # read-only data folder: keep the index in memory only
+                    os.replace(partial, cache)
+                except OSError:  # read-only data folder: keep the index in memory only
+                    with contextlib.suppress(OSError):
+                        partial.unlink(missing_ok=True)
         else:
             self.offsets, self.lengths, skips = loaded
         self.skipped_documents, self.skipped_tokens = skips.documents, skips.tokens
