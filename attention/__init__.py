@@ -9,5 +9,15 @@ from .dist import COMM, CommCounter, WaveLayout, dist_attn, wave_layout
 from .kernels import AttentionBackend, ReferenceBackend, get_backend, select_backend
 from .merge import PartialAttention
 
-__all__ = ["COMM", "AttentionBackend", "CommCounter", "PartialAttention", "ReferenceBackend", "WaveLayout",
-           "dist_attn", "get_backend", "select_backend", "wave_layout"]
+__all__ = [
+    "COMM",
+    "AttentionBackend",
+    "CommCounter",
+    "PartialAttention",
+    "ReferenceBackend",
+    "WaveLayout",
+    "dist_attn",
+    "get_backend",
+    "select_backend",
+    "wave_layout",
+]

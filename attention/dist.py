@@ -47,7 +47,7 @@ class Segments:
     max_k: int
 
     @classmethod
-    def build(cls, pairs: list[tuple[list[range], list[range]]]) -> "Segments | None":
+    def build(cls, pairs: list[tuple[list[range], list[range]]]) -> Segments | None:
         """``pairs``: for each segment, (query row ranges, key row ranges)."""
         q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
         for qr, kr in pairs:
@@ -65,12 +65,24 @@ class Segments:
             return None
         nq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
         nk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-        return cls(torch.tensor(q_rows, dtype=torch.int64), torch.tensor(k_rows, dtype=torch.int64),
-                   torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max(nq), max(nk))
+        return cls(
+            torch.tensor(q_rows, dtype=torch.int64),
+            torch.tensor(k_rows, dtype=torch.int64),
+            torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32),
+            max(nq),
+            max(nk),
+        )
 
-    def to(self, device: torch.device) -> "Segments":
-        return Segments(self.q_rows.to(device), self.k_rows.to(device), self.cu_q.to(device), self.cu_k.to(device),
-                        self.max_q, self.max_k)
+    def to(self, device: torch.device) -> Segments:
+        return Segments(
+            self.q_rows.to(device),
+            self.k_rows.to(device),
+            self.cu_q.to(device),
+            self.cu_k.to(device),
+            self.max_q,
+            self.max_k,
+        )
 
 
 @dataclass
@@ -96,7 +108,7 @@ class WaveLayout:
     rounds: list[RoundIO]
 
     @classmethod
-    def build(cls, plan: Plan, wave: int, rank: int) -> "WaveLayout":
+    def build(cls, plan: Plan, wave: int, rank: int) -> WaveLayout:
         shards = plan.shards(rank, wave)
         offsets, off = [], 0
         by_seq: dict[int, list[int]] = {}
@@ -125,7 +137,9 @@ class WaveLayout:
             for m in msgs:
                 if m.src == rank:
                     io.send_to = m.dst
-                    io.send_rows = torch.tensor([t for p in m.pieces for t in local_rows_of(*p)], dtype=torch.int64)
+                    io.send_rows = torch.tensor(
+                        [t for p in m.pieces for t in local_rows_of(*p)], dtype=torch.int64
+                    )
                 if m.dst == rank:
                     io.recv_from = m.src
                     io.recv_pieces = list(m.pieces)
@@ -134,14 +148,20 @@ class WaveLayout:
                     for p in m.pieces:
                         piece_rows.append((p, range(pos, pos + p.end - p.start)))
                         pos += p.end - p.start
-                    io.recv_segments = Segments.build([
-                        ([rows[i]], [r for p, r in piece_rows if p.seq == sh.seq and p.end <= sh.start])
-                        for i, sh in enumerate(shards)])
+                    io.recv_segments = Segments.build(
+                        [
+                            (
+                                [rows[i]],
+                                [r for p, r in piece_rows if p.seq == sh.seq and p.end <= sh.start],
+                            )
+                            for i, sh in enumerate(shards)
+                        ]
+                    )
             rounds.append(io)
         return cls(off, diag, local_full, rounds)
 
 
-_LAYOUTS: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
+_LAYOUTS: weakref.WeakKeyDictionary[Plan, dict] = weakref.WeakKeyDictionary()
 
 
 def wave_layout(plan: Plan, wave: int, rank: int) -> WaveLayout:
@@ -175,8 +195,14 @@ def _global(group, r: int) -> int:
     return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
 
 
-def _exchange(send: torch.Tensor | None, send_to: int | None, recv: torch.Tensor | None, recv_from: int | None,
-              group, tag: int) -> list:
+def _exchange(
+    send: torch.Tensor | None,
+    send_to: int | None,
+    recv: torch.Tensor | None,
+    recv_from: int | None,
+    group,
+    tag: int,
+) -> list:
     """Post one round's send and receive (either may be absent); returns the requests."""
     ops = []
     if send is not None and send_to is not None:
@@ -194,9 +220,16 @@ def _wait(reqs: list) -> None:
 def _post_kv(io: RoundIO, k: torch.Tensor, v: torch.Tensor, group, tag: int, backward: bool):
     """Post one round's K/V message out and in; returns (receive buffer, requests, send buffer)."""
     device = k.device
-    send = torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1) if io.send_to is not None else None
-    recv = (torch.empty(io.recv_tokens, 2, k.shape[1], k.shape[2], dtype=k.dtype, device=device)
-            if io.recv_from is not None else None)
+    send = (
+        torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1)
+        if io.send_to is not None
+        else None
+    )
+    recv = (
+        torch.empty(io.recv_tokens, 2, k.shape[1], k.shape[2], dtype=k.dtype, device=device)
+        if io.recv_from is not None
+        else None
+    )
     if send is not None:
         COMM.messages += 1
         if backward:
@@ -225,7 +258,11 @@ class _DistAttn(torch.autograd.Function):
         for r in range(len(rounds)):
             recv, reqs, _send = pending
             _wait(reqs)
-            pending = _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=False) if r + 1 < len(rounds) else None
+            pending = (
+                _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=False)
+                if r + 1 < len(rounds)
+                else None
+            )
             seg = rounds[r].recv_segments
             if recv is not None and seg is not None:
                 _attend(acc, backend, q, recv[:, 0], recv[:, 1], seg.to(device), False, scale)
@@ -258,7 +295,11 @@ class _DistAttn(torch.autograd.Function):
             io = rounds[r]
             recv, reqs, _send = pending
             _wait(reqs)
-            pending = _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=True) if r + 1 < len(rounds) else None
+            pending = (
+                _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=True)
+                if r + 1 < len(rounds)
+                else None
+            )
             # dK/dV partials of the received keys go back to their owner; ours come back to us.
             dkv_out = None
             if recv is not None:
@@ -266,11 +307,17 @@ class _DistAttn(torch.autograd.Function):
                 seg = io.recv_segments
                 if seg is not None:
                     seg = seg.to(device)
-                    gq, gk, gv = _grad(backend, dout, q, recv[:, 0], recv[:, 1], out, lse, seg, False, scale)
+                    gq, gk, gv = _grad(
+                        backend, dout, q, recv[:, 0], recv[:, 1], out, lse, seg, False, scale
+                    )
                     dq.index_add_(0, seg.q_rows, gq.to(ad))
                     dkv_out[:, 0].index_add_(0, seg.k_rows, gk.to(ad))
                     dkv_out[:, 1].index_add_(0, seg.k_rows, gv.to(ad))
-            dkv_in = torch.empty(io.send_rows.numel(), 2, hk, d, dtype=ad, device=device) if io.send_to is not None else None
+            dkv_in = (
+                torch.empty(io.send_rows.numel(), 2, hk, d, dtype=ad, device=device)
+                if io.send_to is not None
+                else None
+            )
             if dkv_out is not None:
                 COMM.bwd_bytes_sent += dkv_out.numel() * dkv_out.element_size()
                 COMM.messages += 1
@@ -284,7 +331,16 @@ class _DistAttn(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _attend(acc: PartialAttention, backend: AttentionBackend, q, k, v, seg: Segments, causal: bool, scale: float) -> None:
+def _attend(
+    acc: PartialAttention,
+    backend: AttentionBackend,
+    q,
+    k,
+    v,
+    seg: Segments,
+    causal: bool,
+    scale: float,
+) -> None:
     qp = q.index_select(0, seg.q_rows)
     kp = k.index_select(0, seg.k_rows)
     vp = v.index_select(0, seg.k_rows)
@@ -292,7 +348,9 @@ def _attend(acc: PartialAttention, backend: AttentionBackend, q, k, v, seg: Segm
     acc.merge(seg.q_rows, out, lse)
 
 
-def _grad(backend: AttentionBackend, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float):
+def _grad(
+    backend: AttentionBackend, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float
+):
     """(dq of seg's query rows, dk and dv of seg's key rows) with the final out/lse."""
     qp = q.index_select(0, seg.q_rows)
     kp = k.index_select(0, seg.k_rows)
@@ -302,11 +360,21 @@ def _grad(backend: AttentionBackend, dout, q, k, v, out, lse, seg: Segments, cau
     lp = lse.index_select(1, seg.q_rows)
     if backend.name != "reference":
         lp = lp.float()
-    return backend.backward(dop, qp, kp, vp, op, lp, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, causal, scale)
+    return backend.backward(
+        dop, qp, kp, vp, op, lp, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, causal, scale
+    )
 
 
-def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, wave: int, group=None,
-              softmax_scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+def dist_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Plan,
+    wave: int,
+    group=None,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
     """Causal attention of this rank's tokens of ``wave`` of ``plan``; differentiable in q, k, v.
 
     ``q`` ``[T_local, H, d]``, ``k``/``v`` ``[T_local, H_kv, d]``, rows in ``plan.shards(rank, wave)``
@@ -318,18 +386,32 @@ def dist_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, wav
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world != plan.num_ranks:
-        raise ValueError(f"dist_attn: the plan is for {plan.num_ranks} ranks but the group has {world}")
+        raise ValueError(
+            f"dist_attn: the plan is for {plan.num_ranks} ranks but the group has {world}"
+        )
     if not 0 <= wave < plan.num_waves:
         raise ValueError(f"dist_attn: wave {wave} is outside the plan's {plan.num_waves} waves")
     layout = wave_layout(plan, wave, rank)
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"dist_attn: expected q [T, H, d] and k, v [T, H_kv, d]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if (
+        q.dim() != 3
+        or k.dim() != 3
+        or v.shape != k.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[2] != k.shape[2]
+    ):
+        raise ValueError(
+            f"dist_attn: expected q [T, H, d] and k, v [T, H_kv, d]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[0] != layout.tokens:
-        raise ValueError(f"dist_attn: rank {rank} holds {layout.tokens} tokens in wave {wave} of the plan, "
-                         f"but q has {q.shape[0]} rows")
+        raise ValueError(
+            f"dist_attn: rank {rank} holds {layout.tokens} tokens in wave {wave} of the plan, "
+            f"but q has {q.shape[0]} rows"
+        )
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"dist_attn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+        raise ValueError(
+            f"dist_attn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
+        )
     if dist.is_initialized() and group not in _WARMED and q.device.type == "cuda":
         # NCCL: the first P2P call on a communicator must involve every rank; a barrier does that.
         dist.barrier(group)

@@ -42,14 +42,30 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def backward(
+        self,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q: int,
+        max_k: int,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def _scores(qc, kc, a: int, b: int, c: int, e: int, shift: int, causal: bool, scale: float) -> torch.Tensor:
+def _scores(
+    qc, kc, a: int, b: int, c: int, e: int, shift: int, causal: bool, scale: float
+) -> torch.Tensor:
     """Scaled scores ``[H_kv, G, b - a, e - c]`` of query rows a..b against key rows c..e of a
     segment; causal masks key ``j > i + shift`` with ``-inf``."""
     s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
@@ -65,7 +81,7 @@ def _key_blocks(k, v, k0: int, nk: int, b: int, shift: int, causal: bool, ad: to
     k_stop = min(nk, b + shift) if causal else nk
     for c in range(0, k_stop, K_CHUNK):
         e = min(k_stop, c + K_CHUNK)
-        yield c, e, k[k0 + c:k0 + e].to(ad), v[k0 + c:k0 + e].to(ad)
+        yield c, e, k[k0 + c : k0 + e].to(ad), v[k0 + c : k0 + e].to(ad)
 
 
 class ReferenceBackend:
@@ -93,7 +109,7 @@ class ReferenceBackend:
             shift = nk - nq  # causal: query i sees keys j <= i + shift (bottom-right aligned)
             for a in range(0, nq, Q_CHUNK):
                 b = min(nq, a + Q_CHUNK)
-                qc = q[q0 + a:q0 + b].to(ad).view(b - a, hk, g, d)
+                qc = q[q0 + a : q0 + b].to(ad).view(b - a, hk, g, d)
                 m = torch.full((hk, g, b - a), -math.inf, dtype=ad, device=q.device)
                 s_sum = torch.zeros((hk, g, b - a), dtype=ad, device=q.device)
                 acc = torch.zeros((hk, g, b - a, d), dtype=ad, device=q.device)
@@ -108,10 +124,17 @@ class ReferenceBackend:
                     m = m_new
                 rows = slice(q0 + a, q0 + b)
                 has = s_sum > 0
-                o = torch.where(has[..., None], acc / torch.where(has, s_sum, torch.ones_like(s_sum))[..., None], acc)
+                o = torch.where(
+                    has[..., None],
+                    acc / torch.where(has, s_sum, torch.ones_like(s_sum))[..., None],
+                    acc,
+                )
                 out[rows] = o.permute(2, 0, 1, 3).reshape(b - a, H, d)
-                l_ = torch.where(has, m + torch.log(torch.where(has, s_sum, torch.ones_like(s_sum))),
-                                 torch.full_like(m, -math.inf))
+                l_ = torch.where(
+                    has,
+                    m + torch.log(torch.where(has, s_sum, torch.ones_like(s_sum))),
+                    torch.full_like(m, -math.inf),
+                )
                 lse[:, rows] = l_.reshape(H, b - a)
         return out.to(q.dtype), lse
 
@@ -136,16 +159,18 @@ class ReferenceBackend:
                 # D = rowsum(dO * O) with the final output.
                 D = (doc * out[rows].to(ad).view(b - a, hk, g, d)).sum(-1).permute(1, 2, 0)
                 L = lse[:, rows].to(ad).reshape(hk, g, b - a)
-                L = torch.where(torch.isinf(L), torch.full_like(L, math.inf), L)  # rows without keys: p = 0
+                L = torch.where(
+                    torch.isinf(L), torch.full_like(L, math.inf), L
+                )  # rows without keys: p = 0
                 dqc = torch.zeros((b - a, hk, g, d), dtype=ad, device=q.device)
                 for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad):
                     s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     p = torch.exp(s - L[..., None])
-                    dv[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)
+                    dv[k0 + c : k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)
                     dp = torch.einsum("qhgd,khd->hgqk", doc, vc)
                     ds = p * (dp - D[..., None])
                     dqc += torch.einsum("hgqk,khd->qhgd", ds, kc) * scale
-                    dk[k0 + c:k0 + e] += torch.einsum("hgqk,qhgd->khd", ds, qc) * scale
+                    dk[k0 + c : k0 + e] += torch.einsum("hgqk,qhgd->khd", ds, qc) * scale
                 dq[rows] = dqc.reshape(b - a, H, d)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -160,27 +185,75 @@ class TorchFlashBackend:
         bwd = torch.ops.aten._flash_attention_backward.default._schema
         fwd_args = [a.name for a in fwd.arguments]
         bwd_args = [a.name for a in bwd.arguments]
-        expected_fwd = ["query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
-                        "return_debug_mask"]
-        expected_bwd = ["grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q",
-                        "max_k", "dropout_p", "is_causal"]
-        if fwd_args[:len(expected_fwd)] != expected_fwd or bwd_args[:len(expected_bwd)] != expected_bwd \
-                or "scale" not in fwd_args or "scale" not in bwd_args:
-            raise RuntimeError(f"unsupported aten flash attention schema in torch {torch.__version__}: {fwd} / {bwd}")
-        self._bwd_rng_args = bwd_args[len(expected_bwd):bwd_args.index("scale")]  # rng_state, unused (2.3+)
+        expected_fwd = [
+            "query",
+            "key",
+            "value",
+            "cum_seq_q",
+            "cum_seq_k",
+            "max_q",
+            "max_k",
+            "dropout_p",
+            "is_causal",
+            "return_debug_mask",
+        ]
+        expected_bwd = [
+            "grad_out",
+            "query",
+            "key",
+            "value",
+            "out",
+            "logsumexp",
+            "cum_seq_q",
+            "cum_seq_k",
+            "max_q",
+            "max_k",
+            "dropout_p",
+            "is_causal",
+        ]
+        if (
+            fwd_args[: len(expected_fwd)] != expected_fwd
+            or bwd_args[: len(expected_bwd)] != expected_bwd
+            or "scale" not in fwd_args
+            or "scale" not in bwd_args
+        ):
+            raise RuntimeError(
+                f"unsupported aten flash attention schema in torch {torch.__version__}: {fwd} / {bwd}"
+            )
+        self._bwd_rng_args = bwd_args[
+            len(expected_bwd) : bwd_args.index("scale")
+        ]  # rng_state, unused (2.3+)
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         if q.shape[0] == 0 or k.shape[0] == 0:
             return ReferenceBackend().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
-        res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        res = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
+        )
         return res[0], res[1].float()
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         if q.shape[0] == 0 or k.shape[0] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        rng = [torch.empty(2, dtype=torch.int64, device=q.device), torch.empty(0, device=q.device)][:len(self._bwd_rng_args)]
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(dout.contiguous(), q, k, v, out, lse.contiguous(), cu_q, cu_k,
-                                                              max_q, max_k, 0.0, causal, *rng, scale=scale)
+        rng = [torch.empty(2, dtype=torch.int64, device=q.device), torch.empty(0, device=q.device)][
+            : len(self._bwd_rng_args)
+        ]
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            0.0,
+            causal,
+            *rng,
+            scale=scale,
+        )
         return dq, dk, dv
 
 
@@ -205,7 +278,9 @@ class FlashAttnBackend:
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         if q.shape[0] == 0 or k.shape[0] == 0:
             return ReferenceBackend().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
-        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._fwd_params))
+        kw = dict(
+            dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._fwd_params)
+        )
         for opt, val in (("softcap", 0.0), ("alibi_slopes", None), ("return_softmax", False)):
             if opt in self._fwd_params:
                 kw[opt] = val
@@ -216,11 +291,33 @@ class FlashAttnBackend:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if q.shape[0] == 0 or k.shape[0] == 0:
             return dq.zero_(), dk.zero_(), dv.zero_()
-        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._bwd_params))
-        for opt, val in (("softcap", 0.0), ("alibi_slopes", None), ("deterministic", True), ("rng_state", None)):
+        kw = dict(
+            dropout_p=0.0, softmax_scale=scale, causal=causal, **self._window(self._bwd_params)
+        )
+        for opt, val in (
+            ("softcap", 0.0),
+            ("alibi_slopes", None),
+            ("deterministic", True),
+            ("rng_state", None),
+        ):
             if opt in self._bwd_params:
                 kw[opt] = val
-        self._bwd(dout.contiguous(), q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, **kw)
+        self._bwd(
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            **kw,
+        )
         return dq, dk, dv
 
 
@@ -230,9 +327,15 @@ _BACKENDS: dict[str, AttentionBackend] = {}
 def get_backend(name: str) -> AttentionBackend:
     """A backend by name: ``reference``, ``torch_flash`` or ``flash_attn``."""
     if name not in _BACKENDS:
-        cls = {"reference": ReferenceBackend, "torch_flash": TorchFlashBackend, "flash_attn": FlashAttnBackend}.get(name)
+        cls = {
+            "reference": ReferenceBackend,
+            "torch_flash": TorchFlashBackend,
+            "flash_attn": FlashAttnBackend,
+        }.get(name)
         if cls is None:
-            raise ValueError(f"unknown attention backend {name!r}: choose reference, torch_flash or flash_attn")
+            raise ValueError(
+                f"unknown attention backend {name!r}: choose reference, torch_flash or flash_attn"
+            )
         _BACKENDS[name] = cls()
     return _BACKENDS[name]
 

@@ -18,7 +18,9 @@ from .kernels import acc_dtype
 class PartialAttention:
     """Running attention output of ``tokens`` query rows: ``out`` ``[T, H, d]``, ``lse`` ``[H, T]``."""
 
-    def __init__(self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         ad = acc_dtype(dtype)
         self.out = torch.zeros(tokens, heads, head_dim, dtype=ad, device=device)
         self.lse = torch.full((heads, tokens), -math.inf, dtype=ad, device=device)
@@ -33,7 +35,11 @@ class PartialAttention:
         new_lse = torch.logaddexp(old_lse, part_lse)
         finite = torch.isfinite(new_lse)
         safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
-        w_old = torch.where(finite, torch.exp(old_lse - safe), torch.zeros_like(new_lse)).T[..., None]
-        w_new = torch.where(finite, torch.exp(part_lse - safe), torch.zeros_like(new_lse)).T[..., None]
+        w_old = torch.where(finite, torch.exp(old_lse - safe), torch.zeros_like(new_lse)).T[
+            ..., None
+        ]
+        w_new = torch.where(finite, torch.exp(part_lse - safe), torch.zeros_like(new_lse)).T[
+            ..., None
+        ]
         self.out[rows] = self.out[rows] * w_old + out.to(self.out.dtype) * w_new
         self.lse[:, rows] = new_lse

@@ -7,9 +7,30 @@ budget, background planning on rank 0, per-rank dispatch of exactly its shards, 
 
 from .batching import BatchStream, GlobalBatch, SeqRef
 from .loader import IGNORE_INDEX, HDPDataLoader, StepData, WaveData
-from .sources import DataError, JsonlSource, MegatronSource, ParquetSource, SyntheticSource, open_source
+from .sources import (
+    DataError,
+    JsonlSource,
+    MegatronSource,
+    ParquetSource,
+    SyntheticSource,
+    open_source,
+)
 from .tokenizer import ByteTokenizer, load_tokenizer
 
-__all__ = ["IGNORE_INDEX", "BatchStream", "ByteTokenizer", "DataError", "GlobalBatch", "HDPDataLoader", "JsonlSource",
-           "MegatronSource", "ParquetSource", "SeqRef", "StepData", "SyntheticSource", "WaveData", "load_tokenizer",
-           "open_source"]
+__all__ = [
+    "IGNORE_INDEX",
+    "BatchStream",
+    "ByteTokenizer",
+    "DataError",
+    "GlobalBatch",
+    "HDPDataLoader",
+    "JsonlSource",
+    "MegatronSource",
+    "ParquetSource",
+    "SeqRef",
+    "StepData",
+    "SyntheticSource",
+    "WaveData",
+    "load_tokenizer",
+    "open_source",
+]

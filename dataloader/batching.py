@@ -20,8 +20,9 @@ ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,17 +61,30 @@ class GlobalBatch:
 class BatchStream:
     """Endless global batches over ``lengths`` (one int64 array of document lengths per source)."""
 
-    def __init__(self, lengths: Sequence[np.ndarray], tokens_per_step: int, max_seq: int, seed: int = 0,
-                 weights: Sequence[float] | None = None, truncate: bool = False, lookahead_steps: int = 4,
-                 outlier_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[np.ndarray],
+        tokens_per_step: int,
+        max_seq: int,
+        seed: int = 0,
+        weights: Sequence[float] | None = None,
+        truncate: bool = False,
+        lookahead_steps: int = 4,
+        outlier_tokens: int | None = None,
+    ) -> None:
         if max_seq > tokens_per_step:
-            raise ValueError(f"max_seq ({max_seq}) exceeds tokens_per_step ({tokens_per_step}): a sequence would not fit "
-                             f"a global batch")
+            raise ValueError(
+                f"max_seq ({max_seq}) exceeds tokens_per_step ({tokens_per_step}): a sequence would not fit "
+                f"a global batch"
+            )
         self.lengths = [np.asarray(x, dtype=np.int64) for x in lengths]
         if not any((x > 0).any() for x in self.lengths):
             raise ValueError("the data holds no document with tokens")
         self.usable = [np.flatnonzero(x > 0) for x in self.lengths]
-        w = np.asarray(weights if weights is not None else [max(int(x.sum()), 1) for x in self.lengths], dtype=np.float64)
+        w = np.asarray(
+            weights if weights is not None else [max(int(x.sum()), 1) for x in self.lengths],
+            dtype=np.float64,
+        )
         if w.shape != (len(self.lengths),) or (w < 0).any() or w.sum() <= 0:
             raise ValueError(f"weights must be one non-negative number per source, got {list(w)}")
         self.weights = w / w.sum()
@@ -79,7 +93,9 @@ class BatchStream:
         self.seed = int(seed)
         self.truncate = truncate
         self.lookahead_steps = max(1, int(lookahead_steps))
-        self.outlier_tokens = int(outlier_tokens if outlier_tokens is not None else max(1, max_seq // 4))
+        self.outlier_tokens = int(
+            outlier_tokens if outlier_tokens is not None else max(1, max_seq // 4)
+        )
         self._orders: dict[tuple[int, int], np.ndarray] = {}
         self._pending_truncated = 0
         self.state = {
@@ -173,8 +189,13 @@ class BatchStream:
             "outliers": [list(r) for r in st["outliers"]],
             "trained_tokens": st["trained_tokens"],
             "truncated_tokens": st["truncated_tokens"],
-            "config": {"tokens_per_step": self.tokens_per_step, "max_seq": self.max_seq, "seed": self.seed,
-                       "sources": len(self.lengths), "truncate": self.truncate},
+            "config": {
+                "tokens_per_step": self.tokens_per_step,
+                "max_seq": self.max_seq,
+                "seed": self.seed,
+                "sources": len(self.lengths),
+                "truncate": self.truncate,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,7 +203,17 @@ class BatchStream:
         mine = self.state_dict()["config"]
         diff = [k for k in mine if k in cfg and cfg[k] != mine[k]]
         if diff:
-            raise ValueError("cannot resume: the data configuration changed since the checkpoint ("
-                             + ", ".join(f"{k}: {cfg[k]} -> {mine[k]}" for k in diff) + ")")
-        self.state = {k: (v if not isinstance(v, list) else [list(x) if isinstance(x, (list, tuple)) else x for x in v])
-                      for k, v in state.items() if k != "config"}
+            raise ValueError(
+                "cannot resume: the data configuration changed since the checkpoint ("
+                + ", ".join(f"{k}: {cfg[k]} -> {mine[k]}" for k in diff)
+                + ")"
+            )
+        self.state = {
+            k: (
+                v
+                if not isinstance(v, list)
+                else [list(x) if isinstance(x, (list, tuple)) else x for x in v]
+            )
+            for k, v in state.items()
+            if k != "config"
+        }

@@ -9,13 +9,19 @@ import sys
 import numpy as np
 
 from hdp import parse_size
+from hdp.workloads import split_long
 
 from .sources import DataError, open_source
 from .tokenizer import load_tokenizer
-from hdp.workloads import split_long
 
 
-def stats(paths: list[str], max_seq: int | None, skip_bad: bool, tokenizer: str | None, vocab_size: int | None) -> dict:
+def stats(
+    paths: list[str],
+    max_seq: int | None,
+    skip_bad: bool,
+    tokenizer: str | None,
+    vocab_size: int | None,
+) -> dict:
     """Documents, tokens, skips and sequence-length percentiles of the corpus at ``paths``."""
     tok = load_tokenizer(tokenizer)
     docs = tokens = skipped_docs = skipped_tokens = 0
@@ -28,8 +34,15 @@ def stats(paths: list[str], max_seq: int | None, skip_bad: bool, tokenizer: str 
         tokens += int(lens.sum())
         skipped_docs += int(src.skipped_documents)
         skipped_tokens += int(src.skipped_tokens)
-        per_source.append({"path": path, "documents": int(lens.size), "tokens": int(lens.sum()),
-                           "skipped_documents": int(src.skipped_documents), "skipped_tokens": int(src.skipped_tokens)})
+        per_source.append(
+            {
+                "path": path,
+                "documents": int(lens.size),
+                "tokens": int(lens.sum()),
+                "skipped_documents": int(src.skipped_documents),
+                "skipped_tokens": int(src.skipped_tokens),
+            }
+        )
         lengths.append(split_long(lens, max_seq) if max_seq else lens)
     seqs = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     pct = {}
@@ -37,9 +50,18 @@ def stats(paths: list[str], max_seq: int | None, skip_bad: bool, tokenizer: str 
         for q in (1, 10, 50, 90, 99, 99.9):
             pct[f"p{q:g}"] = float(np.percentile(seqs, q))
         pct.update(min=int(seqs.min()), max=int(seqs.max()), mean=float(seqs.mean()))
-    return {"documents": docs, "tokens": tokens, "skipped_documents": skipped_docs, "skipped_tokens": skipped_tokens,
-            "read_tokens": tokens + skipped_tokens, "sequences": int(seqs.size), "max_seq": max_seq, "lengths": pct,
-            "sources": per_source, "_lengths": seqs}
+    return {
+        "documents": docs,
+        "tokens": tokens,
+        "skipped_documents": skipped_docs,
+        "skipped_tokens": skipped_tokens,
+        "read_tokens": tokens + skipped_tokens,
+        "sequences": int(seqs.size),
+        "max_seq": max_seq,
+        "lengths": pct,
+        "sources": per_source,
+        "_lengths": seqs,
+    }
 
 
 def histogram(seqs: np.ndarray, width: int = 50) -> list[str]:
@@ -52,25 +74,48 @@ def histogram(seqs: np.ndarray, width: int = 50) -> list[str]:
     for k in range(int(b.min()), int(b.max()) + 1):
         m = b == k
         share = seqs[m].sum() / total
-        lines.append(f"  [{2 ** k:>9}, {2 ** (k + 1):>9})  {int(m.sum()):>9} seqs  {100 * share:5.1f}% tokens  "
-                     + "#" * int(round(share * width)))
+        lines.append(
+            f"  [{2**k:>9}, {2 ** (k + 1):>9})  {int(m.sum()):>9} seqs  {100 * share:5.1f}% tokens  "
+            + "#" * int(round(share * width))
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hdp-data", description="Inspect a training corpus the way hdp reads it.")
+    p = argparse.ArgumentParser(
+        prog="hdp-data", description="Inspect a training corpus the way hdp reads it."
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stats", help="documents, tokens, skipped records and length percentiles")
-    s.add_argument("paths", nargs="+", metavar="PATH",
-                   help="a .jsonl or .parquet file, a Megatron .bin/.idx prefix, or synthetic:WORKLOAD[:DOCS]")
-    s.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    s.add_argument("--skip-bad-records", action="store_true", help="skip and count bad records instead of failing")
-    s.add_argument("--max-seq", type=parse_size, default=None, help="split documents longer than this, as training does")
-    s.add_argument("--tokenizer", default=None, help="tokenizer.json for 'text' records (default: UTF-8 bytes)")
+    s.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="a .jsonl or .parquet file, a Megatron .bin/.idx prefix, or synthetic:WORKLOAD[:DOCS]",
+    )
+    s.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the report"
+    )
+    s.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip and count bad records instead of failing",
+    )
+    s.add_argument(
+        "--max-seq",
+        type=parse_size,
+        default=None,
+        help="split documents longer than this, as training does",
+    )
+    s.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json for 'text' records (default: UTF-8 bytes)"
+    )
     s.add_argument("--vocab-size", type=int, default=None, help="reject token ids at or above this")
     args = p.parse_args(argv)
     try:
-        res = stats(args.paths, args.max_seq, args.skip_bad_records, args.tokenizer, args.vocab_size)
+        res = stats(
+            args.paths, args.max_seq, args.skip_bad_records, args.tokenizer, args.vocab_size
+        )
     except (DataError, ValueError) as e:
         print(f"hdp-data: error: {e}", file=sys.stderr)
         return 2
@@ -78,14 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"documents {res['documents']:,}  tokens {res['tokens']:,}  skipped {res['skipped_documents']:,} documents / "
-          f"{res['skipped_tokens']:,} tokens  (read {res['read_tokens']:,} = trained {res['tokens']:,} + skipped "
-          f"{res['skipped_tokens']:,})")
+    print(
+        f"documents {res['documents']:,}  tokens {res['tokens']:,}  skipped {res['skipped_documents']:,} documents / "
+        f"{res['skipped_tokens']:,} tokens  (read {res['read_tokens']:,} = trained {res['tokens']:,} + skipped "
+        f"{res['skipped_tokens']:,})"
+    )
     if res["lengths"]:
         L = res["lengths"]
-        print(f"sequences {res['sequences']:,}" + (f" after splitting at {args.max_seq}" if args.max_seq else "")
-              + f": min {L['min']}, p50 {L['p50']:.0f}, p90 {L['p90']:.0f}, p99 {L['p99']:.0f}, max {L['max']}, "
-              f"mean {L['mean']:.1f}")
+        print(
+            f"sequences {res['sequences']:,}"
+            + (f" after splitting at {args.max_seq}" if args.max_seq else "")
+            + f": min {L['min']}, p50 {L['p50']:.0f}, p90 {L['p90']:.0f}, p99 {L['p99']:.0f}, max {L['max']}, "
+            f"mean {L['mean']:.1f}"
+        )
         print("length histogram:")
         print("\n".join(histogram(seqs)))
     return 0

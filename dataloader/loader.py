@@ -19,8 +19,8 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -62,8 +62,17 @@ class StepData:
 class HDPDataLoader:
     """Iterate :class:`StepData` for this rank; see the module docstring."""
 
-    def __init__(self, sources: Sequence[Source], stream: BatchStream, cluster: ClusterSpec, model: ModelSpec,
-                 strategy: str = "hdp", plan_ahead: int = 2, group=None, plan_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        sources: Sequence[Source],
+        stream: BatchStream,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        strategy: str = "hdp",
+        plan_ahead: int = 2,
+        group=None,
+        plan_options: dict | None = None,
+    ) -> None:
         self.sources = list(sources)
         self.stream = stream
         self.cluster = cluster
@@ -75,10 +84,15 @@ class HDPDataLoader:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
         if self.world != cluster.num_ranks:
-            raise ValueError(f"the cluster spec has {cluster.num_ranks} ranks but the process group has {self.world}")
+            raise ValueError(
+                f"the cluster spec has {cluster.num_ranks} ranks but the process group has {self.world}"
+            )
         self.plan_ahead = max(1, int(plan_ahead))
-        self._device = torch.device("cuda", torch.cuda.current_device()) if (
-            self.distributed and dist.get_backend(group) == "nccl") else torch.device("cpu")
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if (self.distributed and dist.get_backend(group) == "nccl")
+            else torch.device("cpu")
+        )
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -132,37 +146,71 @@ class HDPDataLoader:
     def _broadcast(self, batch: GlobalBatch | None, plan: Plan | None, plan_time: float):
         if self.rank == 0:
             seqs = np.asarray([tuple(s) for s in batch.seqs], dtype=np.int64).reshape(-1, 5)
-            shards = np.stack([plan.rank, plan.wave, plan.seq, plan.start, plan.end]).astype(np.int64)
+            shards = np.stack([plan.rank, plan.wave, plan.seq, plan.start, plan.end]).astype(
+                np.int64
+            )
             offload = plan.offload if plan.offload.any() else None
-            header = np.array([batch.step, seqs.shape[0], shards.shape[1], plan.num_waves,
-                               1 if plan.sync == "peer" else 0, batch.truncated_tokens,
-                               int(round(plan_time * 1e6)), 1 if offload is not None else 0,
-                               len(plan.barriers)], dtype=np.int64)
-            payload = np.concatenate([header, seqs.reshape(-1), shards.reshape(-1), np.asarray(plan.barriers, np.int64)])
+            header = np.array(
+                [
+                    batch.step,
+                    seqs.shape[0],
+                    shards.shape[1],
+                    plan.num_waves,
+                    1 if plan.sync == "peer" else 0,
+                    batch.truncated_tokens,
+                    int(round(plan_time * 1e6)),
+                    1 if offload is not None else 0,
+                    len(plan.barriers),
+                ],
+                dtype=np.int64,
+            )
+            payload = np.concatenate(
+                [header, seqs.reshape(-1), shards.reshape(-1), np.asarray(plan.barriers, np.int64)]
+            )
         if not self.distributed:
             return batch, plan, plan_time
-        n = torch.tensor([payload.size if self.rank == 0 else 0], dtype=torch.int64, device=self._device)
+        n = torch.tensor(
+            [payload.size if self.rank == 0 else 0], dtype=torch.int64, device=self._device
+        )
         dist.broadcast(n, src=self._src(), group=self.group)
-        buf = (torch.from_numpy(payload).to(self._device) if self.rank == 0
-               else torch.empty(int(n.item()), dtype=torch.int64, device=self._device))
+        buf = (
+            torch.from_numpy(payload).to(self._device)
+            if self.rank == 0
+            else torch.empty(int(n.item()), dtype=torch.int64, device=self._device)
+        )
         dist.broadcast(buf, src=self._src(), group=self.group)
         data = buf.cpu().numpy()
         step, S, M, W, peer, trunc, plan_us, has_off, nb = (int(x) for x in data[:9])
-        seqs = data[9:9 + 5 * S].reshape(S, 5)
-        sh = data[9 + 5 * S:9 + 5 * S + 5 * M].reshape(5, M)
-        barriers = data[9 + 5 * S + 5 * M:9 + 5 * S + 5 * M + nb].tolist()
+        seqs = data[9 : 9 + 5 * S].reshape(S, 5)
+        sh = data[9 + 5 * S : 9 + 5 * S + 5 * M].reshape(5, M)
+        barriers = data[9 + 5 * S + 5 * M : 9 + 5 * S + 5 * M + nb].tolist()
         off = None
         if has_off:
-            off_t = (torch.from_numpy(plan.offload).to(self._device, torch.float64) if self.rank == 0
-                     else torch.empty(W * self.world, dtype=torch.float64, device=self._device))
+            off_t = (
+                torch.from_numpy(plan.offload).to(self._device, torch.float64)
+                if self.rank == 0
+                else torch.empty(W * self.world, dtype=torch.float64, device=self._device)
+            )
             dist.broadcast(off_t, src=self._src(), group=self.group)
             off = off_t.cpu().numpy().reshape(W, self.world)
         if self.rank == 0:
             return batch, plan, plan_time
         refs = [SeqRef(*map(int, row)) for row in seqs]
         batch = GlobalBatch(step, refs, trunc)
-        plan = Plan(batch.lengths, self.world, sh[0], sh[1], sh[2], sh[3], sh[4], sync="peer" if peer else "wave",
-                    num_waves=W, offload=off, barriers=barriers, strategy=self.strategy)
+        plan = Plan(
+            batch.lengths,
+            self.world,
+            sh[0],
+            sh[1],
+            sh[2],
+            sh[3],
+            sh[4],
+            sync="peer" if peer else "wave",
+            num_waves=W,
+            offload=off,
+            barriers=barriers,
+            strategy=self.strategy,
+        )
         return batch, plan, plan_us / 1e6
 
     def _src(self) -> int:
@@ -179,18 +227,23 @@ class HDPDataLoader:
             ref = batch.seqs[s]
             toks = self._read(ref, a, min(b + 1, ref.length))
             ids.append(toks[: b - a])
-            lab = toks[1: b - a + 1]
+            lab = toks[1 : b - a + 1]
             if b == ref.length:  # the sequence's last token has no next token
                 lab = np.concatenate([lab, [IGNORE_INDEX]])
             labels.append(lab)
             pos.append(np.arange(a, b, dtype=np.int64))
             cu.append(cu[-1] + b - a)
-        cat = (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))) if shards else (
-            lambda xs: torch.zeros(0, dtype=torch.int64))
-        return WaveData(list(shards), cat(ids), cat(labels), cat(pos), torch.tensor(cu, dtype=torch.int32))
+        cat = (
+            (lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)))
+            if shards
+            else (lambda xs: torch.zeros(0, dtype=torch.int64))
+        )
+        return WaveData(
+            list(shards), cat(ids), cat(labels), cat(pos), torch.tensor(cu, dtype=torch.int32)
+        )
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> "HDPDataLoader":
+    def __iter__(self) -> HDPDataLoader:
         self._start()
         return self
 
@@ -209,8 +262,17 @@ class HDPDataLoader:
         if self.rank != 0:
             self._delivered_state = None  # rank 0 holds the state; see state_dict()
         waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
-        return StepData(batch.step, plan, waves, batch.loss_tokens, batch.tokens, batch.truncated_tokens, plan_time,
-                        time.perf_counter() - t0, batch.seqs)
+        return StepData(
+            batch.step,
+            plan,
+            waves,
+            batch.loss_tokens,
+            batch.tokens,
+            batch.truncated_tokens,
+            plan_time,
+            time.perf_counter() - t0,
+            batch.seqs,
+        )
 
     def state_dict(self) -> dict:
         """The data position after the last step handed out (rank 0's view; identical everywhere
@@ -238,5 +300,8 @@ class HDPDataLoader:
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             if self._thread.is_alive():
-                warnings.warn(f"hdp-planner thread still planning {timeout_s:.0f} s after close()", RuntimeWarning)
+                warnings.warn(
+                    f"hdp-planner thread still planning {timeout_s:.0f} s after close()",
+                    RuntimeWarning,
+                )
             atexit.unregister(self.close)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,13 +53,17 @@ def require_megatron():
             warnings.simplefilter("ignore")
             import megatron.core as mcore
     except ImportError as e:
-        raise ImportError("dataloader.megatron needs megatron-core >= 0.16: pip install 'hdp[megatron]' "
-                          f"(or megatron-core>=0.16) ({e})") from e
+        raise ImportError(
+            "dataloader.megatron needs megatron-core >= 0.16: pip install 'hdp[megatron]' "
+            f"(or megatron-core>=0.16) ({e})"
+        ) from e
     version = tuple(int(x) for x in mcore.__version__.split(".")[:2] if x.isdigit())
     if version < MIN_MEGATRON_CORE:
-        raise ImportError(f"megatron-core {mcore.__version__} has no hybrid context parallelism: "
-                          "HDPDataLoaderWrapper needs >= 0.16 (pip install -U 'megatron-core>=0.16'); "
-                          "with older versions use dataloader.megatron.PackedBatchIterator")
+        raise ImportError(
+            f"megatron-core {mcore.__version__} has no hybrid context parallelism: "
+            "HDPDataLoaderWrapper needs >= 0.16 (pip install -U 'megatron-core>=0.16'); "
+            "with older versions use dataloader.megatron.PackedBatchIterator"
+        )
     return mcore
 
 
@@ -73,7 +78,9 @@ def install(**scheduler_options: Any) -> None:
     import megatron.core.datasets.data_schedule as data_schedule
 
     def wrapper(data_iterator, config, pg_collection=None):
-        return HDPDataLoaderWrapper(data_iterator, config, pg_collection, scheduler_options=scheduler_options)
+        return HDPDataLoaderWrapper(
+            data_iterator, config, pg_collection, scheduler_options=scheduler_options
+        )
 
     data_schedule.HybridCPDataLoaderWrapper = wrapper
     # Megatron-LM's training loop imports the name at module load: rebind it there too.
@@ -97,19 +104,30 @@ class HDPScheduler:
     what Megatron will run.
     """
 
-    def __init__(self, max_seq_len_per_rank: int, dp_cp_group: Any, *, model: Any = "llama-7b",
-                 gpu: str = "h100", gpus_per_node: int = 8, sync: str | None = None) -> None:
+    def __init__(
+        self,
+        max_seq_len_per_rank: int,
+        dp_cp_group: Any,
+        *,
+        model: Any = "llama-7b",
+        gpu: str = "h100",
+        gpus_per_node: int = 8,
+        sync: str | None = None,
+    ) -> None:
         self.max_seq_len_per_rank = int(max_seq_len_per_rank)
         self.total_hdp_gpus = int(dp_cp_group.size())
         spec = model_preset(model) if isinstance(model, str) else model
-        cluster = ClusterSpec(self.total_hdp_gpus, min(gpus_per_node, self.total_hdp_gpus), gpu_preset(gpu))
+        cluster = ClusterSpec(
+            self.total_hdp_gpus, min(gpus_per_node, self.total_hdp_gpus), gpu_preset(gpu)
+        )
         self.cost = CostModel(spec, cluster, capacity_override=self.max_seq_len_per_rank)
         self.sync = sync
         self.last_schedule_s = 0.0
         self._last: tuple | None = None
 
-    def get_groups_and_subsamples(self, sample_id_seqlens: Sequence[tuple[int, int]], config: Any = None
-                                  ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    def get_groups_and_subsamples(
+        self, sample_id_seqlens: Sequence[tuple[int, int]], config: Any = None
+    ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
         """``(groups, sample_id_groups)`` as ``BalancedCPScheduler`` returns them; ``config`` is
         accepted for the same signature and not needed."""
         t0 = time.perf_counter()
@@ -118,8 +136,15 @@ class HDPScheduler:
             raise PlanningError("HDPScheduler: no sub-sample with a positive length to schedule")
         ids = np.array([i for i, _ in items], dtype=np.int64)
         lens = np.array([L for _, L in items], dtype=np.int64)
-        plan = plan_step(lens, self.cost.cluster, self.cost.model, "hdp", form="megatron", cost=self.cost,
-                         sync=self.sync)
+        plan = plan_step(
+            lens,
+            self.cost.cluster,
+            self.cost.model,
+            "hdp",
+            form="megatron",
+            cost=self.cost,
+            sync=self.sync,
+        )
         length = dict(items)
         id_groups = _runnable(sample_id_groups_from_plan(plan, ids), length, self.total_hdp_gpus)
         groups = [[[length[s] for s in ranks] for ranks in g] for g in id_groups]
@@ -135,16 +160,26 @@ class HDPScheduler:
         return megatron_plan(self.cost, *self._last)
 
 
-def megatron_plan(cost: CostModel, sample_id_seqlens: Sequence[tuple[int, int]],
-                  sample_id_groups: list[list[list[int]]], sync: str = "peer") -> Plan:
+def megatron_plan(
+    cost: CostModel,
+    sample_id_seqlens: Sequence[tuple[int, int]],
+    sample_id_groups: list[list[list[int]]],
+    sync: str = "peer",
+) -> Plan:
     """The plan Megatron executes for a schedule (ours or ``BalancedCPScheduler``'s), priced by
     ``cost``: ``plan.predicted["step_time_s"]`` is its step time. Sequence ``k`` of the plan is
     the ``k``-th entry of ``sample_id_seqlens``."""
     ids = [int(i) for i, _ in sample_id_seqlens]
     lens = np.array([int(L) for _, L in sample_id_seqlens], dtype=np.int64)
     index_of = {i: k for k, i in enumerate(ids)}
-    ctx = Context(seq_lens=lens, cost=cost, sync=sync, capacity=cost.capacity(sync), max_seq=int(lens.max()),
-                  tokens_per_step=int(lens.sum()))
+    ctx = Context(
+        seq_lens=lens,
+        cost=cost,
+        sync=sync,
+        capacity=cost.capacity(sync),
+        max_seq=int(lens.max()),
+        tokens_per_step=int(lens.sum()),
+    )
     local = [[[index_of[s] for s in ranks] for ranks in g] for g in sample_id_groups]
     plan = plan_from_sample_id_groups(ctx, local, None, "hdp")
     plan.predicted.update(cost.evaluate(plan).summary())
@@ -157,7 +192,9 @@ def sample_id_groups_from_plan(plan: Plan, ids: np.ndarray) -> list[list[list[in
     the CP partners of a sequence list it in the same relative order."""
     n = plan.num_ranks
     bounds = [0, *sorted(b for b in plan.barriers if 0 < b < plan.num_waves), plan.num_waves]
-    pairs = np.unique(np.stack([plan.wave, plan.seq, plan.rank], axis=1), axis=0)  # sorted by wave, seq
+    pairs = np.unique(
+        np.stack([plan.wave, plan.seq, plan.rank], axis=1), axis=0
+    )  # sorted by wave, seq
     groups: list[list[list[int]]] = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         lists: list[list[int]] = [[] for _ in range(n)]
@@ -169,7 +206,9 @@ def sample_id_groups_from_plan(plan: Plan, ids: np.ndarray) -> list[list[list[in
     return groups
 
 
-def _runnable(id_groups: list[list[list[int]]], length: dict[int, int], n: int) -> list[list[list[int]]]:
+def _runnable(
+    id_groups: list[list[list[int]]], length: dict[int, int], n: int
+) -> list[list[list[int]]]:
     """Make a schedule one Megatron can run: its forward-backward runs the last sub-sample of the
     last group on every rank outside ``no_sync`` (to trigger the gradient reduction), so every rank
     needs a sub-sample in the last group.
@@ -188,15 +227,22 @@ def _runnable(id_groups: list[list[list[int]]], length: dict[int, int], n: int) 
     for r in range(n):
         if any(g[r] for g in groups):
             continue
-        donors = [(work[d], d) for d in range(n)
-                  if sum(len(holders[s]) == 1 for g in groups for s in g[d]) >= 1
-                  and sum(len(g[d]) for g in groups) >= 2]
+        donors = [
+            (work[d], d)
+            for d in range(n)
+            if sum(len(holders[s]) == 1 for g in groups for s in g[d]) >= 1
+            and sum(len(g[d]) for g in groups) >= 2
+        ]
         if not donors:
-            raise PlanningError(f"HDPScheduler: {len(holders)} sub-samples cannot give each of {n} ranks one "
-                                "(Megatron's schedule needs a sub-sample on every rank): use more or longer samples")
+            raise PlanningError(
+                f"HDPScheduler: {len(holders)} sub-samples cannot give each of {n} ranks one "
+                "(Megatron's schedule needs a sub-sample on every rank): use more or longer samples"
+            )
         _, d = max(donors)
-        g_idx, s = max(((gi, s) for gi, g in enumerate(groups) for s in g[d] if len(holders[s]) == 1),
-                       key=lambda t: (t[0], length[t[1]]))
+        g_idx, s = max(
+            ((gi, s) for gi, g in enumerate(groups) for s in g[d] if len(holders[s]) == 1),
+            key=lambda t: (t[0], length[t[1]]),
+        )
         groups[g_idx][d].remove(s)
         groups[-1][r].append(s)
         holders[s] = {r}
@@ -235,8 +281,13 @@ class HDPDataLoaderWrapper:
     ``scheduler_options`` go to :class:`HDPScheduler` (model, gpu, gpus_per_node, sync).
     """
 
-    def __init__(self, data_iterator: Iterator | None, config: Any, pg_collection: Any = None,
-                 scheduler_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        data_iterator: Iterator | None,
+        config: Any,
+        pg_collection: Any = None,
+        scheduler_options: dict | None = None,
+    ) -> None:
         require_megatron()
         self.data_iterator = data_iterator
         self.config = config
@@ -247,20 +298,31 @@ class HDPDataLoaderWrapper:
             self.dp_group = parallel_state.get_data_parallel_group()
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
         else:
-            self.dp_cp_group, self.dp_group, self.tp_group = pg_collection.dp_cp, pg_collection.dp, pg_collection.tp
+            self.dp_cp_group, self.dp_group, self.tp_group = (
+                pg_collection.dp_cp,
+                pg_collection.dp,
+                pg_collection.tp,
+            )
         if self.dp_cp_group is None or self.dp_group is None or self.tp_group is None:
-            raise ValueError("HDPDataLoaderWrapper needs the dp_cp, dp and tp process groups "
-                             "(initialise Megatron's parallel state or pass pg_collection)")
+            raise ValueError(
+                "HDPDataLoaderWrapper needs the dp_cp, dp and tp process groups "
+                "(initialise Megatron's parallel state or pass pg_collection)"
+            )
         if not getattr(config, "max_seqlen_per_dp_cp_rank", None):
-            raise ValueError("config.max_seqlen_per_dp_cp_rank is not set: hybrid context parallelism needs the "
-                             "tokens one rank can hold (--max-seqlen-per-dp-cp-rank)")
-        self.cp_balancing_scheduler = HDPScheduler(config.max_seqlen_per_dp_cp_rank, self.dp_cp_group,
-                                                   **(scheduler_options or {}))
+            raise ValueError(
+                "config.max_seqlen_per_dp_cp_rank is not set: hybrid context parallelism needs the "
+                "tokens one rank can hold (--max-seqlen-per-dp-cp-rank)"
+            )
+        self.cp_balancing_scheduler = HDPScheduler(
+            config.max_seqlen_per_dp_cp_rank, self.dp_cp_group, **(scheduler_options or {})
+        )
         self.total_hdp_gpus = self.dp_cp_group.size()
         nccl = dist.get_backend(self.dp_cp_group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        )
 
-    def __iter__(self) -> "HDPDataLoaderWrapper":
+    def __iter__(self) -> HDPDataLoaderWrapper:
         return self
 
     def _gather_lengths(self, local: list[int]) -> tuple[list[int], list[int]]:
@@ -280,8 +342,14 @@ class HDPDataLoaderWrapper:
     def _hdp_rank(self, global_rank: int) -> int:
         return dist.get_group_rank(self.dp_cp_group, global_rank)
 
-    def _reroute(self, subsamples: list[dict], first_id: int, lengths: list[int],
-                 sample_id_groups: list[list[list[int]]], offsets: list[int]) -> dict[int, dict]:
+    def _reroute(
+        self,
+        subsamples: list[dict],
+        first_id: int,
+        lengths: list[int],
+        sample_id_groups: list[list[list[int]]],
+        offsets: list[int],
+    ) -> dict[int, dict]:
         """All-to-all over the DPxCP group: each rank receives the sub-samples it runs from the
         member of its own DP group that read them (all CP ranks of a DP replica read the same
         batch, so only ranks with the same CP index exchange data)."""
@@ -295,21 +363,40 @@ class HDPDataLoaderWrapper:
         recv = [[s for s in needs[me] if my_dp[src_of_id[s]] == src] for src in range(n)]
         # Which per-token tensors a sub-sample carries (dtype, trailing shape): ranks whose DP
         # replica read nothing learn it from the others.
-        local_meta = {k: (v.dtype, tuple(v.shape[1:])) for k, v in subsamples[0].items()} if subsamples else None
+        local_meta = (
+            {k: (v.dtype, tuple(v.shape[1:])) for k, v in subsamples[0].items()}
+            if subsamples
+            else None
+        )
         metas: list = [None] * n
         dist.all_gather_object(metas, local_meta, group=self.dp_cp_group)
         meta = next((m for m in metas if m is not None), {})
         received: dict[int, dict] = {s: {} for src in recv for s in src}
         for key, (dtype, rest) in meta.items():
-            chunks = [subsamples[s - first_id][key].to(self.device) for d in range(n) for s in send[d]]
-            send_t = torch.cat(chunks) if chunks else torch.empty((0, *rest), dtype=dtype, device=self.device)
-            recv_t = torch.empty((sum(lengths[s] for src in recv for s in src), *rest), dtype=dtype, device=self.device)
-            dist.all_to_all_single(recv_t, send_t, [sum(lengths[s] for s in src) for src in recv],
-                                   [sum(lengths[s] for s in d) for d in send], group=self.dp_cp_group)
+            chunks = [
+                subsamples[s - first_id][key].to(self.device) for d in range(n) for s in send[d]
+            ]
+            send_t = (
+                torch.cat(chunks)
+                if chunks
+                else torch.empty((0, *rest), dtype=dtype, device=self.device)
+            )
+            recv_t = torch.empty(
+                (sum(lengths[s] for src in recv for s in src), *rest),
+                dtype=dtype,
+                device=self.device,
+            )
+            dist.all_to_all_single(
+                recv_t,
+                send_t,
+                [sum(lengths[s] for s in src) for src in recv],
+                [sum(lengths[s] for s in d) for d in send],
+                group=self.dp_cp_group,
+            )
             cursor = 0
             for src in recv:
                 for s in src:
-                    received[s][key] = recv_t[cursor: cursor + lengths[s]]
+                    received[s][key] = recv_t[cursor : cursor + lengths[s]]
                     cursor += lengths[s]
         return received
 
@@ -322,12 +409,22 @@ class HDPDataLoaderWrapper:
             cu = [int(x) for x in sample["cu_seqlens"].tolist()]
             for a, b in zip(cu[:-1], cu[1:]):
                 if b > a:
-                    subsamples.append({k: v[a:b] for k, v in sample.items()
-                                       if k not in PACKING_KEYS and isinstance(v, torch.Tensor)})
-        lengths, offsets = self._gather_lengths([int(next(iter(s.values())).shape[0]) for s in subsamples])
+                    subsamples.append(
+                        {
+                            k: v[a:b]
+                            for k, v in sample.items()
+                            if k not in PACKING_KEYS and isinstance(v, torch.Tensor)
+                        }
+                    )
+        lengths, offsets = self._gather_lengths(
+            [int(next(iter(s.values())).shape[0]) for s in subsamples]
+        )
         _, sample_id_groups = self.cp_balancing_scheduler.get_groups_and_subsamples(
-            list(enumerate(lengths)), self.config)
-        samples = self._reroute(subsamples, offsets[self.dp_group.rank()], lengths, sample_id_groups, offsets)
+            list(enumerate(lengths)), self.config
+        )
+        samples = self._reroute(
+            subsamples, offsets[self.dp_group.rank()], lengths, sample_id_groups, offsets
+        )
         return samples, sample_id_groups
 
 
@@ -354,8 +451,14 @@ class PackedBatchIterator:
     error saying what to change.
     """
 
-    def __init__(self, loader: Iterator, num_microbatches: int | None = None, pad_multiple: int = 1,
-                 pad_id: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        loader: Iterator,
+        num_microbatches: int | None = None,
+        pad_multiple: int = 1,
+        pad_id: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.loader = loader
         self.num_microbatches = num_microbatches
         self.pad_multiple = max(1, int(pad_multiple))
@@ -364,7 +467,7 @@ class PackedBatchIterator:
         self._pending: list[dict] = []
         self.step_data = None  # the StepData of the micro-batches being yielded (loss_tokens etc.)
 
-    def __iter__(self) -> "PackedBatchIterator":
+    def __iter__(self) -> PackedBatchIterator:
         return self
 
     def _batch(self, docs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
@@ -376,20 +479,41 @@ class PackedBatchIterator:
             tokens.append(torch.cat([ids, torch.full((pad,), self.pad_id, dtype=ids.dtype)]))
             # Labels -100 (ignored) become pad_id with loss_mask 0, Megatron's convention.
             keep = lab != -100
-            labels.append(torch.cat([torch.where(keep, lab, self.pad_id), torch.full((pad,), self.pad_id, dtype=lab.dtype)]))
+            labels.append(
+                torch.cat(
+                    [
+                        torch.where(keep, lab, self.pad_id),
+                        torch.full((pad,), self.pad_id, dtype=lab.dtype),
+                    ]
+                )
+            )
             mask.append(torch.cat([keep.float(), torch.zeros(pad)]))
-            positions.append(torch.cat([pos, pos[-1:] + 1 + torch.arange(pad)]) if len(pos) else torch.arange(pad))
+            positions.append(
+                torch.cat([pos, pos[-1:] + 1 + torch.arange(pad)])
+                if len(pos)
+                else torch.arange(pad)
+            )
             cu.append(cu[-1] + len(ids) + pad)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
         longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
-        out = {"tokens": torch.cat(tokens), "labels": torch.cat(labels), "position_ids": torch.cat(positions),
-               "loss_mask": torch.cat(mask)}
+        out = {
+            "tokens": torch.cat(tokens),
+            "labels": torch.cat(labels),
+            "position_ids": torch.cat(positions),
+            "loss_mask": torch.cat(mask),
+        }
         out = {k: v.to(self.device).unsqueeze(0) for k, v in out.items()}
         out["cu_seqlens"] = cu_t
         out["max_seqlen"] = torch.tensor([longest], dtype=torch.int32, device=self.device)
-        out["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                                                   cu_seqlens_q_padded=cu_t, cu_seqlens_kv_padded=cu_t,
-                                                   max_seqlen_q=longest, max_seqlen_kv=longest)
+        out["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_t,
+            cu_seqlens_kv=cu_t,
+            cu_seqlens_q_padded=cu_t,
+            cu_seqlens_kv_padded=cu_t,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
         return out
 
     def _fill(self) -> None:
@@ -399,10 +523,15 @@ class PackedBatchIterator:
         for wave in step.waves:
             cu = wave.cu_seqlens.tolist()
             if any(s.start != 0 or s.end != int(step.plan.seq_lens[s.seq]) for s in wave.shards):
-                raise PlanningError("PackedBatchIterator: the plan splits a sequence over data-parallel replicas, "
-                                    "which Megatron's static context parallelism cannot run: plan with "
-                                    "plan_options={'form': 'whole'} and a capacity that holds --max-seq")
-            docs = [(wave.input_ids[a:b], wave.labels[a:b], wave.position_ids[a:b]) for a, b in zip(cu[:-1], cu[1:])]
+                raise PlanningError(
+                    "PackedBatchIterator: the plan splits a sequence over data-parallel replicas, "
+                    "which Megatron's static context parallelism cannot run: plan with "
+                    "plan_options={'form': 'whole'} and a capacity that holds --max-seq"
+                )
+            docs = [
+                (wave.input_ids[a:b], wave.labels[a:b], wave.position_ids[a:b])
+                for a, b in zip(cu[:-1], cu[1:])
+            ]
             if docs:
                 batches.append(self._batch(docs))
         if self.num_microbatches is not None:
@@ -410,10 +539,14 @@ class PackedBatchIterator:
                 raise PlanningError(
                     f"PackedBatchIterator: step {step.step} needs {len(batches)} micro-batches on this replica but "
                     f"Megatron runs {self.num_microbatches}: raise --global-batch-size (more micro-batches) or "
-                    "lower the loader's tokens per step")
+                    "lower the loader's tokens per step"
+                )
             m = self.pad_multiple
-            filler = (torch.full((m,), self.pad_id, dtype=torch.int64), torch.full((m,), -100, dtype=torch.int64),
-                      torch.arange(m))
+            filler = (
+                torch.full((m,), self.pad_id, dtype=torch.int64),
+                torch.full((m,), -100, dtype=torch.int64),
+                torch.arange(m),
+            )
             batches += [self._batch([filler]) for _ in range(self.num_microbatches - len(batches))]
         self._pending = batches
 

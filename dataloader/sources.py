@@ -70,8 +70,14 @@ class JsonlSource:
 
     INDEX_VERSION = 1
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                 skip_bad: bool = False, cache_index: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer | None = None,
+        vocab_size: int | None = None,
+        skip_bad: bool = False,
+        cache_index: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.name = str(self.path)
         self.tokenizer = tokenizer or load_tokenizer(None)
@@ -81,7 +87,9 @@ class JsonlSource:
             st = self.path.stat()
         except OSError as e:
             raise DataError(f"{self.path}: cannot open: {e.strerror}") from None
-        key = np.array([st.st_size, st.st_mtime_ns, self.INDEX_VERSION, self.vocab_size or -1], dtype=np.int64)
+        key = np.array(
+            [st.st_size, st.st_mtime_ns, self.INDEX_VERSION, self.vocab_size or -1], dtype=np.int64
+        )
         cache = self.path.with_name(self.path.name + ".hdpidx.npz")
         loaded = self._load_cache(cache, key) if cache_index else None
         if loaded is None:
@@ -91,8 +99,14 @@ class JsonlSource:
                 # never read a half-written cache (one read it as an empty zip: EOFError in CI).
                 partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial.npz")
                 try:
-                    np.savez(partial, key=key, offsets=self.offsets, lengths=self.lengths,
-                             skips=np.array([skips.documents, skips.tokens]), tokenizer=np.array(self.tokenizer.id))
+                    np.savez(
+                        partial,
+                        key=key,
+                        offsets=self.offsets,
+                        lengths=self.lengths,
+                        skips=np.array([skips.documents, skips.tokens]),
+                        tokenizer=np.array(self.tokenizer.id),
+                    )
                     os.replace(partial, cache)
                 except OSError:  # read-only data folder: keep the index in memory only
                     with contextlib.suppress(OSError):
@@ -127,7 +141,11 @@ class JsonlSource:
             if not isinstance(obj["text"], str):
                 return None, f"field 'text' must be a string, got {type(obj['text']).__name__}", 0
             ids = self.tokenizer.encode(obj["text"])
-            return _check_ids(ids.tolist(), self.vocab_size) if self.vocab_size else (ids, None, ids.size)
+            return (
+                _check_ids(ids.tolist(), self.vocab_size)
+                if self.vocab_size
+                else (ids, None, ids.size)
+            )
         return None, "has neither 'input_ids' nor 'text'", 0
 
     def _index(self) -> tuple[np.ndarray, np.ndarray, _Skips]:
@@ -145,7 +163,9 @@ class JsonlSource:
                 ids, problem, known = self._parse(raw, line_no)
                 if problem is not None:
                     if not self.skip_bad:
-                        raise DataError(f"{self.path}, line {line_no}: {problem} (use --skip-bad-records to skip such records)")
+                        raise DataError(
+                            f"{self.path}, line {line_no}: {problem} (use --skip-bad-records to skip such records)"
+                        )
                     skips.documents += 1
                     skips.tokens += known
                     continue
@@ -163,27 +183,39 @@ class JsonlSource:
         raw = self._fh.readline()
         ids, problem, _ = self._parse(raw, -1)
         if problem is not None or ids.size != self.lengths[doc]:
-            raise DataError(f"{self.path}: document {doc} changed since it was indexed; delete "
-                            f"{self.path.name}.hdpidx.npz or restore the file")
+            raise DataError(
+                f"{self.path}: document {doc} changed since it was indexed; delete "
+                f"{self.path.name}.hdpidx.npz or restore the file"
+            )
         return ids[start:end]
 
 
 class ParquetSource:
     """A parquet file with an ``input_ids`` (list of ints) or ``text`` column."""
 
-    def __init__(self, path: str | Path, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                 skip_bad: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Tokenizer | None = None,
+        vocab_size: int | None = None,
+        skip_bad: bool = False,
+    ) -> None:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow (pip install 'hdp[parquet]')") from None
+            raise DataError(
+                f"{path}: reading parquet needs pyarrow (pip install 'hdp[parquet]')"
+            ) from None
         self.path = Path(path)
         self.name = str(self.path)
         self.tokenizer = tokenizer or load_tokenizer(None)
         self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.vocab_size
         try:
             self.file = pq.ParquetFile(self.path)
-        except (OSError, Exception) as e:  # pyarrow raises its own ArrowInvalid for non-parquet files
+        except (
+            OSError,
+            Exception,
+        ) as e:  # pyarrow raises its own ArrowInvalid for non-parquet files
             raise DataError(f"{self.path}: cannot read parquet: {e}") from None
         names = self.file.schema_arrow.names
         if "input_ids" in names:
@@ -191,9 +223,13 @@ class ParquetSource:
         elif "text" in names:
             self.column = "text"
         else:
-            raise DataError(f"{self.path}: has neither an 'input_ids' nor a 'text' column (columns: {', '.join(names)})")
-        self.row_group_starts = np.cumsum([0] + [self.file.metadata.row_group(i).num_rows
-                                                 for i in range(self.file.num_row_groups)])
+            raise DataError(
+                f"{self.path}: has neither an 'input_ids' nor a 'text' column (columns: {', '.join(names)})"
+            )
+        self.row_group_starts = np.cumsum(
+            [0]
+            + [self.file.metadata.row_group(i).num_rows for i in range(self.file.num_row_groups)]
+        )
         lengths, skips = [], _Skips()
         self._valid = []
         for g in range(self.file.num_row_groups):
@@ -203,7 +239,9 @@ class ParquetSource:
                 ids, problem, known = self._convert(val)
                 if problem is not None:
                     if not skip_bad:
-                        raise DataError(f"{self.path}, row {row}: {problem} (use --skip-bad-records to skip such records)")
+                        raise DataError(
+                            f"{self.path}, row {row}: {problem} (use --skip-bad-records to skip such records)"
+                        )
                     skips.documents += 1
                     skips.tokens += known
                     continue
@@ -227,20 +265,34 @@ class ParquetSource:
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         row = int(self.rows[doc])
         g = int(np.searchsorted(self.row_group_starts, row, side="right") - 1)
-        val = self.file.read_row_group(g, columns=[self.column]).column(0)[row - int(self.row_group_starts[g])].as_py()
+        val = (
+            self.file.read_row_group(g, columns=[self.column])
+            .column(0)[row - int(self.row_group_starts[g])]
+            .as_py()
+        )
         ids, _, _ = self._convert(val)
         return ids[start:end]
 
 
-_MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-                    8: np.uint16}
+_MEGATRON_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 
 
 class MegatronSource:
     """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; each sequence is a document."""
 
-    def __init__(self, prefix: str | Path, vocab_size: int | None = None, skip_bad: bool = False) -> None:
+    def __init__(
+        self, prefix: str | Path, vocab_size: int | None = None, skip_bad: bool = False
+    ) -> None:
         prefix = str(prefix)
         for ext in (".bin", ".idx"):
             if prefix.endswith(ext):
@@ -248,9 +300,13 @@ class MegatronSource:
         self.name = prefix
         idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
         if not idx.exists():
-            raise DataError(f"{idx}: missing index file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)")
+            raise DataError(
+                f"{idx}: missing index file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)"
+            )
         if not bin_.exists():
-            raise DataError(f"{bin_}: missing data file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)")
+            raise DataError(
+                f"{bin_}: missing data file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)"
+            )
         try:
             raw = idx.read_bytes()
         except OSError as e:
@@ -258,7 +314,7 @@ class MegatronSource:
         head = 9 + 8 + 1 + 8 + 8
         if len(raw) < head or raw[:9] != _MEGATRON_HEADER:
             raise DataError(f"{idx}: not a Megatron index file (bad header)")
-        version, = struct.unpack("<Q", raw[9:17])
+        (version,) = struct.unpack("<Q", raw[9:17])
         code = raw[17]
         if version != 1 or code not in _MEGATRON_DTYPES:
             raise DataError(f"{idx}: unsupported index version {version} or dtype code {code}")
@@ -266,7 +322,9 @@ class MegatronSource:
         n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
         need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
         if len(raw) < need:
-            raise DataError(f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)")
+            raise DataError(
+                f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)"
+            )
         lengths = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=head).astype(np.int64)
         n_empty = int(np.count_nonzero(lengths == 0))  # empty documents are skipped and counted
         self.pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=head + 4 * n_seq)
@@ -284,21 +342,29 @@ class MegatronSource:
         if over.size:
             first = int(over[0])
             if not skip_bad:
-                raise DataError(f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} but the file "
-                                f"has {size} (use --skip-bad-records to skip the documents past its end)")
+                raise DataError(
+                    f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} but the file "
+                    f"has {size} (use --skip-bad-records to skip the documents past its end)"
+                )
             skip(over)
         self.vocab_size = vocab_size
         self.bin_path = bin_
-        self._data = np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+        self._data = (
+            np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+        )
         if vocab_size is not None and self._data.size:
             bad = np.flatnonzero((self._data < 0) | (self._data >= vocab_size))
             if bad.size:
-                docs = np.unique(np.searchsorted(self.pointers // self.dtype.itemsize, bad, side="right") - 1)
+                docs = np.unique(
+                    np.searchsorted(self.pointers // self.dtype.itemsize, bad, side="right") - 1
+                )
                 docs = docs[lengths[docs] > 0]
                 if docs.size and not skip_bad:
                     pos = int(bad[0])
-                    raise DataError(f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is outside the "
-                                    f"vocabulary [0, {vocab_size}) (use --skip-bad-records to skip such documents)")
+                    raise DataError(
+                        f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is outside the "
+                        f"vocabulary [0, {vocab_size}) (use --skip-bad-records to skip such documents)"
+                    )
                 skip(docs)
         self.skipped_documents += n_empty
         self.lengths = lengths
@@ -307,19 +373,29 @@ class MegatronSource:
         base = int(self.pointers[doc]) // self.dtype.itemsize
         n = int(self.lengths[doc])
         stop = n if end is None else min(end, n)
-        return np.asarray(self._data[base + start: base + stop], dtype=np.int64)
+        return np.asarray(self._data[base + start : base + stop], dtype=np.int64)
 
 
 class SyntheticSource:
     """``documents`` documents with lengths drawn from a standard workload and seeded random tokens."""
 
-    def __init__(self, workload: str = "wlb-128k", documents: int = 10000, vocab_size: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self,
+        workload: str = "wlb-128k",
+        documents: int = 10000,
+        vocab_size: int = 512,
+        seed: int = 0,
+    ) -> None:
         from hdp.workloads import get_workload
 
         self.name = f"synthetic:{workload}"
         self.vocab_size = vocab_size
         self.seed = seed
-        self.lengths = get_workload(workload).sample_lengths(documents, np.random.default_rng(seed)).astype(np.int64)
+        self.lengths = (
+            get_workload(workload)
+            .sample_lengths(documents, np.random.default_rng(seed))
+            .astype(np.int64)
+        )
         self.skipped_documents = self.skipped_tokens = 0
 
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -329,8 +405,12 @@ class SyntheticSource:
         return rng.integers(0, self.vocab_size, size=n, dtype=np.int64)[start:stop]
 
 
-def open_source(path: str, tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
-                skip_bad: bool = False) -> Source:
+def open_source(
+    path: str,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+    skip_bad: bool = False,
+) -> Source:
     """A source for ``path``: ``*.jsonl``/``*.json``, ``*.parquet``/``*.arrow``, a Megatron prefix
     (or its ``.bin``/``.idx``), or ``synthetic:WORKLOAD[:DOCUMENTS]``."""
     if path.startswith("synthetic:"):
@@ -346,6 +426,9 @@ def open_source(path: str, tokenizer: Tokenizer | None = None, vocab_size: int |
     if suffix in (".bin", ".idx") or Path(path + ".idx").exists() or Path(path + ".bin").exists():
         return MegatronSource(path, vocab_size, skip_bad)
     if not p.exists():
-        raise DataError(f"{path}: no such file (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)")
-    raise DataError(f"{path}: unknown format (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)")
-
+        raise DataError(
+            f"{path}: no such file (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)"
+        )
+    raise DataError(
+        f"{path}: unknown format (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)"
+    )

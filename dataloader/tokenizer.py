@@ -32,8 +32,10 @@ class HFTokenizer(Tokenizer):
         try:
             from tokenizers import Tokenizer as _T
         except ImportError:
-            raise ValueError(f"{path}: loading a tokenizer.json needs the 'tokenizers' package "
-                             "(pip install tokenizers)") from None
+            raise ValueError(
+                f"{path}: loading a tokenizer.json needs the 'tokenizers' package "
+                "(pip install tokenizers)"
+            ) from None
         path = Path(path)
         try:
             self._tok = _T.from_file(str(path))

@@ -19,7 +19,21 @@ from .specs import (
 )
 
 __all__ = [
-    "ClusterSpec", "CostModel", "GPUProfile", "GPU_PRESETS", "KVTraffic", "KVTransfer", "MODEL_PRESETS",
-    "ModelSpec", "Plan", "PlanError", "Shard", "StepReport", "edge_colour_rounds", "format_size",
-    "gpu_preset", "model_preset", "parse_size",
+    "ClusterSpec",
+    "CostModel",
+    "GPUProfile",
+    "GPU_PRESETS",
+    "KVTraffic",
+    "KVTransfer",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "Plan",
+    "PlanError",
+    "Shard",
+    "StepReport",
+    "edge_colour_rounds",
+    "format_size",
+    "gpu_preset",
+    "model_preset",
+    "parse_size",
 ]

@@ -67,7 +67,9 @@ def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     meta = json.loads((path / "train_state.json").read_text())
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{_rank()}.pt"

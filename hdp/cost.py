@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+
 import numpy as np
 
 from .plan import Plan
@@ -185,7 +186,9 @@ class CostModel:
         t = np.asarray(tokens, dtype=np.float64)
         eff = np.where(t > 0, g.linear_efficiency(np.maximum(t, 1.0)), 1.0)
         flops = t * (self.model.layers * self.linear_flops_per_token + self.head_flops_per_token)
-        return flops / (g.peak_flops * eff) + np.where(t > 0, self.model.layers * g.layer_overhead_s, 0.0)
+        return flops / (g.peak_flops * eff) + np.where(
+            t > 0, self.model.layers * g.layer_overhead_s, 0.0
+        )
 
     def seq_time(self, length: np.ndarray | int) -> np.ndarray:
         """Training time of whole sequences alone on one rank (the unsplit reference), seconds."""
@@ -207,7 +210,9 @@ class CostModel:
         L = np.asarray(seq_lens, dtype=np.float64)
         L = L[L > 0]
         attn = self.model.layers * self.attn_time(np.zeros_like(L), L).sum()
-        dense = L.sum() * (self.model.layers * self.linear_flops_per_token + self.head_flops_per_token)
+        dense = L.sum() * (
+            self.model.layers * self.linear_flops_per_token + self.head_flops_per_token
+        )
         dense /= g.peak_flops * g.linear_max_efficiency
         return float((attn + dense) / self.cluster.num_ranks)
 
@@ -239,7 +244,9 @@ class CostModel:
     def working_bytes_per_token(self) -> float:
         """Activation bytes per token of the layer(s) whose full activations are alive."""
         m = self.model
-        per_layer = (6 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn) * m.dtype_bytes
+        per_layer = (
+            6 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
+        ) * m.dtype_bytes
         return float(per_layer * (1 if self.activation_checkpointing else m.layers))
 
     @cached_property
@@ -254,18 +261,32 @@ class CostModel:
 
     def kv_buffer_bytes(self, max_in_block: np.ndarray | float) -> np.ndarray | float:
         """Memory for the KV (and dK/dV) blocks a rank holds in flight."""
-        return self.kv_prefetch_blocks * np.asarray(max_in_block, dtype=np.float64) * self.model.kv_bytes_per_token * self._kv_block_factor
+        return (
+            self.kv_prefetch_blocks
+            * np.asarray(max_in_block, dtype=np.float64)
+            * self.model.kv_bytes_per_token
+            * self._kv_block_factor
+        )
 
     def memory(self, tokens, offload=0.0, max_in_block=0.0, sync: str = "peer") -> np.ndarray:
         """Peak bytes of a rank holding ``tokens`` tokens in a wave (arrays broadcast)."""
         t = np.asarray(tokens, dtype=np.float64)
-        act = t * (self.ckpt_bytes_per_token * (1.0 - np.asarray(offload)) + self.working_bytes_per_token)
-        return self.static_bytes(sync) + np.where(t > 0, self.loss_buffer_bytes, 0.0) + act + self.kv_buffer_bytes(max_in_block)
+        act = t * (
+            self.ckpt_bytes_per_token * (1.0 - np.asarray(offload)) + self.working_bytes_per_token
+        )
+        return (
+            self.static_bytes(sync)
+            + np.where(t > 0, self.loss_buffer_bytes, 0.0)
+            + act
+            + self.kv_buffer_bytes(max_in_block)
+        )
 
     def activation_budget(self, sync: str, kv_block_tokens: int = 8192) -> float:
         """Bytes for activations: what ``capacity`` tokens without offload use. (Memory left over
         by rounding the capacity down to 128 tokens stays unused, so every check agrees.)"""
-        return float(self.capacity(sync, kv_block_tokens)) * (self.ckpt_bytes_per_token + self.working_bytes_per_token)
+        return float(self.capacity(sync, kv_block_tokens)) * (
+            self.ckpt_bytes_per_token + self.working_bytes_per_token
+        )
 
     def capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
         """Most tokens a rank holds in one wave without offloading (multiple of 128 tokens)."""
@@ -281,8 +302,12 @@ class CostModel:
     def _capacity(self, sync: str, kv_block_tokens: int) -> int:
         if self.capacity_override is not None:
             return int(self.capacity_override)
-        free = (self.memory_budget - self.static_bytes(sync) - self.loss_buffer_bytes
-                - self.kv_buffer_bytes(kv_block_tokens))
+        free = (
+            self.memory_budget
+            - self.static_bytes(sync)
+            - self.loss_buffer_bytes
+            - self.kv_buffer_bytes(kv_block_tokens)
+        )
         if free <= 0:
             return 0
         return int(free // (self.ckpt_bytes_per_token + self.working_bytes_per_token)) // 128 * 128
@@ -291,10 +316,16 @@ class CostModel:
         """Most tokens a rank holds in one wave with all checkpointed activations in host memory."""
         if self.ckpt_bytes_per_token == 0:
             return self.capacity(sync, kv_block_tokens)
-        offloaded = int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token) // 128 * 128
+        offloaded = (
+            int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token)
+            // 128
+            * 128
+        )
         return max(offloaded, self.capacity(sync, kv_block_tokens))
 
-    def offload_needed(self, tokens: np.ndarray, sync: str, kv_block_tokens: int = 8192) -> np.ndarray:
+    def offload_needed(
+        self, tokens: np.ndarray, sync: str, kv_block_tokens: int = 8192
+    ) -> np.ndarray:
         """Smallest offload fraction that lets a rank hold ``tokens`` tokens (0 up to the capacity;
         above 1 means impossible)."""
         t = np.asarray(tokens, dtype=np.float64)
@@ -303,12 +334,20 @@ class CostModel:
             return np.where(t <= cap, 0.0, np.inf)
         # tokens * (ckpt * (1 - f) + work) <= activation budget
         per = self.ckpt_bytes_per_token + self.working_bytes_per_token
-        f = (t * per - self.activation_budget(sync, kv_block_tokens)) / np.maximum(t * self.ckpt_bytes_per_token, 1.0)
+        f = (t * per - self.activation_budget(sync, kv_block_tokens)) / np.maximum(
+            t * self.ckpt_bytes_per_token, 1.0
+        )
         return np.where(t <= cap, 0.0, f)
 
     def offload_time(self, tokens: np.ndarray, fraction: np.ndarray) -> np.ndarray:
         """Host-copy time of offloading ``fraction`` of the checkpointed activations (out and back)."""
-        return 2.0 * np.asarray(fraction) * np.asarray(tokens, dtype=np.float64) * self.ckpt_bytes_per_token / self.cluster.gpu.pcie_bw
+        return (
+            2.0
+            * np.asarray(fraction)
+            * np.asarray(tokens, dtype=np.float64)
+            * self.ckpt_bytes_per_token
+            / self.cluster.gpu.pcie_bw
+        )
 
     # ------------------------------------------------------------------ parameter traffic
     def _collective_bw(self) -> float:
@@ -320,7 +359,9 @@ class CostModel:
         n = self.cluster.num_ranks
         if n == 1:
             return 0.0
-        return self.model.total_params * self.model.dtype_bytes * (n - 1) / n / self._collective_bw()
+        return (
+            self.model.total_params * self.model.dtype_bytes * (n - 1) / n / self._collective_bw()
+        )
 
     def reduce_scatter_time(self) -> float:
         """Reduce-scatter of the full fp32 gradients over all ranks, seconds."""
@@ -378,7 +419,9 @@ class CostModel:
         in_inter = recv - in_intra
         # Pieces received: other holders' shards starting before E.
         akey = (s_seq << _POS_BITS) + s_start
-        n_before = np.searchsorted(akey, (ps << _POS_BITS) + pE, side="left") - np.searchsorted(akey, ps << _POS_BITS, side="left")
+        n_before = np.searchsorted(akey, (ps << _POS_BITS) + pE, side="left") - np.searchsorted(
+            akey, ps << _POS_BITS, side="left"
+        )
         in_pieces = n_before - own_shards[multi_pair]
         max_in = np.minimum(recv, plan.kv_block_tokens)
         # Sent: each shard [a, b) goes to every other holder c of its sequence, truncated at E_c.
@@ -431,14 +474,24 @@ class CostModel:
         blocks = blocks_all[cells]
 
         def link_time(i_intra, i_inter, o_intra, o_inter):
-            return np.maximum(np.maximum(i_intra / g.nvlink_bw, i_inter / g.nic_bw),
-                              np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw))
+            return np.maximum(
+                np.maximum(i_intra / g.nvlink_bw, i_inter / g.nic_bw),
+                np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw),
+            )
 
         lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
         t_fwd[cells] = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
         # Backward: KV in again and dK/dV of the owners' blocks in; KV out again and dK/dV out.
-        t_bwd[cells] = kvb * link_time(in_intra + dkv * out_intra, in_inter + dkv * out_inter,
-                                       out_intra + dkv * in_intra, out_inter + dkv * in_inter) + 2 * blocks * lat
+        t_bwd[cells] = (
+            kvb
+            * link_time(
+                in_intra + dkv * out_intra,
+                in_inter + dkv * out_inter,
+                out_intra + dkv * in_intra,
+                out_inter + dkv * in_inter,
+            )
+            + 2 * blocks * lat
+        )
         return t_fwd, t_bwd
 
     # ------------------------------------------------------------------ evaluation
@@ -446,7 +499,9 @@ class CostModel:
         """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` seconds."""
         W, N = plan.num_waves, plan.num_ranks
         cell = plan.wave * N + plan.rank
-        attn = np.bincount(cell, weights=self.attn_time(plan.start, plan.end), minlength=W * N).reshape(W, N)
+        attn = np.bincount(
+            cell, weights=self.attn_time(plan.start, plan.end), minlength=W * N
+        ).reshape(W, N)
         tokens = plan.tokens_per_cell()
         compute = self.model.layers * attn.astype(np.float64)
         busy = np.nonzero(tokens > 0)  # most cells of a large peer plan are empty
@@ -462,8 +517,10 @@ class CostModel:
         traffic = self.kv_traffic(plan, labels)
         t_fwd, t_bwd = self.comm_time_per_layer(traffic)
         fwd_share = self.attn_fwd_share
-        exposed_kv = m.layers * (np.maximum(0.0, t_fwd - fwd_share * attn_layer)
-                                 + np.maximum(0.0, t_bwd - (1.0 - fwd_share) * attn_layer))
+        exposed_kv = m.layers * (
+            np.maximum(0.0, t_fwd - fwd_share * attn_layer)
+            + np.maximum(0.0, t_bwd - (1.0 - fwd_share) * attn_layer)
+        )
         exposed_off = np.maximum(0.0, self.offload_time(tokens, plan.offload) - compute)
         busy = compute + exposed_kv + exposed_off
         busy_no_comm = compute + exposed_off
@@ -476,7 +533,9 @@ class CostModel:
         kvb = m.kv_bytes_per_token
         dkv = 4.0 / m.dtype_bytes
         sent = traffic.sent.sum()
-        comm_bytes = float(sent * kvb * m.layers * (2.0 + dkv))  # KV forward, KV again + dK/dV backward
+        comm_bytes = float(
+            sent * kvb * m.layers * (2.0 + dkv)
+        )  # KV forward, KV again + dK/dV backward
         n = self.cluster.num_ranks
         per_gather = m.total_params * m.dtype_bytes * (n - 1) if n > 1 else 0.0
         per_scatter = m.total_params * 4.0 * (n - 1) if n > 1 else 0.0
@@ -506,13 +565,17 @@ class CostModel:
             plan_time_s=plan_time_s,
         )
 
-    def _step_time(self, plan: Plan, busy: np.ndarray, labels: np.ndarray, with_collectives: bool) -> tuple[float, np.ndarray]:
+    def _step_time(
+        self, plan: Plan, busy: np.ndarray, labels: np.ndarray, with_collectives: bool
+    ) -> tuple[float, np.ndarray]:
         """Step time and the start time of every cell, given each cell's busy time."""
         W, N = busy.shape
         L = self.model.layers
         start = np.zeros((W, N))
         if plan.sync == "wave":
-            coll = 2 * self.allgather_time() + self.reduce_scatter_time() if with_collectives else 0.0
+            coll = (
+                2 * self.allgather_time() + self.reduce_scatter_time() if with_collectives else 0.0
+            )
             t = 0.0
             for w in range(W):
                 start[w] = t
@@ -589,7 +652,9 @@ def _lookup_group(sorted_keys: np.ndarray, seq: np.ndarray, sub: np.ndarray) -> 
 def _tokens_before(gkey, g_gid, g_start, g_end, cum, query_gid, query_pos) -> np.ndarray:
     """Tokens held by group ``query_gid`` before position ``query_pos`` (groups of disjoint shards)."""
     first = np.searchsorted(gkey, query_gid << _POS_BITS, side="left")
-    k = np.searchsorted(gkey, (query_gid << _POS_BITS) + query_pos, side="left")  # shards starting < pos
+    k = np.searchsorted(
+        gkey, (query_gid << _POS_BITS) + query_pos, side="left"
+    )  # shards starting < pos
     full = cum[np.maximum(k - 1, first)] - cum[first]  # shards first .. k-2 entirely before
     last = np.maximum(k - 1, 0)
     part = np.where(k > first, np.minimum(g_end[last], query_pos) - g_start[last], 0)
@@ -609,4 +674,3 @@ def _truncated_sum(c_group, c_E, s_group, s_start, s_end) -> tuple[np.ndarray, n
     partial = (cumE[mid] - cumE[lo]) - (mid - lo) * a
     full = (hi - mid) * (b - a)
     return partial + full, (hi - lo).astype(np.float64)
-

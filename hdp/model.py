@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
@@ -48,7 +50,7 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) ->
     inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     ang = position_ids.to(torch.float32)[:, None] * inv[None, :]
     cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
@@ -62,7 +64,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(spec.heads * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
         from attention import dist_attn
 
         T = x.shape[0]
@@ -96,7 +100,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(spec.hidden)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), position_ids, ctx)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -111,7 +117,9 @@ class Llama(nn.Module):
     (``CostModel.loss_chunk_tokens``).
     """
 
-    def __init__(self, spec: ModelSpec, activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096) -> None:
+    def __init__(
+        self, spec: ModelSpec, activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
@@ -129,16 +137,27 @@ class Llama(nn.Module):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        ctx: AttentionContext,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = self.embed(input_ids)
         # Selective offload: the first ``offload`` share of the layers keep what backward needs
         # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
         offloaded = round(ctx.offload * len(self.layers))
         for i, layer in enumerate(self.layers):
-            with torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda) if i < offloaded else nullcontext():
+            with (
+                torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+                if i < offloaded
+                else nullcontext()
+            ):
                 if self.activation_checkpointing and self.training:
-                    x = torch.utils.checkpoint.checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
+                    x = torch.utils.checkpoint.checkpoint(
+                        layer, x, position_ids, ctx, use_reentrant=False
+                    )
                 else:
                     x = layer(x, position_ids, ctx)
         h = self.norm(x)
@@ -149,7 +168,9 @@ class Llama(nn.Module):
         total = None
         for a in range(0, h.shape[0], self.loss_chunk_tokens):
             b = a + self.loss_chunk_tokens
-            part = torch.utils.checkpoint.checkpoint(self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False)
+            part = torch.utils.checkpoint.checkpoint(
+                self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False
+            )
             total = part if total is None else total + part
         return total
 

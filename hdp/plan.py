@@ -22,10 +22,11 @@ of shards (a static mesh at 2M context) validate and evaluate quickly.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class KVTransfer:
 
     src: int
     dst: int
-    pieces: tuple["Shard", ...]
+    pieces: tuple[Shard, ...]
 
     @property
     def tokens(self) -> int:
@@ -127,7 +128,9 @@ class Plan:
         if offload is None:
             self.offload = np.zeros((self.num_waves, self.num_ranks))
         else:
-            self.offload = np.asarray(offload, dtype=np.float64).reshape(self.num_waves, self.num_ranks)
+            self.offload = np.asarray(offload, dtype=np.float64).reshape(
+                self.num_waves, self.num_ranks
+            )
         self.barriers = tuple(sorted(int(b) for b in barriers))
         self.kv_block_tokens = int(kv_block_tokens)
         self.predicted: dict[str, float] = dict(predicted or {})
@@ -136,7 +139,7 @@ class Plan:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_arrays(cls, seq_lens, num_ranks, rank, wave, seq, start, end, **kw) -> "Plan":
+    def from_arrays(cls, seq_lens, num_ranks, rank, wave, seq, start, end, **kw) -> Plan:
         return cls(seq_lens, num_ranks, rank, wave, seq, start, end, **kw)
 
     @classmethod
@@ -146,16 +149,20 @@ class Plan:
         num_ranks: int,
         waves: Sequence[Sequence[Sequence[Shard | Sequence[int]]]],
         **kw: Any,
-    ) -> "Plan":
+    ) -> Plan:
         """``waves[w][r]`` is rank ``r``'s ordered list of shards in wave ``w``."""
         cols: list[list[int]] = [[], [], [], [], []]
         for w, per_rank in enumerate(waves):
             if len(per_rank) != num_ranks:
-                raise PlanError(f"wave {w} lists {len(per_rank)} ranks, expected num_ranks = {num_ranks}")
+                raise PlanError(
+                    f"wave {w} lists {len(per_rank)} ranks, expected num_ranks = {num_ranks}"
+                )
             for r, shards in enumerate(per_rank):
                 for sh in shards:
                     if len(sh) != 3:
-                        raise PlanError(f"wave {w}, rank {r}: shard {sh!r} is not [seq, start, end]")
+                        raise PlanError(
+                            f"wave {w}, rank {r}: shard {sh!r} is not [seq, start, end]"
+                        )
                     s, a, b = sh
                     for c, v in zip(cols, (r, w, s, a, b)):
                         c.append(int(v))
@@ -163,7 +170,7 @@ class Plan:
         return cls(seq_lens, num_ranks, *(np.asarray(c, dtype=np.int64) for c in cols), **kw)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any] | str) -> "Plan":
+    def from_json(cls, d: dict[str, Any] | str) -> Plan:
         """Read the PLAN.json form (a dict, or its text). ``predicted`` is optional."""
         if isinstance(d, str):
             d = json.loads(d)
@@ -173,9 +180,13 @@ class Plan:
             if key not in d:
                 raise PlanError(f"PLAN.json lacks the required key {key!r}")
         if not isinstance(d["waves"], list) or not all(isinstance(w, list) for w in d["waves"]):
-            raise PlanError("PLAN.json 'waves' must be a list (waves) of lists (ranks) of [seq, start, end] lists")
+            raise PlanError(
+                "PLAN.json 'waves' must be a list (waves) of lists (ranks) of [seq, start, end] lists"
+            )
         lens = d["seq_lens"]
-        if not isinstance(lens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in lens):
+        if not isinstance(lens, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in lens
+        ):
             raise PlanError("PLAN.json 'seq_lens' must be a list of integers")
         num_waves = len(d["waves"])
         offload = d.get("offload")
@@ -190,12 +201,14 @@ class Plan:
         if offload is not None:
             off = np.asarray(offload, dtype=np.float64)
             if off.shape != (num_waves, int(d["num_ranks"])):
-                raise PlanError(f"PLAN.json 'offload' must be [num_waves][num_ranks], got shape {off.shape}")
+                raise PlanError(
+                    f"PLAN.json 'offload' must be [num_waves][num_ranks], got shape {off.shape}"
+                )
             kw["offload"] = off
         return cls.from_shards(d["seq_lens"], int(d["num_ranks"]), d["waves"], **kw)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         path = Path(path)
         try:
             text = path.read_text()
@@ -204,15 +217,21 @@ class Plan:
         try:
             return cls.from_json(json.loads(text))
         except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+            raise PlanError(
+                f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
+            ) from None
         except PlanError as e:
             raise PlanError(f"{path}: {e}") from None
 
     # ------------------------------------------------------------------ export
     def to_json(self) -> dict[str, Any]:
         """The PLAN.json form: ``waves[w][r]`` = list of ``[seq, start, end]``."""
-        waves: list[list[list[list[int]]]] = [[[] for _ in range(self.num_ranks)] for _ in range(self.num_waves)]
-        for r, w, s, a, b in zip(*(x.tolist() for x in (self.rank, self.wave, self.seq, self.start, self.end))):
+        waves: list[list[list[list[int]]]] = [
+            [[] for _ in range(self.num_ranks)] for _ in range(self.num_waves)
+        ]
+        for r, w, s, a, b in zip(
+            *(x.tolist() for x in (self.rank, self.wave, self.seq, self.start, self.end))
+        ):
             waves[w][r].append([s, a, b])
         out: dict[str, Any] = {
             "num_ranks": self.num_ranks,
@@ -255,14 +274,21 @@ class Plan:
     def shards(self, rank: int, wave: int) -> list[Shard]:
         """Rank ``rank``'s shards in wave ``wave``, in local order."""
         if not (0 <= rank < self.num_ranks and 0 <= wave < self.num_waves):
-            raise IndexError(f"no cell (rank {rank}, wave {wave}) in a plan of {self.num_ranks} ranks x {self.num_waves} waves")
+            raise IndexError(
+                f"no cell (rank {rank}, wave {wave}) in a plan of {self.num_ranks} ranks x {self.num_waves} waves"
+            )
         sl = self.shard_slice(rank, wave)
-        return [Shard(int(s), int(a), int(b)) for s, a, b in zip(self.seq[sl], self.start[sl], self.end[sl])]
+        return [
+            Shard(int(s), int(a), int(b))
+            for s, a, b in zip(self.seq[sl], self.start[sl], self.end[sl])
+        ]
 
     def tokens_per_cell(self) -> np.ndarray:
         """``[num_waves, num_ranks]`` tokens each rank holds in each wave."""
         cell = self.wave * self.num_ranks + self.rank
-        counts = np.bincount(cell, weights=self.end - self.start, minlength=self.num_waves * self.num_ranks)
+        counts = np.bincount(
+            cell, weights=self.end - self.start, minlength=self.num_waves * self.num_ranks
+        )
         return counts.reshape(self.num_waves, self.num_ranks).astype(np.int64)
 
     def waves_of_rank(self) -> np.ndarray:
@@ -294,20 +320,26 @@ class Plan:
             problems.append(f"seq_lens[{i}] = {int(self.seq_lens[i])} is negative")
         bad = (self.rank < 0) | (self.rank >= self.num_ranks)
         if bad.any():
-            problems.append(f"shard {self._describe(int(np.argmax(bad)))} names rank outside [0, {self.num_ranks})")
+            problems.append(
+                f"shard {self._describe(int(np.argmax(bad)))} names rank outside [0, {self.num_ranks})"
+            )
         bad = self.wave < 0
         if bad.any():
             problems.append(f"shard {self._describe(int(np.argmax(bad)))} has a negative wave")
         bad = (self.seq < 0) | (self.seq >= n)
         if bad.any():
-            problems.append(f"shard {self._describe(int(np.argmax(bad)))} names a sequence outside [0, {n})")
+            problems.append(
+                f"shard {self._describe(int(np.argmax(bad)))} names a sequence outside [0, {n})"
+            )
         if problems:
             raise PlanError("invalid plan: " + "; ".join(problems))
         lens = self.seq_lens[self.seq]
         bad = (self.start < 0) | (self.end <= self.start) | (self.end > lens)
         if bad.any():
             i = int(np.argmax(bad))
-            problems.append(f"shard {self._describe(i)} is not a non-empty range inside [0, {int(lens[i])})")
+            problems.append(
+                f"shard {self._describe(i)} is not a non-empty range inside [0, {int(lens[i])})"
+            )
         # Coverage: sorted by (seq, start), shards of a sequence must tile [0, len) exactly.
         order = np.lexsort((self.start, self.seq))
         s, a, b, w = self.seq[order], self.start[order], self.end[order], self.wave[order]
@@ -325,11 +357,15 @@ class Plan:
         if gap.any():
             i = int(np.argmax(gap))
             kind = "overlap" if a[i] < b[i - 1] else "leave a gap"
-            problems.append(f"sequence {int(s[i])}: shards ending at {int(b[i - 1])} and starting at {int(a[i])} {kind}")
+            problems.append(
+                f"sequence {int(s[i])}: shards ending at {int(b[i - 1])} and starting at {int(a[i])} {kind}"
+            )
         bad = last & (b != self.seq_lens[s])
         if bad.any():
             i = int(np.argmax(bad))
-            problems.append(f"sequence {int(s[i])}: tokens [{int(b[i])}, {int(self.seq_lens[s[i]])}) are in no shard")
+            problems.append(
+                f"sequence {int(s[i])}: tokens [{int(b[i])}, {int(self.seq_lens[s[i]])}) are in no shard"
+            )
         covered = np.zeros(n, dtype=bool)
         covered[s] = True
         missing = (~covered) & (self.seq_lens > 0)
@@ -340,7 +376,9 @@ class Plan:
         split[1:] = cont[1:] & (w[1:] != w[:-1])
         if split.any():
             i = int(np.argmax(split))
-            problems.append(f"sequence {int(s[i])} has shards in waves {int(w[i - 1])} and {int(w[i])}: all must share one wave")
+            problems.append(
+                f"sequence {int(s[i])} has shards in waves {int(w[i - 1])} and {int(w[i])}: all must share one wave"
+            )
         if ((self.offload < 0) | (self.offload > 1)).any():
             problems.append("offload fractions must lie in [0, 1]")
         if any(not 0 <= b_ < self.num_waves for b_ in self.barriers):
@@ -353,9 +391,15 @@ class Plan:
             over = tok > cap
             if over.any():
                 wv, rk = (int(x[0]) for x in np.nonzero(over))
-                problems.append(f"rank {rk} holds {int(tok[wv, rk])} tokens in wave {wv}, above its capacity {int(cap[wv, rk])}")
+                problems.append(
+                    f"rank {rk} holds {int(tok[wv, rk])} tokens in wave {wv}, above its capacity {int(cap[wv, rk])}"
+                )
         if problems:
-            raise PlanError("invalid plan: " + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+            raise PlanError(
+                "invalid plan: "
+                + "; ".join(problems[:5])
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            )
 
     def _describe(self, i: int) -> str:
         return f"[{int(self.seq[i])}, {int(self.start[i])}, {int(self.end[i])}] (rank {int(self.rank[i])}, wave {int(self.wave[i])})"
@@ -368,8 +412,13 @@ class Plan:
         it holds of it; each part of another rank's shard in that range is a piece. Pieces are in
         (sequence, start) order; pairs in (src, dst) order. Deterministic for a given plan.
         """
-        sl = slice(int(self._cell_bounds[wave * self.num_ranks]), int(self._cell_bounds[(wave + 1) * self.num_ranks]))
-        rank, seq, start, end = (x.tolist() for x in (self.rank[sl], self.seq[sl], self.start[sl], self.end[sl]))
+        sl = slice(
+            int(self._cell_bounds[wave * self.num_ranks]),
+            int(self._cell_bounds[(wave + 1) * self.num_ranks]),
+        )
+        rank, seq, start, end = (
+            x.tolist() for x in (self.rank[sl], self.seq[sl], self.start[sl], self.end[sl])
+        )
         need_end: dict[tuple[int, int], int] = {}
         holders: dict[int, list[int]] = {}
         for r, s, b in zip(rank, seq, end):
@@ -429,8 +478,10 @@ class Plan:
         return sent
 
     def __repr__(self) -> str:
-        return (f"Plan(strategy={self.strategy!r}, sequences={self.seq_lens.size}, tokens={int(self.seq_lens.sum())}, "
-                f"ranks={self.num_ranks}, waves={self.num_waves}, shards={self.num_shards}, sync={self.sync!r})")
+        return (
+            f"Plan(strategy={self.strategy!r}, sequences={self.seq_lens.size}, tokens={int(self.seq_lens.sum())}, "
+            f"ranks={self.num_ranks}, waves={self.num_waves}, shards={self.num_shards}, sync={self.sync!r})"
+        )
 
 
 def edge_colour_rounds(transfers: Sequence[KVTransfer]) -> list[list[KVTransfer]]:

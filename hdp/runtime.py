@@ -44,7 +44,11 @@ def shard_model(model: Llama, sync: str, mixed_precision: bool = False) -> Llama
     """Apply FSDP2 ``fully_shard`` to every layer and the root, over the default process group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else None
+    )
     kw = {"reshard_after_forward": sync == "wave"}
     if mp is not None:
         kw["mp_policy"] = mp
@@ -58,7 +62,9 @@ def _is_fsdp(model) -> bool:
     return hasattr(model, "set_requires_gradient_sync")
 
 
-def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None = None) -> StepResult:
+def run_waves(
+    model: Llama, step, group=None, autocast_dtype: torch.dtype | None = None
+) -> StepResult:
     """Forward and backward of every wave this rank runs in ``step`` (a dataloader ``StepData``).
     Gradients accumulate in the parameters' ``.grad``; the caller steps the optimizer."""
     plan = step.plan
@@ -67,7 +73,11 @@ def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None
     barriers = set(plan.barriers)
     fsdp = _is_fsdp(model)
     peer = plan.sync == "peer"
-    mine = [w for w, wd in enumerate(step.waves) if wd.input_ids.numel() > 0] if peer else list(range(plan.num_waves))
+    mine = (
+        [w for w, wd in enumerate(step.waves) if wd.input_ids.numel() > 0]
+        if peer
+        else list(range(plan.num_waves))
+    )
     # FSDP averages gradients over ranks; the losses are already normalised by the global token
     # count, so scale by the world size to make the reduced gradient the sum (gloo has no
     # pre-multiplied sum to switch the averaging off).
@@ -101,8 +111,10 @@ def run_waves(model: Llama, step, group=None, autocast_dtype: torch.dtype | None
         wd = step.waves[w]
         t0 = time.perf_counter()
         rank = dist.get_rank(group) if distributed else 0
-        forward_backward(*(t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
-                         AttentionContext(plan, w, group, float(plan.offload[w, rank])))
+        forward_backward(
+            *(t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
+            AttentionContext(plan, w, group, float(plan.offload[w, rank])),
+        )
         t_busy += time.perf_counter() - t0
     if fsdp and peer:
         # Every rank reduces its gradients in one token-less pass, at the same point of the step.

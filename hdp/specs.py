@@ -74,7 +74,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
-            raise ValueError(f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
 
     @property
     def params_per_layer(self) -> int:
@@ -104,13 +106,68 @@ class ModelSpec:
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
-        ModelSpec("tiny", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=176, vocab=512, dtype_bytes=4),
-        ModelSpec("llama-1b", layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256,
-                  tied_embeddings=True),
-        ModelSpec("llama-7b", layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000),
-        ModelSpec("llama-13b", layers=40, hidden=5120, heads=40, kv_heads=40, head_dim=128, ffn=13824, vocab=32000),
-        ModelSpec("llama-30b", layers=60, hidden=6656, heads=52, kv_heads=52, head_dim=128, ffn=17920, vocab=32000),
-        ModelSpec("llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=32000),
+        ModelSpec(
+            "tiny",
+            layers=2,
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            ffn=176,
+            vocab=512,
+            dtype_bytes=4,
+        ),
+        ModelSpec(
+            "llama-1b",
+            layers=16,
+            hidden=2048,
+            heads=32,
+            kv_heads=8,
+            head_dim=64,
+            ffn=8192,
+            vocab=128256,
+            tied_embeddings=True,
+        ),
+        ModelSpec(
+            "llama-7b",
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=32,
+            head_dim=128,
+            ffn=11008,
+            vocab=32000,
+        ),
+        ModelSpec(
+            "llama-13b",
+            layers=40,
+            hidden=5120,
+            heads=40,
+            kv_heads=40,
+            head_dim=128,
+            ffn=13824,
+            vocab=32000,
+        ),
+        ModelSpec(
+            "llama-30b",
+            layers=60,
+            hidden=6656,
+            heads=52,
+            kv_heads=52,
+            head_dim=128,
+            ffn=17920,
+            vocab=32000,
+        ),
+        ModelSpec(
+            "llama-70b",
+            layers=80,
+            hidden=8192,
+            heads=64,
+            kv_heads=8,
+            head_dim=128,
+            ffn=28672,
+            vocab=32000,
+        ),
     ]
 }
 
@@ -156,7 +213,9 @@ class GPUProfile:
     usable_memory_fraction: float = 0.92
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
-    attn_curve: tuple[tuple[float, ...], tuple[float, ...]] = field(default_factory=_load_attention_curve)
+    attn_curve: tuple[tuple[float, ...], tuple[float, ...]] = field(
+        default_factory=_load_attention_curve
+    )
 
     @cached_property
     def _log_curve(self) -> tuple[np.ndarray, np.ndarray]:
@@ -181,18 +240,63 @@ class GPUProfile:
 GPU_PRESETS: dict[str, GPUProfile] = {
     g.name: g
     for g in [
-        GPUProfile("h100", peak_flops=989e12, memory_bytes=80e9, nvlink_bw=360e9, nic_bw=45e9,
-                   nvlink_latency=5e-6, nic_latency=12e-6, pcie_bw=40e9),
-        GPUProfile("h200", peak_flops=989e12, memory_bytes=141e9, nvlink_bw=360e9, nic_bw=45e9,
-                   nvlink_latency=5e-6, nic_latency=12e-6, pcie_bw=40e9),
-        GPUProfile("a100-80g", peak_flops=312e12, memory_bytes=80e9, nvlink_bw=240e9, nic_bw=22.5e9,
-                   nvlink_latency=6e-6, nic_latency=15e-6, pcie_bw=20e9, attn_max_efficiency=0.55),
-        GPUProfile("a100-40g", peak_flops=312e12, memory_bytes=40e9, nvlink_bw=240e9, nic_bw=22.5e9,
-                   nvlink_latency=6e-6, nic_latency=15e-6, pcie_bw=20e9, attn_max_efficiency=0.55),
+        GPUProfile(
+            "h100",
+            peak_flops=989e12,
+            memory_bytes=80e9,
+            nvlink_bw=360e9,
+            nic_bw=45e9,
+            nvlink_latency=5e-6,
+            nic_latency=12e-6,
+            pcie_bw=40e9,
+        ),
+        GPUProfile(
+            "h200",
+            peak_flops=989e12,
+            memory_bytes=141e9,
+            nvlink_bw=360e9,
+            nic_bw=45e9,
+            nvlink_latency=5e-6,
+            nic_latency=12e-6,
+            pcie_bw=40e9,
+        ),
+        GPUProfile(
+            "a100-80g",
+            peak_flops=312e12,
+            memory_bytes=80e9,
+            nvlink_bw=240e9,
+            nic_bw=22.5e9,
+            nvlink_latency=6e-6,
+            nic_latency=15e-6,
+            pcie_bw=20e9,
+            attn_max_efficiency=0.55,
+        ),
+        GPUProfile(
+            "a100-40g",
+            peak_flops=312e12,
+            memory_bytes=40e9,
+            nvlink_bw=240e9,
+            nic_bw=22.5e9,
+            nvlink_latency=6e-6,
+            nic_latency=15e-6,
+            pcie_bw=20e9,
+            attn_max_efficiency=0.55,
+        ),
         # A CPU "device" for the gloo tests: modest, and memory large enough for the tiny model.
-        GPUProfile("cpu", peak_flops=2e11, memory_bytes=16e9, nvlink_bw=5e9, nic_bw=1e9,
-                   nvlink_latency=20e-6, nic_latency=50e-6, pcie_bw=1e12, attn_max_efficiency=0.5,
-                   linear_max_efficiency=0.5, reserved_bytes=0.5e9, layer_overhead_s=20e-6),
+        GPUProfile(
+            "cpu",
+            peak_flops=2e11,
+            memory_bytes=16e9,
+            nvlink_bw=5e9,
+            nic_bw=1e9,
+            nvlink_latency=20e-6,
+            nic_latency=50e-6,
+            pcie_bw=1e12,
+            attn_max_efficiency=0.5,
+            linear_max_efficiency=0.5,
+            reserved_bytes=0.5e9,
+            layer_overhead_s=20e-6,
+        ),
     ]
 }
 
@@ -216,7 +320,7 @@ class ClusterSpec:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
 
     @classmethod
-    def preset(cls, gpu: str, num_ranks: int, ranks_per_node: int = 8) -> "ClusterSpec":
+    def preset(cls, gpu: str, num_ranks: int, ranks_per_node: int = 8) -> ClusterSpec:
         return cls(num_ranks=num_ranks, ranks_per_node=ranks_per_node, gpu=gpu_preset(gpu))
 
     @property
@@ -224,9 +328,13 @@ class ClusterSpec:
         return math.ceil(self.num_ranks / self.ranks_per_node)
 
     def node_of(self, rank: np.ndarray | int) -> np.ndarray | int:
-        return np.asarray(rank) // self.ranks_per_node if isinstance(rank, np.ndarray) else rank // self.ranks_per_node
+        return (
+            np.asarray(rank) // self.ranks_per_node
+            if isinstance(rank, np.ndarray)
+            else rank // self.ranks_per_node
+        )
 
-    def with_ranks(self, num_ranks: int) -> "ClusterSpec":
+    def with_ranks(self, num_ranks: int) -> ClusterSpec:
         return replace(self, num_ranks=num_ranks)
 
 
@@ -234,7 +342,9 @@ def _lookup(kind: str, name: str, table: dict):
     try:
         return table[name]
     except KeyError:
-        raise ValueError(f"unknown {kind} {name!r}: choose one of {', '.join(sorted(table))}") from None
+        raise ValueError(
+            f"unknown {kind} {name!r}: choose one of {', '.join(sorted(table))}"
+        ) from None
 
 
 def model_preset(name: str) -> ModelSpec:

@@ -16,7 +16,7 @@ import gzip
 import json
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -59,8 +59,12 @@ class Workload:
         _, _, mean, prob = self._buckets()
         return float((prob * mean).sum())
 
-    def sample_batch(self, rng: np.random.Generator, tokens_per_step: int | None = None,
-                     max_seq: int | None = None) -> np.ndarray:
+    def sample_batch(
+        self,
+        rng: np.random.Generator,
+        tokens_per_step: int | None = None,
+        max_seq: int | None = None,
+    ) -> np.ndarray:
         """One global batch: lengths summing to exactly ``tokens_per_step``, none above ``max_seq``."""
         budget = int(tokens_per_step or self.tokens_per_step)
         cap = int(max_seq or self.max_seq)
@@ -97,7 +101,7 @@ def split_long(lengths: np.ndarray, max_seq: int) -> np.ndarray:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _workload_table() -> dict:
     with resources.files("hdp").joinpath("data/workloads.json").open() as f:
         return json.load(f)
@@ -107,19 +111,28 @@ def workload_names() -> list[str]:
     return sorted(k for k in _workload_table() if not k.startswith("_"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_workload(name: str) -> Workload:
     """A standard workload by name; ``ValueError`` listing the names otherwise."""
     table = _workload_table()
     if name.startswith("_") or name not in table:
-        raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(workload_names())}, or pass --lengths FILE")
+        raise ValueError(
+            f"unknown workload {name!r}: choose one of {', '.join(workload_names())}, or pass --lengths FILE"
+        )
     entry = table[name]
     lengths = None
     if "file" in entry:
         with resources.as_file(resources.files("hdp").joinpath("data", entry["file"])) as path:
             lengths = read_lengths(path)
     buckets = tuple(tuple(b) for b in entry["buckets"]) if "buckets" in entry else None
-    return Workload(name, int(entry["max_seq"]), int(entry["tokens_per_step"]), buckets, lengths, entry.get("source", ""))
+    return Workload(
+        name,
+        int(entry["max_seq"]),
+        int(entry["tokens_per_step"]),
+        buckets,
+        lengths,
+        entry.get("source", ""),
+    )
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
@@ -150,13 +163,17 @@ def read_lengths(path: str | Path) -> np.ndarray:
             try:
                 v = int(s)
             except ValueError:
-                raise ValueError(f"{path}, line {i}: {line.strip()!r} is not an integer sequence length") from None
+                raise ValueError(
+                    f"{path}, line {i}: {line.strip()!r} is not an integer sequence length"
+                ) from None
             out.append(v)
         values = np.array(out, dtype=np.int64)
     if (values < 0).any():
         first = int(np.argmax(values < 0))
         line_no = _line_of_value_index(lines, first)
-        raise ValueError(f"{path}, line {line_no}: sequence length {int(values[first])} is negative")
+        raise ValueError(
+            f"{path}, line {line_no}: sequence length {int(values[first])} is negative"
+        )
     if values.size == 0 or values.sum() == 0:
         raise ValueError(f"{path}: holds no sequence of positive length")
     return values
@@ -172,9 +189,13 @@ def _line_of_value_index(lines: list[str], index: int) -> int:
     return len(lines)
 
 
-def file_workload(path: str | Path, max_seq: int | None = None, tokens_per_step: int | None = None) -> Workload:
+def file_workload(
+    path: str | Path, max_seq: int | None = None, tokens_per_step: int | None = None
+) -> Workload:
     """A workload drawing from the lengths in ``path`` (zeros dropped)."""
     lengths = read_lengths(path)
     lengths = lengths[lengths > 0]
     cap = int(max_seq) if max_seq else int(2 ** math.ceil(math.log2(max(int(lengths.max()), 2))))
-    return Workload(Path(path).name, cap, int(tokens_per_step or 32 << 20), None, lengths, str(path))
+    return Workload(
+        Path(path).name, cap, int(tokens_per_step or 32 << 20), None, lengths, str(path)
+    )

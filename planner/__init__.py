@@ -23,7 +23,8 @@ parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,9 @@ STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
 OFFLOADING = frozenset({"bytescale", "hdp"})
 
 
-def choose_sync(cost: CostModel, native: str, longest: int, requested: str | None = None,
-                offload: bool = False) -> tuple[str, int]:
+def choose_sync(
+    cost: CostModel, native: str, longest: int, requested: str | None = None, offload: bool = False
+) -> tuple[str, int]:
     """(sync mode, capacity): ``requested`` if given, else ``native`` where its memory holds the
     longest sequence on the cluster (with activation offload where ``offload``), else ``wave``
     (parameters sharded). Raises PlanningError with what to change when neither holds it."""
@@ -63,11 +65,17 @@ def choose_sync(cost: CostModel, native: str, longest: int, requested: str | Non
     if room <= 0:
         raise PlanningError(
             f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: parameters, gradients and "
-            f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model")
-    held = "tokens per rank per wave with activation offload" if offload else "tokens per rank per wave"
+            f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model"
+        )
+    held = (
+        "tokens per rank per wave with activation offload"
+        if offload
+        else "tokens per rank per wave"
+    )
     raise PlanningError(
         f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {room} {held} "
-        f"= {n * room} tokens; use at least {-(-longest // room)} GPUs or a smaller --max-seq")
+        f"= {n * room} tokens; use at least {-(-longest // room)} GPUs or a smaller --max-seq"
+    )
 
 
 def plan_step(
@@ -95,12 +103,17 @@ def plan_and_evaluate(
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     if lens.size == 0:
-        raise PlanningError("the batch is empty: there are no sequences to plan (check the dataloader's token budget)")
+        raise PlanningError(
+            "the batch is empty: there are no sequences to plan (check the dataloader's token budget)"
+        )
     if (lens < 0).any():
         raise ValueError(f"sequence {int(np.argmax(lens < 0))} has a negative length")
     cost = opts.pop("cost", None) or CostModel(
-        model, cluster, activation_checkpointing=opts.pop("activation_checkpointing", True),
-        capacity_override=opts.pop("capacity", None))
+        model,
+        cluster,
+        activation_checkpointing=opts.pop("activation_checkpointing", True),
+        capacity_override=opts.pop("capacity", None),
+    )
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
     form = opts.pop("form", "free")
@@ -108,7 +121,10 @@ def plan_and_evaluate(
     offload = strategy in OFFLOADING and form != "megatron"
     sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None), offload=offload)
     ctx = Context(
-        seq_lens=lens, cost=cost, sync=sync, capacity=cap,
+        seq_lens=lens,
+        cost=cost,
+        sync=sync,
+        capacity=cap,
         max_seq=int(opts.pop("max_seq", None) or max(longest, 1)),
         tokens_per_step=int(opts.pop("tokens_per_step", None) or lens.sum()),
         seed=int(opts.pop("seed", 0)),
@@ -135,4 +151,11 @@ def plan_and_evaluate(
     return plan, report
 
 
-__all__ = ["OFFLOADING", "STRATEGIES", "PlanningError", "choose_sync", "plan_and_evaluate", "plan_step"]
+__all__ = [
+    "OFFLOADING",
+    "STRATEGIES",
+    "PlanningError",
+    "choose_sync",
+    "plan_and_evaluate",
+    "plan_step",
+]

@@ -43,8 +43,10 @@ def ranks_for(ctx: Context, length: int) -> tuple[int, float]:
         if frac > 1:
             continue
         # Per-rank compute of a zigzag share: 1/d of the sequence's attention plus its dense part.
-        compute = float(cost.model.layers * cost.attn_time(np.array([0]), np.array([length]))[0] / d
-                        + cost.dense_time(np.array([tokens]))[0])
+        compute = float(
+            cost.model.layers * cost.attn_time(np.array([0]), np.array([length]))[0] / d
+            + cost.dense_time(np.array([tokens]))[0]
+        )
         if float(cost.offload_time(np.array([tokens]), np.array([frac]))[0]) <= compute:
             return d, frac
     return hi, 0.0
@@ -57,7 +59,9 @@ def plan_bytescale(ctx: Context) -> Plan:
     order = np.argsort(-lens, kind="stable")
     whole_time = cost.seq_time(lens)
     load = np.zeros(n)
-    wave_tokens: list[list[int]] = [[] for _ in range(n)]  # tokens in each of a rank's micro-batches
+    wave_tokens: list[list[int]] = [
+        [] for _ in range(n)
+    ]  # tokens in each of a rank's micro-batches
     builder = PlanBuilder(ctx, "bytescale")
     long_ids, long_members, long_waves = [], [], []
     short_heap: list[tuple[float, int]] | None = None
@@ -70,7 +74,8 @@ def plan_bytescale(ctx: Context) -> Plan:
         if d > n:
             raise PlanningError(
                 f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, more with offload) "
-                f"but the cluster has {n}")
+                f"but the cluster has {n}"
+            )
         if d > 1 or frac > 0:
             members = np.argsort(load, kind="stable")[:d]
             members.sort()
@@ -78,8 +83,10 @@ def plan_bytescale(ctx: Context) -> Plan:
             wave = 0
             while any(wave < len(wave_tokens[r]) and wave_tokens[r][wave] > 0 for r in members):
                 wave += 1
-            t = float(cost.model.layers * cost.attn_time(np.array([0]), np.array([L]))[0] / d
-                      + cost.dense_time(np.array([per_rank]))[0])
+            t = float(
+                cost.model.layers * cost.attn_time(np.array([0]), np.array([L]))[0] / d
+                + cost.dense_time(np.array([per_rank]))[0]
+            )
             for r in members.tolist():
                 while len(wave_tokens[r]) <= wave:
                     wave_tokens[r].append(0)
@@ -99,7 +106,11 @@ def plan_bytescale(ctx: Context) -> Plan:
         best, best_room = -1, None
         for w, used in enumerate(wave_tokens[r]):
             room = cap - used
-            if room >= L and (best_room is None or room < best_room) and (w, r) not in builder.offload:
+            if (
+                room >= L
+                and (best_room is None or room < best_room)
+                and (w, r) not in builder.offload
+            ):
                 best, best_room = w, room
         if best < 0:
             wave_tokens[r].append(0)
@@ -113,5 +124,8 @@ def plan_bytescale(ctx: Context) -> Plan:
     if placed_short:
         w, r, s = (np.asarray(c, dtype=np.int64) for c in zip(*placed_short))
         builder.add(w, r, s, 0, lens[s])
-    builder.info = {"long_sequences": float(len(long_ids)), "offloading_cells": float(len(builder.offload))}
+    builder.info = {
+        "long_sequences": float(len(long_ids)),
+        "offloading_cells": float(len(builder.offload)),
+    }
     return builder.build()

@@ -35,22 +35,51 @@ def _positive(text: str) -> int:
 def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster and model")
     g.add_argument("--gpus", type=_positive, required=True, help="number of GPUs (ranks)")
-    g.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node sharing NVLink (default 8)")
-    g.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(GPU_PRESETS)} (default h100)")
-    g.add_argument("--model", default="llama-7b", help=f"model preset: {', '.join(MODEL_PRESETS)} (default llama-7b)")
-    g.add_argument("--capacity", type=_size, default=None,
-                   help="most tokens one rank holds in one wave (default: derived from GPU memory and the model)")
-    g.add_argument("--sync", choices=("wave", "peer"), default=None,
-                   help="synchronisation mode for every strategy (default: each strategy's own where memory allows)")
-    g.add_argument("--hybridcp-impl", choices=("auto", "megatron", "ours"), default="auto",
-                   help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical re-implementation")
-    g.add_argument("--hdp-form", choices=("free", "whole", "megatron"), default="free",
-                   help="what hdp plans may do: free (default), whole (every sequence on one rank) or megatron "
-                        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)")
+    g.add_argument(
+        "--gpus-per-node",
+        type=_positive,
+        default=8,
+        help="GPUs per node sharing NVLink (default 8)",
+    )
+    g.add_argument(
+        "--gpu", default="h100", help=f"GPU profile: {', '.join(GPU_PRESETS)} (default h100)"
+    )
+    g.add_argument(
+        "--model",
+        default="llama-7b",
+        help=f"model preset: {', '.join(MODEL_PRESETS)} (default llama-7b)",
+    )
+    g.add_argument(
+        "--capacity",
+        type=_size,
+        default=None,
+        help="most tokens one rank holds in one wave (default: derived from GPU memory and the model)",
+    )
+    g.add_argument(
+        "--sync",
+        choices=("wave", "peer"),
+        default=None,
+        help="synchronisation mode for every strategy (default: each strategy's own where memory allows)",
+    )
+    g.add_argument(
+        "--hybridcp-impl",
+        choices=("auto", "megatron", "ours"),
+        default="auto",
+        help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical re-implementation",
+    )
+    g.add_argument(
+        "--hdp-form",
+        choices=("free", "whole", "megatron"),
+        default="free",
+        help="what hdp plans may do: free (default), whole (every sequence on one rank) or megatron "
+        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
+    )
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
-    return ClusterSpec(args.gpus, args.gpus_per_node, gpu_preset(args.gpu)), model_preset(args.model)
+    return ClusterSpec(args.gpus, args.gpus_per_node, gpu_preset(args.gpu)), model_preset(
+        args.model
+    )
 
 
 def _strategies(text: str) -> list[str]:
@@ -58,7 +87,8 @@ def _strategies(text: str) -> list[str]:
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown strategy {', '.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}")
+            f"unknown strategy {', '.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}"
+        )
     return names
 
 
@@ -66,20 +96,46 @@ def sim_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hdp-sim",
         description="Predict step time, balance, memory and communication of every planning strategy on sampled "
-                    "global batches of a workload, with one cost model.",
-        epilog="example: hdp-sim --workload byted-2m --gpus 1024 --max-seq 2M --model llama-7b --plot out.png")
+        "global batches of a workload, with one cost model.",
+        epilog="example: hdp-sim --workload byted-2m --gpus 1024 --max-seq 2M --model llama-7b --plot out.png",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help=f"standard workload: {', '.join(workload_names())}")
-    src.add_argument("--lengths", type=Path, help="file of sequence lengths to sample from, one integer per line (.gz ok)")
+    src.add_argument(
+        "--lengths",
+        type=Path,
+        help="file of sequence lengths to sample from, one integer per line (.gz ok)",
+    )
     _add_cluster_model_args(p)
-    p.add_argument("--max-seq", type=_size, default=None, help="longest sequence; longer documents are split (default: the workload's)")
-    p.add_argument("--tokens-per-step", type=_size, default=None, help="global batch in tokens (default: the workload's; 32M for --lengths)")
-    p.add_argument("--strategies", type=_strategies, default=list(STRATEGIES),
-                   help=f"comma-separated (default: {','.join(STRATEGIES)})")
-    p.add_argument("--steps", type=_positive, default=3, help="global batches to sample (default 3)")
+    p.add_argument(
+        "--max-seq",
+        type=_size,
+        default=None,
+        help="longest sequence; longer documents are split (default: the workload's)",
+    )
+    p.add_argument(
+        "--tokens-per-step",
+        type=_size,
+        default=None,
+        help="global batch in tokens (default: the workload's; 32M for --lengths)",
+    )
+    p.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(STRATEGIES),
+        help=f"comma-separated (default: {','.join(STRATEGIES)})",
+    )
+    p.add_argument(
+        "--steps", type=_positive, default=3, help="global batches to sample (default 3)"
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", type=Path, default=None, help="write results as JSON")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG: strategies compared, per-rank timelines")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write a PNG: strategies compared, per-rank timelines",
+    )
     return p
 
 
@@ -90,16 +146,33 @@ def sim_main(argv: list[str] | None = None) -> int:
     args = sim_parser().parse_args(argv)
     try:
         cluster, model = _specs(args)
-        workload = get_workload(args.workload) if args.workload else file_workload(args.lengths, args.max_seq, args.tokens_per_step)
+        workload = (
+            get_workload(args.workload)
+            if args.workload
+            else file_workload(args.lengths, args.max_seq, args.tokens_per_step)
+        )
         t0 = time.perf_counter()
-        sim = simulate(workload, cluster, model, args.strategies, steps=args.steps, seed=args.seed,
-                       max_seq=args.max_seq, tokens_per_step=args.tokens_per_step, capacity=args.capacity,
-                       sync=args.sync, hybridcp_impl=args.hybridcp_impl, hdp_form=args.hdp_form,
-                       progress=stderr_progress)
+        sim = simulate(
+            workload,
+            cluster,
+            model,
+            args.strategies,
+            steps=args.steps,
+            seed=args.seed,
+            max_seq=args.max_seq,
+            tokens_per_step=args.tokens_per_step,
+            capacity=args.capacity,
+            sync=args.sync,
+            hybridcp_impl=args.hybridcp_impl,
+            hdp_form=args.hdp_form,
+            progress=stderr_progress,
+        )
         c = sim.config
-        print(f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} ({cluster.ranks_per_node} per node), "
-              f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity {c['capacity_peer']} (peer) / "
-              f"{c['capacity_wave']} (wave) tokens per rank, {c['steps']} steps, seed {c['seed']}")
+        print(
+            f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} ({cluster.ranks_per_node} per node), "
+            f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity {c['capacity_peer']} (peer) / "
+            f"{c['capacity_wave']} (wave) tokens per rank, {c['steps']} steps, seed {c['seed']}"
+        )
         print(format_table(sim))
         if args.json:
             args.json.write_text(json.dumps(sim.to_json(), indent=1) + "\n")
@@ -118,11 +191,27 @@ def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hdp-plan",
         description="Plan one global batch (the lengths in a file) and write PLAN.json: for every wave and rank, "
-                    "the [sequence, start, end] shards it holds, plus the cost model's predictions.")
-    p.add_argument("--lengths", type=Path, required=True, help="sequence lengths of the batch, one integer per line (.gz ok)")
+        "the [sequence, start, end] shards it holds, plus the cost model's predictions.",
+    )
+    p.add_argument(
+        "--lengths",
+        type=Path,
+        required=True,
+        help="sequence lengths of the batch, one integer per line (.gz ok)",
+    )
     _add_cluster_model_args(p)
-    p.add_argument("--strategy", choices=list(STRATEGIES), default="hdp", help="planning strategy (default hdp)")
-    p.add_argument("--max-seq", type=_size, default=None, help="split sequences longer than this first (default: no split)")
+    p.add_argument(
+        "--strategy",
+        choices=list(STRATEGIES),
+        default="hdp",
+        help="planning strategy (default hdp)",
+    )
+    p.add_argument(
+        "--max-seq",
+        type=_size,
+        default=None,
+        help="split sequences longer than this first (default: no split)",
+    )
     p.add_argument("--out", type=Path, required=True, help="where to write PLAN.json")
     return p
 
@@ -135,8 +224,17 @@ def plan_main(argv: list[str] | None = None) -> int:
         if args.max_seq:
             lens = split_long(lens, args.max_seq)
         form = {"form": args.hdp_form} if args.strategy == "hdp" else {}
-        plan, report = plan_and_evaluate(lens, cluster, model, args.strategy, capacity=args.capacity, sync=args.sync,
-                                         max_seq=args.max_seq, hybridcp_impl=args.hybridcp_impl, **form)
+        plan, report = plan_and_evaluate(
+            lens,
+            cluster,
+            model,
+            args.strategy,
+            capacity=args.capacity,
+            sync=args.sync,
+            max_seq=args.max_seq,
+            hybridcp_impl=args.hybridcp_impl,
+            **form,
+        )
         plan.save(args.out)
     except PlanningError as e:
         print(f"hdp-plan: error: {e}", file=sys.stderr)
@@ -145,10 +243,14 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"hdp-plan: error: {e}", file=sys.stderr)
         return 2
     p = plan.predicted
-    print(f"{args.strategy}: {lens.size} sequences, {int(lens.sum())} tokens on {cluster.num_ranks} ranks in "
-          f"{plan.num_waves} waves ({plan.sync} sync), {plan.num_shards} shards")
-    print(f"predicted step {p['step_time_s']:.3f} s, lower bound {p['lower_bound_s']:.3f} s "
-          f"({p['step_time_s'] / p['lower_bound_s']:.2f}x), imbalance {p['imbalance']:.2f}, exposed comm "
-          f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in {p['plan_time_s']:.3f} s")
+    print(
+        f"{args.strategy}: {lens.size} sequences, {int(lens.sum())} tokens on {cluster.num_ranks} ranks in "
+        f"{plan.num_waves} waves ({plan.sync} sync), {plan.num_shards} shards"
+    )
+    print(
+        f"predicted step {p['step_time_s']:.3f} s, lower bound {p['lower_bound_s']:.3f} s "
+        f"({p['step_time_s'] / p['lower_bound_s']:.2f}x), imbalance {p['imbalance']:.2f}, exposed comm "
+        f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in {p['plan_time_s']:.3f} s"
+    )
     print(f"wrote {args.out}")
     return 0

@@ -51,8 +51,9 @@ def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.nda
     return np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
 
 
-def zigzag_shares(lengths: np.ndarray, parts: np.ndarray,
-                  align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def zigzag_shares(
+    lengths: np.ndarray, parts: np.ndarray, align: int | np.ndarray = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Zigzag shares of many sequences, one row per group member: (sequence index into
     ``lengths``, member index, head tokens, tail tokens).
 
@@ -75,7 +76,9 @@ def zigzag_shares(lengths: np.ndarray, parts: np.ndarray,
     return rep, member, head, share - head
 
 
-def zigzag_positions(rep: np.ndarray, head: np.ndarray, tail: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def zigzag_positions(
+    rep: np.ndarray, head: np.ndarray, tail: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Where each member's chunks lie (rows as from :func:`zigzag_shares`, grouped by sequence):
     (head start, tail end). Heads of members ``0..p-1`` come first, then tails of ``p-1..0``."""
     n_seq = int(rep.max()) + 1 if rep.size else 0
@@ -90,9 +93,14 @@ def zigzag_positions(rep: np.ndarray, head: np.ndarray, tail: np.ndarray) -> tup
     return head_start, tail_end
 
 
-def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, first_rank: np.ndarray | None = None,
-                  ranks: list[np.ndarray] | None = None,
-                  align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def zigzag_arrays(
+    seq_ids: np.ndarray,
+    lengths: np.ndarray,
+    parts: np.ndarray,
+    first_rank: np.ndarray | None = None,
+    ranks: list[np.ndarray] | None = None,
+    align: int | np.ndarray = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Zigzag-split many sequences at once (shares of :func:`zigzag_shares`). Returns (rank, seq,
     start, end) of the non-empty chunks, ordered by sequence (in the given order), then member,
     then head before tail. The ``i``-th member is rank ``first_rank[s] + i`` (consecutive ranks)
@@ -102,7 +110,11 @@ def zigzag_arrays(seq_ids: np.ndarray, lengths: np.ndarray, parts: np.ndarray, f
     rep, member, head, tail = zigzag_shares(lengths, parts, align)
     head_start, tail_end = zigzag_positions(rep, head, tail)
     if ranks is not None:
-        flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in ranks]) if ranks else np.zeros(0, np.int64)
+        flat = (
+            np.concatenate([np.asarray(r, dtype=np.int64) for r in ranks])
+            if ranks
+            else np.zeros(0, np.int64)
+        )
         rank = flat[np.arange(rep.size)]
     else:
         rank = np.asarray(first_rank, dtype=np.int64)[rep] + member
@@ -126,7 +138,9 @@ class PlanBuilder:
 
     def add(self, wave, rank, seq, start, end) -> None:
         """Append shards; scalars broadcast against arrays."""
-        arrays = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (wave, rank, seq, start, end)))
+        arrays = np.broadcast_arrays(
+            *(np.asarray(x, dtype=np.int64) for x in (wave, rank, seq, start, end))
+        )
         self._cols.append(tuple(a.reshape(-1) for a in arrays))
 
     def add_zigzag(self, seq_ids, waves, members: list[np.ndarray], align: int | np.ndarray = 1):
@@ -134,7 +148,9 @@ class PlanBuilder:
         returns the added shards' (wave, rank, seq, start, end)."""
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         parts = np.asarray([m.size for m in members], dtype=np.int64)
-        rank, seq, start, end = zigzag_arrays(seq_ids, self.ctx.seq_lens[seq_ids], parts, ranks=members, align=align)
+        rank, seq, start, end = zigzag_arrays(
+            seq_ids, self.ctx.seq_lens[seq_ids], parts, ranks=members, align=align
+        )
         pos = np.empty(self.ctx.seq_lens.size, dtype=np.int64)
         pos[seq_ids] = np.arange(seq_ids.size)
         wave = np.asarray(waves, dtype=np.int64)[pos[seq]]
@@ -168,6 +184,19 @@ class PlanBuilder:
             offload = np.zeros((num_waves, self.ctx.num_ranks))
             for (w, r), f in self.offload.items():
                 offload[w, r] = f
-        return Plan(self.ctx.seq_lens, self.ctx.num_ranks, rank, wave, seq, start, end, sync=self.ctx.sync,
-                    num_waves=num_waves, offload=offload, barriers=self.barriers, strategy=self.strategy,
-                    capacity=self.ctx.capacity, predicted=self.info)
+        return Plan(
+            self.ctx.seq_lens,
+            self.ctx.num_ranks,
+            rank,
+            wave,
+            seq,
+            start,
+            end,
+            sync=self.ctx.sync,
+            num_waves=num_waves,
+            offload=offload,
+            barriers=self.barriers,
+            strategy=self.strategy,
+            capacity=self.ctx.capacity,
+            predicted=self.info,
+        )

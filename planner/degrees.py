@@ -27,9 +27,9 @@ covered by the smaller height and smaller area of the two menu degrees around th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator
 
 import numpy as np
 
@@ -43,8 +43,13 @@ MIN_SHARE = BLOCK_ALIGN  # fewest tokens per member in a menu degree
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
 
-def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: str = "peer",
-                align: int | np.ndarray = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_times(
+    cost: CostModel,
+    lengths: np.ndarray,
+    parts: np.ndarray,
+    sync: str = "peer",
+    align: int | np.ndarray = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
     job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
     capacity offload the needed share of their activations (priced by the cost model)."""
@@ -54,8 +59,9 @@ def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: s
     rep, member, head, tail = zigzag_shares(lengths, parts, align)
     head_start, tail_end = zigzag_positions(rep, head, tail)
     held = head + tail
-    attn_layer = (cost.attn_time(head_start, head_start + head) * (head > 0)
-                  + cost.attn_time(tail_end - tail, tail_end) * (tail > 0))
+    attn_layer = cost.attn_time(head_start, head_start + head) * (head > 0) + cost.attn_time(
+        tail_end - tail, tail_end
+    ) * (tail > 0)
     compute = m.layers * attn_layer + cost.dense_time(held)
     d = parts[rep]
     # Node of each member (groups start at a node boundary) and per-node sums.
@@ -74,12 +80,18 @@ def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: s
     blk = 8192  # Plan.kv_block_tokens
     msgs_in = (d - 1) + received // blk
     msgs_out = (d - 1) + out_all // blk
-    traffic = KVTraffic(in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None)
+    traffic = KVTraffic(
+        in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
+    )
     t_fwd, t_bwd = cost.comm_time_per_layer(traffic)
     fs = cost.attn_fwd_share
-    exposed = m.layers * (np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer))
+    exposed = m.layers * (
+        np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
+    )
     exposed = np.where(d > 1, exposed, 0.0)
-    fraction = np.where(held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf)
+    fraction = np.where(
+        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
+    )
     offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
     busy = compute + exposed + offload
     busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
@@ -96,13 +108,16 @@ def split_times(cost: CostModel, lengths: np.ndarray, parts: np.ndarray, sync: s
         # may hide under its K/V traffic): count only compute, dense at the best efficiency.
         g = cost.cluster.gpu
         dense = held * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
-        packed = m.layers * attn_layer + dense / (g.peak_flops * g.linear_efficiency(max(cost.offload_capacity(sync), 1)))
+        packed = m.layers * attn_layer + dense / (
+            g.peak_flops * g.linear_efficiency(max(cost.offload_capacity(sync), 1))
+        )
         area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
     return height, area, most
 
 
-def degree_menu(length: int, num_ranks: int, offload_capacity: int, ratio: float = 1.08,
-                dense_up_to: int = 16) -> np.ndarray:
+def degree_menu(
+    length: int, num_ranks: int, offload_capacity: int, ratio: float = 1.08, dense_up_to: int = 16
+) -> np.ndarray:
     """Candidate degrees of one sequence: from the fewest ranks that can hold it (with offload),
     every ``d`` up to ``dense_up_to``, then every ``ratio``-th, and all ranks."""
     d = max(1, -(-length // max(offload_capacity, 1)))
@@ -151,7 +166,11 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
-        h, a, most = np.where(over, h_exact, h), np.where(over, a_exact, a), np.where(over, most_exact, most)
+        h, a, most = (
+            np.where(over, h_exact, h),
+            np.where(over, a_exact, a),
+            np.where(over, most_exact, most),
+        )
         if not exact_too:
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(h, h_exact), np.fmin(a, a_exact)))
@@ -172,7 +191,11 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         return price(candidates)
     coarse = price(candidates, exact_too=False)
     # (Where no 128-token split fits, the exact one may: price them all.)
-    top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1 if coarse.degrees.size else widest
+    top = (
+        int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
+        if coarse.degrees.size
+        else widest
+    )
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
@@ -193,8 +216,15 @@ def _until_lowest(mu: Menu) -> Menu:
         return ok & (degrees <= degrees[ok][int(np.argmin(height[ok]))]) if ok.any() else ok
 
     k, b = keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height)
-    return Menu(mu.degrees[k], mu.height[k], mu.area[k], mu.most_tokens[k],
-                mu.bound_degrees[b], mu.bound_height[b], mu.bound_area[b])
+    return Menu(
+        mu.degrees[k],
+        mu.height[k],
+        mu.area[k],
+        mu.most_tokens[k],
+        mu.bound_degrees[b],
+        mu.bound_height[b],
+        mu.bound_area[b],
+    )
 
 
 def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
@@ -204,10 +234,14 @@ def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nd
     g, m = cost.cluster.gpu, cost.model
     L = np.asarray(lengths, dtype=np.float64)
     dense = L * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
-    return m.layers * cost.attn_time(np.zeros_like(L), L) + dense / (g.peak_flops * g.linear_efficiency(max(cell_tokens, 1)))
+    return m.layers * cost.attn_time(np.zeros_like(L), L) + dense / (
+        g.peak_flops * g.linear_efficiency(max(cell_tokens, 1))
+    )
 
 
-def work_area(cost: CostModel, seq_lens: np.ndarray, degree: np.ndarray, sync: str, capacity: int) -> float:
+def work_area(
+    cost: CostModel, seq_lens: np.ndarray, degree: np.ndarray, sync: str, capacity: int
+) -> float:
     """Rank-seconds of compute that any plan giving sequence ``i`` ``degree[i]`` ranks (a menu
     degree) covers, at least: split sequences their menu area, whole ones their packed time. Divided
     by the ranks it is a lower bound of such a plan's step (a wave lasts as long as its slowest
@@ -217,7 +251,9 @@ def work_area(cost: CostModel, seq_lens: np.ndarray, degree: np.ndarray, sync: s
     for i in np.flatnonzero(np.asarray(degree) > 1).tolist():
         mu = length_menu(cost, int(lens[i]), sync, capacity)
         k = int(np.searchsorted(mu.degrees, degree[i]))
-        if k < mu.degrees.size and mu.degrees[k] == degree[i]:  # else its packed time, still a bound
+        if (
+            k < mu.degrees.size and mu.degrees[k] == degree[i]
+        ):  # else its packed time, still a bound
             area[i] = float(mu.area[k])
     return float(area.sum())
 
@@ -234,7 +270,9 @@ class Relaxation:
     long_ids: np.ndarray
     menus: tuple[Menu, ...]
 
-    def degrees_at(self, height: float, cost: CostModel, max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def degrees_at(
+        self, height: float, cost: CostModel, max_tokens: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(degree, busy time s) of every sequence: the smallest-area menu degree no taller than
         ``height`` (the lowest one where none is); ``max_tokens``: also holding at most that many
         tokens per member where a menu degree does."""
@@ -245,15 +283,27 @@ class Relaxation:
             if max_tokens is not None:
                 capped = allowed & (mu.most_tokens <= max_tokens)
                 allowed = capped if capped.any() else allowed
-            k = int(np.argmin(np.where(allowed, mu.area, np.inf))) if allowed.any() else int(np.argmin(mu.height))
+            k = (
+                int(np.argmin(np.where(allowed, mu.area, np.inf)))
+                if allowed.any()
+                else int(np.argmin(mu.height))
+            )
             degrees[i] = mu.degrees[k]
             job_time[i] = mu.height[k]
         return degrees, job_time
 
 
-def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, slots: int,
-                     fixed_s: float = 0.0, min_step_s: float = 0.0, pow2: bool = False,
-                     any_split: bool = False) -> Relaxation:
+def relaxation_bound(
+    cost: CostModel,
+    seq_lens: np.ndarray,
+    sync: str,
+    capacity: int,
+    slots: int,
+    fixed_s: float = 0.0,
+    min_step_s: float = 0.0,
+    pow2: bool = False,
+    any_split: bool = False,
+) -> Relaxation:
     """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
     that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
     to the bound (parameter collectives); ``min_step_s`` floors the busy part; ``pow2`` restricts
@@ -309,7 +359,9 @@ def relaxation_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity:
     return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
 
 
-def _bound_options(mu: Menu, packed: float, pow2: bool, any_split: bool) -> tuple[np.ndarray, np.ndarray]:
+def _bound_options(
+    mu: Menu, packed: float, pow2: bool, any_split: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of every option a bound may give a sequence with menu ``mu``: its menu
     entries (hdp's, or with ``any_split`` the bound's: either split, the faster; degree 1 at its
     ``packed`` time: whole on one rank it may share its cell, as the short ones), plus, for each
@@ -324,7 +376,9 @@ def _bound_options(mu: Menu, packed: float, pow2: bool, any_split: bool) -> tupl
     if degrees[0] == 1:
         h[0] = a[0] = packed
     gaps = np.flatnonzero(np.diff(degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
-    return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])]), np.concatenate([a, np.minimum(a[gaps], a[gaps + 1])])
+    return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])]), np.concatenate(
+        [a, np.minimum(a[gaps], a[gaps + 1])]
+    )
 
 
 def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
@@ -336,10 +390,12 @@ def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
     for p in _partitions(rest):
         yield [[first]] + p
         for k in range(len(p)):
-            yield p[:k] + [[first] + p[k]] + p[k + 1:]
+            yield p[:k] + [[first] + p[k]] + p[k + 1 :]
 
 
-def shelf_bound(cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF_GIANTS, pow2: bool = False) -> float:
+def shelf_bound(
+    cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF_GIANTS, pow2: bool = False
+) -> float:
     """``wave`` sync: a lower bound of the busy part of the step (s, collectives left out) that
     :func:`relaxation_bound` misses where one sequence dominates the batch.
 
@@ -367,7 +423,9 @@ def shelf_bound(cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF
         h, a = _bound_options(mu, float(packed[rel.long_ids[j]]), pow2, any_split=True)
         order = np.argsort(h, kind="stable")
         ok = np.isfinite(h[order])
-        options.append((h[order][ok], np.minimum.accumulate(a[order][ok])))  # least area at each height
+        options.append(
+            (h[order][ok], np.minimum.accumulate(a[order][ok]))
+        )  # least area at each height
         least[rel.long_ids[j]] = min(float(least[rel.long_ids[j]]), float(a.min()))
     chosen = sorted(range(len(rel.menus)), key=lambda j: (-least[rel.long_ids[j]], j))[:giants]
     others = np.ones(lens.size, dtype=bool)
@@ -406,7 +464,9 @@ def shelf_bound(cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF
     return best
 
 
-def step_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, pow2: bool = False) -> float:
+def step_bound(
+    cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, pow2: bool = False
+) -> float:
     """The planner's lower bound of the step time, seconds, for a plan of any strategy's zigzag
     splits: :func:`relaxation_bound` over all
     ranks (``wave``: or :func:`shelf_bound`, whichever is higher) plus what the synchronisation
@@ -417,8 +477,25 @@ def step_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int, 
     if sync == "wave":
         waves = max(1, -(-int(lens.sum()) // (n * max(cost.offload_capacity(sync), 1))))
         coll = 2 * cost.allgather_time() + cost.reduce_scatter_time()
-        rel = relaxation_bound(cost, lens, sync, capacity, n, fixed_s=waves * coll / layers,
-                               min_step_s=waves * coll, pow2=pow2, any_split=True)
+        rel = relaxation_bound(
+            cost,
+            lens,
+            sync,
+            capacity,
+            n,
+            fixed_s=waves * coll / layers,
+            min_step_s=waves * coll,
+            pow2=pow2,
+            any_split=True,
+        )
         return max(rel.bound_s, shelf_bound(cost, rel, sync, pow2=pow2) + waves * coll / layers)
-    return relaxation_bound(cost, lens, sync, capacity, n, pow2=pow2, any_split=True,
-                            fixed_s=(cost.allgather_time() + cost.reduce_scatter_time()) / layers).bound_s
+    return relaxation_bound(
+        cost,
+        lens,
+        sync,
+        capacity,
+        n,
+        pow2=pow2,
+        any_split=True,
+        fixed_s=(cost.allgather_time() + cost.reduce_scatter_time()) / layers,
+    ).bound_s

@@ -42,7 +42,7 @@ def length_buckets(lengths: np.ndarray, max_buckets: int = MAX_BUCKETS) -> list[
     L = lengths[order].astype(np.float64)
     n = L.size
     if n <= max_buckets:
-        return [order[i:i + 1] for i in range(n)]
+        return [order[i : i + 1] for i in range(n)]
     sq = np.concatenate([[0.0], np.cumsum(L * L)])
     best = np.full((max_buckets + 1, n + 1), np.inf)
     cut = np.zeros((max_buckets + 1, n + 1), dtype=np.int64)
@@ -69,8 +69,10 @@ def plan_flexsp(ctx: Context) -> Plan:
     ids = np.flatnonzero(lens > 0)
     longest = int(lens.max(initial=0))
     if longest and next_pow2(-(-longest // cap)) > n:
-        raise PlanningError(f"flexsp: a sequence of {longest} tokens needs a group of {next_pow2(-(-longest // cap))} "
-                            f"ranks (a power of two) at {cap} tokens each, but the cluster has {n}")
+        raise PlanningError(
+            f"flexsp: a sequence of {longest} tokens needs a group of {next_pow2(-(-longest // cap))} "
+            f"ranks (a power of two) at {cap} tokens each, but the cluster has {n}"
+        )
     buckets = length_buckets(lens[ids])
     rep_len = [int(lens[ids[b]].max()) for b in buckets]
     sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
@@ -85,7 +87,11 @@ def plan_flexsp(ctx: Context) -> Plan:
     def feasible(M: float) -> dict[tuple[int, int], int] | None:
         prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
         m = {g: prob.add_variable(f"m_{g}", 0, n // g, cat="Integer") for g in sizes}
-        x = {k: prob.add_variable(f"x_{k[0]}_{k[1]}", 0, counts[k[0]], cat="Integer") for k, v in t.items() if v <= M}
+        x = {
+            k: prob.add_variable(f"x_{k[0]}_{k[1]}", 0, counts[k[0]], cat="Integer")
+            for k, v in t.items()
+            if v <= M
+        }
         for b in range(len(buckets)):
             row = [x[k] for k in x if k[0] == b]
             if not row:
@@ -105,7 +111,11 @@ def plan_flexsp(ctx: Context) -> Plan:
         return sol
 
     whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
-    lo = max(min(v for (b, _), v in t.items() if b == bb) for bb in range(len(buckets))) if buckets else 0.0
+    lo = (
+        max(min(v for (b, _), v in t.items() if b == bb) for bb in range(len(buckets)))
+        if buckets
+        else 0.0
+    )
     hi = float(whole[ids].sum()) + 1.0
     sol = None
     try:
@@ -117,7 +127,10 @@ def plan_flexsp(ctx: Context) -> Plan:
             else:
                 sol, hi = found, mid
     except Exception as e:  # the solver failed: every bucket on its smallest group
-        warnings.warn(f"flexsp: the MILP solver ({name}) failed ({e}); using the smallest groups", RuntimeWarning)
+        warnings.warn(
+            f"flexsp: the MILP solver ({name}) failed ({e}); using the smallest groups",
+            RuntimeWarning,
+        )
         sol = None
     if sol is None:
         sol = {}
@@ -127,13 +140,20 @@ def plan_flexsp(ctx: Context) -> Plan:
         for g in sizes:
             sol[(-1, g)] = 1 if any(k[1] == g and v for k, v in sol.items() if k[0] >= 0) else 0
         if sum(g * sol[(-1, g)] for g in sizes) > n:
-            raise PlanningError("flexsp: the MILP found no schedule and one group per size does not fit the cluster")
+            raise PlanningError(
+                "flexsp: the MILP found no schedule and one group per size does not fit the cluster"
+            )
     # Spare ranks: one more group at a time to the class with the most work per group.
     load = {g: sum(v * t[k] for k, v in sol.items() if k[0] >= 0 and k[1] == g) for g in sizes}
     spare = n - sum(g * sol.get((-1, g), 0) for g in sizes)
     while True:
-        fits = [g for g in sizes if g <= spare and load[g] > 0 and sol.get((-1, g), 0) < sum(
-            v for k, v in sol.items() if k[0] >= 0 and k[1] == g)]
+        fits = [
+            g
+            for g in sizes
+            if g <= spare
+            and load[g] > 0
+            and sol.get((-1, g), 0) < sum(v for k, v in sol.items() if k[0] >= 0 and k[1] == g)
+        ]
         if not fits:
             break
         g = max(fits, key=lambda g: load[g] / max(sol.get((-1, g), 0), 1))
@@ -171,7 +191,9 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
             if g == 1:
                 waves: list[int] = []
                 for i in seq_list:
-                    k = next((k for k, used in enumerate(waves) if used + lens[i] <= cap), len(waves))
+                    k = next(
+                        (k for k, used in enumerate(waves) if used + lens[i] <= cap), len(waves)
+                    )
                     if k == len(waves):
                         waves.append(0)
                     waves[k] += int(lens[i])
@@ -185,5 +207,8 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
         raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")
     if rows_seq:
         builder.add_zigzag(rows_seq, rows_wave, rows_members)
-    builder.info = {"buckets": float(len(buckets)), "groups": float(sum(sol.get((-1, g), 0) for g in sizes))}
+    builder.info = {
+        "buckets": float(len(buckets)),
+        "groups": float(sum(sol.get((-1, g), 0) for g in sizes)),
+    }
     return builder.build()

@@ -41,9 +41,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 
@@ -58,8 +58,12 @@ HEIGHT_FACTORS = (1.0, 1.04, 1.12)  # heights placed, relative to the relaxation
 # alone, so the jobs after it must be fast rather than area-efficient (byted-2m at 64 ranks:
 # 81 s at M, 63 s at M / 2, bound 56 s).
 MEGATRON_HEIGHT_FACTORS = (0.35, 0.5, 0.7, 1.0, 1.12)
-TOKEN_SHARES = (0.25,)  # ``wave`` sync: most tokens per member of a split, as a share of the offload capacity
-CHEAP_WAVE_SHARE = 0.4  # ``wave`` sync, two tiers: the dense waves hold at most this share of the offload capacity
+TOKEN_SHARES = (
+    0.25,
+)  # ``wave`` sync: most tokens per member of a split, as a share of the offload capacity
+CHEAP_WAVE_SHARE = (
+    0.4  # ``wave`` sync, two tiers: the dense waves hold at most this share of the offload capacity
+)
 # ``wave`` sync, no stacking: a multi-rank job joins a wave that already holds work only if that
 # raises the wave by at most this share of the job's time (else it opens a wave of its own).
 STACK_SHARE = 0.05
@@ -76,11 +80,17 @@ def check_fits(ctx: Context) -> None:
     if longest > off_cap * ctx.num_ranks:
         raise PlanningError(
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at {off_cap} tokens each "
-            f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq")
+            f"(with activation offload), but the cluster has {ctx.num_ranks}; use more GPUs or a smaller --max-seq"
+        )
 
 
-def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_ilp: bool | None = None,
-             ilp_time_limit_s: float = 2.0) -> Plan:
+def plan_hdp(
+    ctx: Context,
+    form: str = "free",
+    polish_moves: int = 20000,
+    use_ilp: bool | None = None,
+    ilp_time_limit_s: float = 2.0,
+) -> Plan:
     """Plan with the relaxation's degrees (or the MILP's where it fits) at a few heights; keep
     the fastest by the cost model. ``use_ilp``: ``None`` = where it fits the budget. ``form``:
     ``free``, ``whole`` (every sequence on one rank: balanced placement alone, for trainers whose
@@ -97,11 +107,18 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
     if form == "whole":  # every sequence on one rank: only the placement balances
         longest = int(ctx.seq_lens.max(initial=0))
         if longest > cap:
-            raise PlanningError(f"hdp (whole form): a sequence of {longest} tokens does not fit one rank's "
-                                f"{cap} tokens; raise the capacity or use a form that splits sequences")
+            raise PlanningError(
+                f"hdp (whole form): a sequence of {longest} tokens does not fit one rank's "
+                f"{cap} tokens; raise the capacity or use a form that splits sequences"
+            )
         degree = np.ones(ctx.seq_lens.size, dtype=np.int64)
-        plan = _place(ctx, num_waves, degree, np.asarray(ctx.cost.seq_time(ctx.seq_lens), dtype=np.float64),
-                      polish_moves)
+        plan = _place(
+            ctx,
+            num_waves,
+            degree,
+            np.asarray(ctx.cost.seq_time(ctx.seq_lens), dtype=np.float64),
+            polish_moves,
+        )
         plan.predicted["bound_s"] = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap))
         return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, cap, n)
@@ -115,15 +132,18 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         height_of += [None] * len(HEIGHT_FACTORS)
     info: dict[str, float] = {}
     if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, n)):
-        choice = hdp_ilp.solve_degrees(rel, ctx.cost, ctx.sync, n, warm=candidates[0][0],
-                                       time_limit_s=ilp_time_limit_s)
+        choice = hdp_ilp.solve_degrees(
+            rel, ctx.cost, ctx.sync, n, warm=candidates[0][0], time_limit_s=ilp_time_limit_s
+        )
         info.update(choice.info)
         if choice.degrees is not None:
             candidates.insert(0, (choice.degrees, choice.job_time))
             height_of.insert(0, None)
     best: tuple[float, Plan] | None = None
     placed: list[tuple[np.ndarray, tuple, float, bool]] = []  # (degrees, variant, step s, stacked)
-    work_of: dict[bytes, float] = {}  # degrees -> work_area / ranks: the order, then every skip test
+    work_of: dict[
+        bytes, float
+    ] = {}  # degrees -> work_area / ranks: the order, then every skip test
 
     def work_s(degree: np.ndarray) -> float:
         key = degree.tobytes()
@@ -131,8 +151,13 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
             work_of[key] = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, cap) / n
         return work_of[key]
 
-    def place_variant(degree: np.ndarray, job_time: np.ndarray, cheap_share: float | None,
-                      stack_share: float | None, prune_at: float) -> tuple[float, bool]:
+    def place_variant(
+        degree: np.ndarray,
+        job_time: np.ndarray,
+        cheap_share: float | None,
+        stack_share: float | None,
+        prune_at: float,
+    ) -> tuple[float, bool]:
         """(step s, whether a job stacked) of one placement, placed once (a repeat returns what
         it got); ``inf`` without placing where (``wave`` sync) its work spread evenly over the
         ranks already takes ``prune_at`` seconds or more: it cannot be faster."""
@@ -152,8 +177,12 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
             best = (t, plan)
         return t, stacked
 
-    def place(degree: np.ndarray, job_time: np.ndarray, cheap_share: float | None = None,
-              prune_at: float = math.inf) -> float:
+    def place(
+        degree: np.ndarray,
+        job_time: np.ndarray,
+        cheap_share: float | None = None,
+        prune_at: float = math.inf,
+    ) -> float:
         """Step time of a candidate (:func:`place_variant`). ``wave`` sync: where a multi-rank
         job joined a wave that already held work and raised it by more than ``STACK_SHARE`` of
         its time, also the variant in which such jobs open waves of their own (the job's cells
@@ -175,8 +204,12 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         order.sort(key=lambda k: work_s(candidates[k][0]))
     for k in order:
         is_height = height_of[k] is not None
-        best_height_s = min((t for t, h in zip(times, height_of) if h is not None), default=math.inf)
-        times[k] = place(*candidates[k], prune_at=best_height_s if is_height else (best[0] if best else math.inf))
+        best_height_s = min(
+            (t for t, h in zip(times, height_of) if h is not None), default=math.inf
+        )
+        times[k] = place(
+            *candidates[k], prune_at=best_height_s if is_height else (best[0] if best else math.inf)
+        )
     if ctx.sync == "wave":
         # A wave's cells fill up with tokens before time when they hold long whole sequences
         # (a 180K-token sequence is cheap per token next to a shard of a 1M-token one). At the
@@ -190,6 +223,7 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
         for share in TOKEN_SHARES:
             place(*rel.degrees_at(h, ctx.cost, int(share * off_cap)), prune_at=best[0])
         place(*rel.degrees_at(h, ctx.cost), cheap_share=CHEAP_WAVE_SHARE, prune_at=best[0])
+
         # The longest jobs side by side in one tall wave, area-efficient, the rest fast (see
         # shelf_candidates; llama-70b byted-2m at 64 ranks: 2382 s -> 2299 s). Not where the
         # best plan is at the bound already.
@@ -197,7 +231,9 @@ def plan_hdp(ctx: Context, form: str = "free", polish_moves: int = 20000, use_il
             return work_s(degree) >= best[0]
 
         if best[0] > bound_s * (1 + 1e-3):
-            for degree, job_time in shelf_candidates(ctx, rel, num_waves, heights, hopeless)[:SHELF_PLACED]:
+            for degree, job_time in shelf_candidates(ctx, rel, num_waves, heights, hopeless)[
+                :SHELF_PLACED
+            ]:
                 place_variant(degree, job_time, None, STACK_SHARE, best[0])
     plan = best[1]
     if ctx.sync == "wave":
@@ -230,9 +266,13 @@ def candidate_heights(rel: Relaxation, sync: str) -> list[float]:
     return [floor * 0.25, floor * 0.5] + shelves
 
 
-def shelf_candidates(ctx: Context, rel: Relaxation, num_waves: int, heights: list[float],
-                     hopeless: Callable[[np.ndarray], bool] = lambda degree: False,
-                     ) -> list[tuple[np.ndarray, np.ndarray]]:
+def shelf_candidates(
+    ctx: Context,
+    rel: Relaxation,
+    num_waves: int,
+    heights: list[float],
+    hopeless: Callable[[np.ndarray], bool] = lambda degree: False,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """``wave`` sync: (degree, busy time s) candidates whose first wave is a *shelf*, best first
     by :func:`_estimate_wave_step` (with no stacking, the variant they are placed in).
 
@@ -251,7 +291,9 @@ def shelf_candidates(ctx: Context, rel: Relaxation, num_waves: int, heights: lis
     lens, cost, n = ctx.seq_lens, ctx.cost, ctx.num_ranks
     by_length = sorted(range(len(rel.menus)), key=lambda j: (-int(lens[rel.long_ids[j]]), j))
     first = rel.menus[by_length[0]]
-    tall = np.sort(first.height[np.isfinite(first.height) & (first.height >= 1.02 * first.height.min())])[::-1]
+    tall = np.sort(
+        first.height[np.isfinite(first.height) & (first.height >= 1.02 * first.height.min())]
+    )[::-1]
     if tall.size == 0:
         return []
     shelf_heights = tall[:: max(1, tall.size // SHELF_HEIGHTS)]
@@ -288,8 +330,14 @@ def shelf_candidates(ctx: Context, rel: Relaxation, num_waves: int, heights: lis
     return [(degree, job_time) for _, _, degree, job_time in scored]
 
 
-def _estimate_wave_step(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray,
-                        whole: np.ndarray, stack_share: float | None) -> float:
+def _estimate_wave_step(
+    ctx: Context,
+    num_waves: int,
+    degree: np.ndarray,
+    job_time: np.ndarray,
+    whole: np.ndarray,
+    stack_share: float | None,
+) -> float:
     """Step (s) a ``wave``-sync candidate would get, from its multi-rank jobs alone
     (:func:`_place_wave_jobs`): the waves' heights, plus the time of the sequences placed whole
     that the cells' spare time and token room cannot take (those as a fluid of their mean time per
@@ -301,7 +349,9 @@ def _estimate_wave_step(ctx: Context, num_waves: int, degree: np.ndarray, job_ti
     height = layer.load.max(axis=1)
     fill_s = float(whole[single].sum())
     per_token = fill_s / max(int(ctx.seq_lens[single].sum()), 1)
-    room = np.minimum(height[:, None] - layer.load, per_token * np.maximum(0, off_cap - layer.tokens))
+    room = np.minimum(
+        height[:, None] - layer.load, per_token * np.maximum(0, off_cap - layer.tokens)
+    )
     return float(height.sum()) + max(0.0, fill_s - float(room.sum())) / ctx.num_ranks
 
 
@@ -312,7 +362,9 @@ def num_waves_for(ctx: Context) -> int:
     return max(1, math.ceil(int(ctx.seq_lens.sum()) / (0.9 * ctx.num_ranks * ctx.capacity)))
 
 
-def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:
+def _pick_members(
+    load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray
+) -> np.ndarray | None:
     """``d`` ranks for one job: the least-loaded ranks of one node if ``d <= rpn``, else whole
     nodes with the smallest maximum load plus the least-loaded ranks of one more node."""
     n = load_row.size
@@ -347,8 +399,15 @@ def _pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) 
     return np.sort(np.concatenate(members))
 
 
-def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarray, polish_moves: int,
-           cheap_share: float | None = None, stack_share: float | None = None) -> Plan:
+def _place(
+    ctx: Context,
+    num_waves: int,
+    degree: np.ndarray,
+    job_time: np.ndarray,
+    polish_moves: int,
+    cheap_share: float | None = None,
+    stack_share: float | None = None,
+) -> Plan:
     """Place sequences of the given degrees on ranks and waves (steps 2 and 3 of the module doc).
     ``wave`` sync: ``cheap_share``: waves of their own for the whole sequences that are cheapest
     per token, so the other waves hold at most that share of the offload capacity;
@@ -368,38 +427,65 @@ def _place(ctx: Context, num_waves: int, degree: np.ndarray, job_time: np.ndarra
         is_cheap = np.zeros(lens.size, dtype=bool)
         is_cheap[by_density[:n_cheap]] = True
         cheap_mask = is_cheap[single]  # ``single`` keeps its longest-first order in both tiers
-        keys = _place_wave(ctx, num_waves, multi, single[~cheap_mask], degree, job_time, whole, off_cap, stack_share)
+        keys = _place_wave(
+            ctx,
+            num_waves,
+            multi,
+            single[~cheap_mask],
+            degree,
+            job_time,
+            whole,
+            off_cap,
+            stack_share,
+        )
         cheap = single[cheap_mask]
         if cheap.size:
-            _, _, cheap_rank, cheap_key, _ = _place_wave(ctx, 1, multi[:0], cheap, degree, job_time, whole, off_cap)
+            _, _, cheap_rank, cheap_key, _ = _place_wave(
+                ctx, 1, multi[:0], cheap, degree, job_time, whole, off_cap
+            )
             after = max(max(keys[1], default=-1), int(keys[3].max(initial=-1))) + 1
             keys[2][cheap] = cheap_rank[cheap]
             keys[3][cheap] = cheap_key[cheap] + after
     elif ctx.sync == "wave":
-        keys = _place_wave(ctx, num_waves, multi, single, degree, job_time, whole, off_cap, stack_share)
+        keys = _place_wave(
+            ctx, num_waves, multi, single, degree, job_time, whole, off_cap, stack_share
+        )
     else:
         keys = (*_place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_moves), 0)
     multi_members, multi_key, single_rank, single_key, stacked = keys
-    if ctx.sync == "wave":  # waves: the distinct keys in order (the placers use sparse, ordered keys)
-        uniq = np.unique(np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]]))
+    if (
+        ctx.sync == "wave"
+    ):  # waves: the distinct keys in order (the placers use sparse, ordered keys)
+        uniq = np.unique(
+            np.concatenate([np.asarray(multi_key, dtype=np.int64), single_key[single]])
+        )
         multi_wave = np.searchsorted(uniq, np.asarray(multi_key, dtype=np.int64))
         single_wave = np.searchsorted(uniq, single_key[single])
     else:
-        multi_wave, single_wave = _peer_levels(ctx.num_ranks, multi_members, multi_key,
-                                               single_rank[single], single_key[single])
+        multi_wave, single_wave = _peer_levels(
+            ctx.num_ranks, multi_members, multi_key, single_rank[single], single_key[single]
+        )
     if multi.size:
-        aligns = np.array([_split(int(lens[i]), int(degree[i]), off_cap)[0] for i in multi.tolist()], dtype=np.int64)
+        aligns = np.array(
+            [_split(int(lens[i]), int(degree[i]), off_cap)[0] for i in multi.tolist()],
+            dtype=np.int64,
+        )
         builder.add_zigzag(multi, multi_wave, multi_members, align=aligns)
     if single.size:
         builder.add(single_wave, single_rank[single], single, 0, lens[single])
     builder.offload_where_needed()
-    builder.info = {"multi_rank_sequences": float(multi.size), "max_degree": float(degree.max(initial=1)),
-                    "offloading_cells": float(len(builder.offload)), "stacked_jobs": float(stacked)}
+    builder.info = {
+        "multi_rank_sequences": float(multi.size),
+        "max_degree": float(degree.max(initial=1)),
+        "offloading_cells": float(len(builder.offload)),
+        "stacked_jobs": float(stacked),
+    }
     return builder.build()
 
 
-def _jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray,
-                      whole: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _jobs_and_singles(
+    ctx: Context, degree: np.ndarray, job_time: np.ndarray, whole: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(jobs placed as blocks, tallest first: split sequences and whole ones that need offload to
     fit a rank; sequences placed whole on one rank, slowest first)."""
     lens = ctx.seq_lens
@@ -410,8 +496,13 @@ def _jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray,
     return multi, single[np.argsort(-whole[single], kind="stable")]
 
 
-def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], single_rank: np.ndarray,
-                 single_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _peer_levels(
+    n: int,
+    multi_members: list[np.ndarray],
+    multi_key: list[int],
+    single_rank: np.ndarray,
+    single_key: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """``peer`` sync: the fewest waves that keep every rank's order of work (its keys) and give a
     multi-rank job one wave on all its members. Items in key order; each takes the first wave
     after the last one its ranks used. A rank's singles with one key share a cell. (One wave per
@@ -424,7 +515,10 @@ def _peer_levels(n: int, multi_members: list[np.ndarray], multi_key: list[int], 
     cell_rank, cell_key = single_rank[first], single_key[first]
     cell_wave = np.zeros(first.size, dtype=np.int64)
     # Jobs first on ties: a job's key is never equal to a single's (odd vs even multiples).
-    order = sorted([(int(k), 0, j) for j, k in enumerate(multi_key)] + [(int(k), 1, c) for c, k in enumerate(cell_key.tolist())])
+    order = sorted(
+        [(int(k), 0, j) for j, k in enumerate(multi_key)]
+        + [(int(k), 1, c) for c, k in enumerate(cell_key.tolist())]
+    )
     for _, is_cell, j in order:
         if is_cell:
             r = int(cell_rank[j])
@@ -446,8 +540,13 @@ def _split(length: int, parts: int, room: int) -> tuple[int, int]:
     (:func:`planner.degrees.length_menu`) are priced with."""
 
     def most(align: int) -> int:
-        rank, _, start, end = zigzag_arrays(np.array([0]), np.array([length]), np.array([parts]),
-                                            first_rank=np.array([0]), align=align)
+        rank, _, start, end = zigzag_arrays(
+            np.array([0]),
+            np.array([length]),
+            np.array([parts]),
+            first_rank=np.array([0]),
+            align=align,
+        )
         return int(np.bincount(rank, weights=end - start).max())
 
     if length >= 2 * parts * BLOCK_ALIGN:
@@ -483,7 +582,9 @@ class JobLayer:
         self.load = np.vstack([self.load, np.zeros((1, self.load.shape[1]))])
 
 
-def _place_wave_jobs(ctx, num_waves, multi, degree, job_time, off_cap, stack_share=None) -> JobLayer:
+def _place_wave_jobs(
+    ctx, num_waves, multi, degree, job_time, off_cap, stack_share=None
+) -> JobLayer:
     """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
     tall jobs spread over waves and leave token room beside them), on the least-loaded ranks with
     token room, each member's load growing by the job's time (a cell's shards run together, layer
@@ -541,7 +642,9 @@ def _fill_waves(ctx, layer: JobLayer, single, whole, off_cap) -> tuple[np.ndarra
     heights = [float(h) for h in load.max(axis=1)]
     heaps = [[(float(load[w, r]), r) for r in range(n)] for w in range(tokens.shape[0])]
     room_max = [int(cap - tokens[w].min()) for w in range(tokens.shape[0])]
-    new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()  # a wave's collectives
+    new_wave_s = (
+        2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()
+    )  # a wave's collectives
     for h in heaps:
         heapq.heapify(h)
     for i in single.tolist():
@@ -553,7 +656,11 @@ def _fill_waves(ctx, layer: JobLayer, single, whole, off_cap) -> tuple[np.ndarra
             # The wave's least-loaded cell with room: the heap's top unless it is full; after a
             # few full ones, a scan of the wave.
             skipped = []
-            while h and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap) and len(skipped) < 8:
+            while (
+                h
+                and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap)
+                and len(skipped) < 8
+            ):
                 item = heapq.heappop(h)
                 if item[0] == load[w, item[1]]:  # not stale: full for this sequence only
                     skipped.append(item)
@@ -596,7 +703,9 @@ def _fill_waves(ctx, layer: JobLayer, single, whole, off_cap) -> tuple[np.ndarra
     return single_rank, single_key
 
 
-def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000) -> Plan | None:
+def _rebalance_wave(
+    ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000
+) -> Plan | None:
     """``wave`` sync local search on a placed plan, by the cost model's own cell times ``busy``
     (``[waves, ranks]``; the placer's estimates miss how mixing a cell hides K/V traffic): while
     a wave's slowest cell holds a whole single-rank sequence that another cell can take (with the
@@ -606,7 +715,9 @@ def _rebalance_wave(ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: 
     off_cap = max(cost.offload_capacity(ctx.sync), ctx.capacity)
     whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
     holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
-    movable = np.flatnonzero((holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq]))
+    movable = np.flatnonzero(
+        (holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq])
+    )
     load = np.array(busy, dtype=np.float64)
     tokens = plan.tokens_per_cell().astype(np.int64)
     cells: dict[tuple[int, int], list[int]] = {}
@@ -683,7 +794,9 @@ def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_mov
     stride = int(lens.size) + 2
     rank_load = np.zeros(n)
     members_of, key_of = [], []
-    gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job index k) before job k on rank
+    gaps: list[
+        tuple[float, int, int]
+    ] = []  # (idle seconds, rank, job index k) before job k on rank
     for k, i in enumerate(multi.tolist()):
         L, d, t = int(lens[i]), int(degree[i]), float(job_time[i])
         if _split(L, d, off_cap)[1] > off_cap:
@@ -726,8 +839,18 @@ def _place_peer(ctx, multi, single, degree, job_time, whole, off_cap, polish_mov
         single_key[i] = tail_key + _first_fit(tail_waves[r], int(lens[i]), cap)
         heapq.heappush(heap, (float(rank_load[r]), r))
     if polish_moves and rest:
-        _polish_peer(np.asarray(rest), lens, whole, rank_load, tail_waves, single_rank, single_key, tail_key, cap,
-                     polish_moves)
+        _polish_peer(
+            np.asarray(rest),
+            lens,
+            whole,
+            rank_load,
+            tail_waves,
+            single_rank,
+            single_key,
+            tail_key,
+            cap,
+            polish_moves,
+        )
     return members_of, key_of, single_rank, single_key
 
 
@@ -740,7 +863,9 @@ def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
     return k
 
 
-def _polish_peer(ids, lens, whole, rank_load, tail_waves, single_rank, single_key, tail_key, cap, moves) -> None:
+def _polish_peer(
+    ids, lens, whole, rank_load, tail_waves, single_rank, single_key, tail_key, cap, moves
+) -> None:
     """Move tail singles from the most to the least loaded rank while the maximum falls."""
     by_rank: dict[int, list[int]] = {}
     for i in ids.tolist():
@@ -778,9 +903,13 @@ def plan_hdp_megatron(ctx: Context) -> Plan:
     n, cap = ctx.num_ranks, ctx.capacity
     longest = int(lens.max(initial=0))
     if longest > 0 and next_pow2(-(-longest // cap)) > n:
-        raise PlanningError(f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
-                            f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but the cluster has {n}")
-    rel = relaxation_bound(cost, lens, "peer" if ctx.sync == "peer" else ctx.sync, cap, n, pow2=True)
+        raise PlanningError(
+            f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
+            f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but the cluster has {n}"
+        )
+    rel = relaxation_bound(
+        cost, lens, "peer" if ctx.sync == "peer" else ctx.sync, cap, n, pow2=True
+    )
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
     choices = [rel.degrees_at(rel.height_s * f, cost) for f in MEGATRON_HEIGHT_FACTORS]
@@ -824,8 +953,11 @@ def aligned_groups(plan: Plan) -> bool:
     first = np.searchsorted(seq, seq)  # index of each sequence's first (lowest) rank
     size = np.bincount(seq, minlength=plan.seq_lens.size)[seq]
     lowest = rank[first]
-    return bool(((size & (size - 1)) == 0).all() and (lowest % size == 0).all()
-                and (rank - lowest == np.arange(seq.size) - first).all())
+    return bool(
+        ((size & (size - 1)) == 0).all()
+        and (lowest % size == 0).all()
+        and (rank - lowest == np.arange(seq.size) - first).all()
+    )
 
 
 def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
@@ -843,7 +975,9 @@ def _place_megatron(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> P
         for i in todo:
             classes.setdefault(int(degree[i]), []).append(i)
         area = {k: sum(float(time_of[i]) for i in ids) * k for k, ids in classes.items()}
-        height = max(sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values()))
+        height = max(
+            sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values())
+        )
         counts = _block_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
         next_rank = 0
         left: list[int] = []
@@ -898,7 +1032,9 @@ def _place_megatron_one_group(ctx: Context, degree: np.ndarray, job_time: np.nda
     load = np.zeros(n)
     items: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # per rank: (start, sequence)
     gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
-    jobs = [i for i in np.argsort(-job_time, kind="stable").tolist() if degree[i] > 1 and lens[i] > 0]
+    jobs = [
+        i for i in np.argsort(-job_time, kind="stable").tolist() if degree[i] > 1 and lens[i] > 0
+    ]
     for i in jobs:
         d = int(degree[i])
         starts = load.reshape(-1, d).max(axis=1) if n % d == 0 else np.array([load.max()])
@@ -912,7 +1048,9 @@ def _place_megatron_one_group(ctx: Context, degree: np.ndarray, job_time: np.nda
             load[r] = t0 + float(job_time[i])
     heap = [(float(load[r]), r) for r in range(n)]
     heapq.heapify(heap)
-    for i in [i for i in np.argsort(-whole, kind="stable").tolist() if degree[i] <= 1 and lens[i] > 0]:
+    for i in [
+        i for i in np.argsort(-whole, kind="stable").tolist() if degree[i] <= 1 and lens[i] > 0
+    ]:
         t = float(whole[i])
         k = bisect.bisect_left(gaps, (t, -1.0, -1))
         if k < len(gaps):
@@ -930,7 +1068,9 @@ def _place_megatron_one_group(ctx: Context, degree: np.ndarray, job_time: np.nda
     return plan
 
 
-def _block_counts(area: dict[int, float], jobs: dict[int, int], n: int, height: float) -> dict[int, int]:
+def _block_counts(
+    area: dict[int, float], jobs: dict[int, int], n: int, height: float
+) -> dict[int, int]:
     """Blocks per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
     each class the blocks its area needs (at least one), largest class first while ranks last;
     spare ranks go one block at a time to the class with the most work per rank (never more

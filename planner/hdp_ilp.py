@@ -66,14 +66,35 @@ def _make_solver(name: str, time_limit_s: float, mip: bool = True):
     import pulp
 
     if name == "highs":
-        return pulp.HiGHS(mip=mip, msg=False, threads=1, timeLimit=time_limit_s, mip_max_nodes=NODE_LIMIT,
-                          random_seed=0)
-    return pulp.PULP_CBC_CMD(mip=mip, msg=False, threads=1, timeLimit=time_limit_s, maxNodes=NODE_LIMIT,
-                             warmStart=mip, options=["randomSeed 0", "randomCbcSeed 0"])
+        return pulp.HiGHS(
+            mip=mip,
+            msg=False,
+            threads=1,
+            timeLimit=time_limit_s,
+            mip_max_nodes=NODE_LIMIT,
+            random_seed=0,
+        )
+    return pulp.PULP_CBC_CMD(
+        mip=mip,
+        msg=False,
+        threads=1,
+        timeLimit=time_limit_s,
+        maxNodes=NODE_LIMIT,
+        warmStart=mip,
+        options=["randomSeed 0", "randomCbcSeed 0"],
+    )
 
 
-def solve_degrees(rel: Relaxation, cost: CostModel, sync: str, slots: int, warm: np.ndarray, time_limit_s: float = 2.0,
-                  solver: str | None = None, eps: float = 1e-4) -> IlpChoice:
+def solve_degrees(
+    rel: Relaxation,
+    cost: CostModel,
+    sync: str,
+    slots: int,
+    warm: np.ndarray,
+    time_limit_s: float = 2.0,
+    solver: str | None = None,
+    eps: float = 1e-4,
+) -> IlpChoice:
     """Solve the MILP (module docstring) for the long sequences of ``rel``; ``warm``: degrees of
     every sequence to start from."""
     import pulp
@@ -103,7 +124,9 @@ def solve_degrees(rel: Relaxation, cost: CostModel, sync: str, slots: int, warm:
             d = int(warm[rel.long_ids[j]])
             warm_counts[d] = warm_counts.get(d, 0) + 1
         row = []
-        for k, (d, h, a) in enumerate(zip(mu.degrees.tolist(), mu.height.tolist(), mu.area.tolist())):
+        for k, (d, h, a) in enumerate(
+            zip(mu.degrees.tolist(), mu.height.tolist(), mu.area.tolist())
+        ):
             n = prob.add_variable(f"n_{b}_{k}", lowBound=0, upBound=c, cat="Integer")
             y = prob.add_variable(f"y_{b}_{k}", cat="Binary")
             n.setInitialValue(warm_counts.get(d, 0))
@@ -116,18 +139,27 @@ def solve_degrees(rel: Relaxation, cost: CostModel, sync: str, slots: int, warm:
         prob += pulp.lpSum(row) == c
     prob += area_short + pulp.lpSum(area_terms) <= slots * M
     prob += M + eps * (pulp.lpSum(area_terms) / slots)
-    info: dict[str, float] = {"ilp_variables": float(2 * len(n_vars)), "ilp_solver_highs": float(name == "highs")}
+    info: dict[str, float] = {
+        "ilp_variables": float(2 * len(n_vars)),
+        "ilp_solver_highs": float(name == "highs"),
+    }
     try:
         if pulp.LpStatus[prob.solve(_make_solver(name, time_limit_s, mip=False))] == "Optimal":
             info["lp_bound_s"] = float(M.value())
         status = prob.solve(_make_solver(name, time_limit_s))
     except Exception as e:  # solver missing, crashed, or refused the model
-        warnings.warn(f"hdp: the MILP solver ({name}) failed ({e}); keeping the heuristic's degrees", RuntimeWarning)
+        warnings.warn(
+            f"hdp: the MILP solver ({name}) failed ({e}); keeping the heuristic's degrees",
+            RuntimeWarning,
+        )
         info["ilp_failed"] = 1.0
         return IlpChoice(None, None, info)
     if pulp.LpStatus[status] != "Optimal" or M.value() is None:
-        warnings.warn(f"hdp: the MILP ({name}) ended '{pulp.LpStatus[status]}' within {time_limit_s:.1f} s / "
-                      f"{NODE_LIMIT} nodes; keeping the heuristic's degrees", RuntimeWarning)
+        warnings.warn(
+            f"hdp: the MILP ({name}) ended '{pulp.LpStatus[status]}' within {time_limit_s:.1f} s / "
+            f"{NODE_LIMIT} nodes; keeping the heuristic's degrees",
+            RuntimeWarning,
+        )
         info["ilp_failed"] = 1.0
         return IlpChoice(None, None, info)
     info["ilp_objective_s"] = float(M.value())

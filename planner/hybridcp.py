@@ -58,7 +58,9 @@ class BalancedCPSchedule:
         for i, (sid, L) in enumerate(items):
             w = self.workload(L)
             # Megatron counts closed buckets twice here (len(buckets) grows as remaining_k falls).
-            if cur and (cur_work + w > target * 1.1 or len(items) - i <= remaining_k - len(buckets)):
+            if cur and (
+                cur_work + w > target * 1.1 or len(items) - i <= remaining_k - len(buckets)
+            ):
                 buckets.append(deque(cur))
                 cur, cur_work = [], 0.0
                 remaining_k -= 1
@@ -68,7 +70,9 @@ class BalancedCPSchedule:
             buckets.append(deque(cur))
         return buckets
 
-    def next_group(self, items: list[tuple[int, int]]) -> tuple[list[list[int]], list[tuple[int, int]], list[list[int]]]:
+    def next_group(
+        self, items: list[tuple[int, int]]
+    ) -> tuple[list[list[int]], list[tuple[int, int]], list[list[int]]]:
         """One barrier-separated group: (lengths per GPU, leftover items, sample ids per GPU)."""
         n = self.total_gpus
         lens_per_gpu: list[list[int]] = [[] for _ in range(n)]
@@ -167,7 +171,9 @@ class BalancedCPSchedule:
         n = self.total_gpus
         while any(not x for x in lens_per_gpu):
             if not size_of:
-                raise PlanningError("hybridcp: no sub-sample could be placed; increase the capacity per rank")
+                raise PlanningError(
+                    "hybridcp: no sub-sample could be placed; increase the capacity per rank"
+                )
             smallest = min(size_of.values())
             grow_to = min(smallest * 2, n)
             gid = next(g for g, s in size_of.items() if s == smallest)
@@ -175,11 +181,12 @@ class BalancedCPSchedule:
             extra = grow_to - smallest
             g_first, g_last = group[0], group[-1]
             empty = next(i for i, x in enumerate(lens_per_gpu) if not x)
-            pushed_lens = lens_per_gpu[g_last + 1: empty]
-            pushed_ids = ids_per_gpu[g_last + 1: empty]
+            pushed_lens = lens_per_gpu[g_last + 1 : empty]
+            pushed_ids = ids_per_gpu[g_last + 1 : empty]
             if g_last + extra + len(pushed_lens) >= n:
                 raise PlanningError(
-                    f"hybridcp: Megatron's scheduler cannot spread work over {n} ranks (not a power of two?)")
+                    f"hybridcp: Megatron's scheduler cannot spread work over {n} ranks (not a power of two?)"
+                )
             new_lens: list[list[int]] = [[] for _ in range(n)]
             new_ids: list[list[int]] = [[] for _ in range(n)]
             new_lens[:g_first] = lens_per_gpu[:g_first]
@@ -220,12 +227,16 @@ class GroupOfSize:
 
 def megatron_groups(seq_lens: list[int], capacity: int, num_ranks: int) -> list[list[list[int]]]:
     """Sample ids per GPU for every group, from megatron-core's own ``BalancedCPScheduler``."""
-    with warnings.catch_warnings():  # megatron-core warns about missing TransformerEngine/Apex at import
+    with (
+        warnings.catch_warnings()
+    ):  # megatron-core warns about missing TransformerEngine/Apex at import
         warnings.simplefilter("ignore")
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     sched = BalancedCPScheduler(capacity, GroupOfSize(num_ranks))
-    _, id_groups = sched.get_groups_and_subsamples([(i, int(L)) for i, L in enumerate(seq_lens)], None)
+    _, id_groups = sched.get_groups_and_subsamples(
+        [(i, int(L)) for i, L in enumerate(seq_lens)], None
+    )
     return id_groups
 
 
@@ -248,10 +259,15 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
         raise PlanningError(
             f"hybridcp: a sequence of {int(positive.max())} tokens needs CP = "
             f"{max(1, 2 ** ceil(log2(int(positive.max()) / cap)))} ranks at {cap} tokens per rank, "
-            f"but the cluster has {n}")
-    use_megatron = implementation == "megatron" or (implementation == "auto" and megatron_available())
+            f"but the cluster has {n}"
+        )
+    use_megatron = implementation == "megatron" or (
+        implementation == "auto" and megatron_available()
+    )
     if implementation == "megatron" and not megatron_available():
-        raise PlanningError("hybridcp: megatron-core is not installed (pip install 'hdp[megatron]')")
+        raise PlanningError(
+            "hybridcp: megatron-core is not installed (pip install 'hdp[megatron]')"
+        )
     nz = np.flatnonzero(lens > 0)
     if use_megatron:
         id_groups = megatron_groups(lens[nz].tolist(), cap, n)
@@ -263,8 +279,12 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
     return plan
 
 
-def plan_from_sample_id_groups(ctx: Context, id_groups: list[list[list[int]]], seq_of_id: np.ndarray | None = None,
-                               strategy: str = "hybridcp") -> Plan:
+def plan_from_sample_id_groups(
+    ctx: Context,
+    id_groups: list[list[list[int]]],
+    seq_of_id: np.ndarray | None = None,
+    strategy: str = "hybridcp",
+) -> Plan:
     """The plan Megatron's ``hybrid_context_parallel_forward_backward`` executes for a schedule.
 
     ``id_groups[g][r]``: the sample ids rank ``r`` runs in group ``g``, in order, one micro-batch
@@ -292,11 +312,16 @@ def plan_from_sample_id_groups(ctx: Context, id_groups: list[list[list[int]]], s
         wave = wave0
         while left:
             ready = {ids[head[r]] for r, ids in enumerate(group) if head[r] < len(ids)}
-            ready = [sid for sid in sorted(ready)
-                     if all(head[r] < len(group[r]) and group[r][head[r]] == sid for r in holders[sid])]
+            ready = [
+                sid
+                for sid in sorted(ready)
+                if all(head[r] < len(group[r]) and group[r][head[r]] == sid for r in holders[sid])
+            ]
             if not ready:
-                raise PlanningError(f"group {g}: the ranks' sample orders contradict each other (the CP groups "
-                                    "would wait for each other forever)")
+                raise PlanningError(
+                    f"group {g}: the ranks' sample orders contradict each other (the CP groups "
+                    "would wait for each other forever)"
+                )
             for sid in ready:
                 seq_rows.append(int(seq_of_id[sid]))
                 wave_rows.append(wave)

@@ -54,22 +54,43 @@ def plot_simulation(sim: SimResult, path: str | Path) -> None:
     x = np.arange(len(names))
     exposed = [m["exposed_comm_s"] for m in means]
     ax.bar(x, np.array(steps) - np.array(exposed), color="tab:blue", label="compute / waiting")
-    ax.bar(x, exposed, bottom=np.array(steps) - np.array(exposed), color="tab:red", label="exposed communication")
-    ax.axhline(bound, color="black", linestyle="--", linewidth=1, label=f"lower bound {bound:.2f} s")
+    ax.bar(
+        x,
+        exposed,
+        bottom=np.array(steps) - np.array(exposed),
+        color="tab:red",
+        label="exposed communication",
+    )
+    ax.axhline(
+        bound, color="black", linestyle="--", linewidth=1, label=f"lower bound {bound:.2f} s"
+    )
     for i, (t, m) in enumerate(zip(steps, means)):
-        ax.text(i, t, f"{t:.2f} s\n{t / m['lower_bound_s']:.2f}x LB", ha="center", va="bottom", fontsize=8)
+        ax.text(
+            i,
+            t,
+            f"{t:.2f} s\n{t / m['lower_bound_s']:.2f}x LB",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(x, names)
     ax.set_ylabel("predicted step time (s)")
     ax.set_ylim(0, max(steps) * 1.25)
     c = sim.config
-    ax.set_title(f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} tokens/step, "
-                 f"mean of {c['steps']} steps", fontsize=10)
+    ax.set_title(
+        f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} tokens/step, "
+        f"mean of {c['steps']} steps",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="upper left")
     for col, name in enumerate((best, worst)):
         rep = ok[name].first_report
-        _timeline(fig.add_subplot(grid[1, col]), rep,
-                  f"{name} ({'best' if name == best else 'worst'}): step 1, {rep.step_time_s:.2f} s, "
-                  f"imbalance {rep.imbalance:.2f}")
+        _timeline(
+            fig.add_subplot(grid[1, col]),
+            rep,
+            f"{name} ({'best' if name == best else 'worst'}): step 1, {rep.step_time_s:.2f} s, "
+            f"imbalance {rep.imbalance:.2f}",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -15,8 +15,16 @@ from hdp.workloads import Workload
 
 from . import PlanningError, plan_and_evaluate
 
-RESULT_KEYS = ("step_time_s", "lower_bound_s", "imbalance", "exposed_comm_s", "comm_bytes",
-               "peak_mem_bytes", "plan_time_s", "mfu")
+RESULT_KEYS = (
+    "step_time_s",
+    "lower_bound_s",
+    "imbalance",
+    "exposed_comm_s",
+    "comm_bytes",
+    "peak_mem_bytes",
+    "plan_time_s",
+    "mfu",
+)
 
 
 @dataclass
@@ -83,8 +91,18 @@ def simulate(
                 continue
             try:
                 form = {"form": hdp_form} if name == "hdp" else {}
-                plan, report = plan_and_evaluate(lens, cluster, model, name, cost=cost, sync=sync, max_seq=max_seq,
-                                                 tokens_per_step=tokens_per_step, hybridcp_impl=hybridcp_impl, **form)
+                plan, report = plan_and_evaluate(
+                    lens,
+                    cluster,
+                    model,
+                    name,
+                    cost=cost,
+                    sync=sync,
+                    max_seq=max_seq,
+                    tokens_per_step=tokens_per_step,
+                    hybridcp_impl=hybridcp_impl,
+                    **form,
+                )
             except PlanningError as e:
                 r.error = str(e)
                 continue
@@ -96,8 +114,10 @@ def simulate(
             if r.first_report is None:
                 r.first_report, r.first_plan = report, plan
             if progress and time.perf_counter() - t_start > 2.0:
-                progress(f"step {k + 1}/{steps}: {name:<9} planned in {summary['plan_time_s']:.2f} s, "
-                         f"predicted {summary['step_time_s']:.2f} s")
+                progress(
+                    f"step {k + 1}/{steps}: {name:<9} planned in {summary['plan_time_s']:.2f} s, "
+                    f"predicted {summary['step_time_s']:.2f} s"
+                )
     config = {
         "workload": workload.name,
         "gpus": cluster.num_ranks,
@@ -118,8 +138,19 @@ def simulate(
 
 def format_table(sim: SimResult) -> str:
     """The comparison table printed by ``hdp-sim``."""
-    head = ("strategy", "sync", "step s", "vs static", "step/LB", "imbalance", "exposed comm s",
-            "peak mem GB", "plan s", "MFU", "waves")
+    head = (
+        "strategy",
+        "sync",
+        "step s",
+        "vs static",
+        "step/LB",
+        "imbalance",
+        "exposed comm s",
+        "peak mem GB",
+        "plan s",
+        "MFU",
+        "waves",
+    )
     rows = [head]
     static = sim.results.get("static")
     static_t = static.mean().get("step_time_s") if static and static.error is None else None
@@ -128,22 +159,30 @@ def format_table(sim: SimResult) -> str:
             rows.append((name, "-", "failed: " + r.error) + ("",) * (len(head) - 3))
             continue
         m = r.mean()
-        rows.append((
-            name, r.first_plan.sync if r.first_plan else "-",
-            f"{m['step_time_s']:.3f}",
-            f"{static_t / m['step_time_s']:.2f}x" if static_t else "-",
-            f"{m['step_over_bound']:.2f}",
-            f"{m['imbalance']:.2f}",
-            f"{m['exposed_comm_s']:.3f}",
-            f"{m['peak_mem_bytes'] / 1e9:.1f}",
-            f"{m['plan_time_s']:.3f}",
-            f"{100 * m['mfu']:.1f}%",
-            f"{m['num_waves']:.1f}",
-        ))
+        rows.append(
+            (
+                name,
+                r.first_plan.sync if r.first_plan else "-",
+                f"{m['step_time_s']:.3f}",
+                f"{static_t / m['step_time_s']:.2f}x" if static_t else "-",
+                f"{m['step_over_bound']:.2f}",
+                f"{m['imbalance']:.2f}",
+                f"{m['exposed_comm_s']:.3f}",
+                f"{m['peak_mem_bytes'] / 1e9:.1f}",
+                f"{m['plan_time_s']:.3f}",
+                f"{100 * m['mfu']:.1f}%",
+                f"{m['num_waves']:.1f}",
+            )
+        )
     failed = [r for r in rows[1:] if len(r) > 2 and str(r[2]).startswith("failed")]
     ok = [r for r in rows if r not in failed]
     widths = [max(len(str(r[i])) for r in ok) for i in range(len(head))]
-    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in ok]
+    lines = [
+        "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        )
+        for r in ok
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"{r[0]}: {r[2]}" for r in failed]
     return "\n".join(lines)

@@ -63,7 +63,8 @@ def plan_static(ctx: Context) -> Plan:
     if cp_mem > n:
         raise PlanningError(
             f"static: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs CP = {cp_mem} ranks "
-            f"at {ctx.capacity} tokens per rank, but the cluster has {n}; use more GPUs or a smaller --max-seq")
+            f"at {ctx.capacity} tokens per rank, but the cluster has {n}; use more GPUs or a smaller --max-seq"
+        )
     # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch. Packing
     # counts the padding (compute is not charged for it), so a rank never holds more than
     # budget / CP <= capacity tokens.
@@ -92,8 +93,12 @@ def plan_static(ctx: Context) -> Plan:
             wave_of.extend([w] * len(members))
     seq_ids_a = np.asarray(seq_ids, dtype=np.int64)
     builder = PlanBuilder(ctx, "static")
-    rank, seq, start, end = zigzag_arrays(seq_ids_a, lens[seq_ids_a], np.full(seq_ids_a.size, cp),
-                                          first_rank=np.zeros(seq_ids_a.size, dtype=np.int64))
+    rank, seq, start, end = zigzag_arrays(
+        seq_ids_a,
+        lens[seq_ids_a],
+        np.full(seq_ids_a.size, cp),
+        first_rank=np.zeros(seq_ids_a.size, dtype=np.int64),
+    )
     # zigzag_arrays placed every group at rank 0; shift each sequence to its replica's ranks.
     pos = np.empty(lens.size, dtype=np.int64)
     pos[seq_ids_a] = np.arange(seq_ids_a.size)

@@ -35,10 +35,19 @@ def _plan(ranks: int, tokens: int, seed: int):
     w = get_workload("wlb-128k")
     lens = w.sample_batch(np.random.default_rng(seed), tokens, tokens // 2)
     cap = max(int(lens.max()) // ranks + 256, tokens // ranks + 512)
-    return plan_step(lens, ClusterSpec.preset("cpu", ranks, 2), model_preset("tiny"), "hdp", capacity=cap, sync="wave")
+    return plan_step(
+        lens,
+        ClusterSpec.preset("cpu", ranks, 2),
+        model_preset("tiny"),
+        "hdp",
+        capacity=cap,
+        sync="wave",
+    )
 
 
-def _time_rank(rank: int, world: int, plan_json: dict, H: int, Hk: int, d: int, reps: int, out_path: str) -> None:
+def _time_rank(
+    rank: int, world: int, plan_json: dict, H: int, Hk: int, d: int, reps: int, out_path: str
+) -> None:
     import torch.distributed as dist
 
     from attention import COMM, dist_attn
@@ -69,8 +78,9 @@ def _time_rank(rank: int, world: int, plan_json: dict, H: int, Hk: int, d: int, 
 
 
 def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) -> None:
-    from attention import dist_attn
     from distributed import run_ranks
+
+    from attention import dist_attn
     from hdp import Plan
 
     plan = _plan(ranks, tokens, 0)
@@ -79,7 +89,9 @@ def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) ->
     dist_time, dist_bytes = (float(x) for x in out.read_text().split())
     out.unlink()
     # The same tokens on one process: every sequence whole, one wave.
-    single = Plan.from_shards(plan.seq_lens.tolist(), 1, [[[(s, 0, int(L)) for s, L in enumerate(plan.seq_lens) if L]]])
+    single = Plan.from_shards(
+        plan.seq_lens.tolist(), 1, [[[(s, 0, int(L)) for s, L in enumerate(plan.seq_lens) if L]]]
+    )
     torch.set_num_threads(1)
     T = int(plan.seq_lens.sum())
     q = torch.randn(T, H, d, requires_grad=True)
@@ -93,12 +105,18 @@ def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) ->
     one = sum(t_single) / reps
     kvb = 2 * Hk * d * 4
     predicted = sum(int(plan.kv_tokens_sent(w).sum()) for w in range(plan.num_waves)) * kvb
-    print(f"CPU, {ranks} gloo ranks x 1 thread, {T} tokens ({plan.seq_lens.size} sequences, longest "
-          f"{int(plan.seq_lens.max())}), H={H} H_kv={Hk} d={d}, fp32, forward+backward, mean of {reps}:")
+    print(
+        f"CPU, {ranks} gloo ranks x 1 thread, {T} tokens ({plan.seq_lens.size} sequences, longest "
+        f"{int(plan.seq_lens.max())}), H={H} H_kv={Hk} d={d}, fp32, forward+backward, mean of {reps}:"
+    )
     print(f"  one process, all tokens:      {one:8.3f} s")
-    print(f"  dist_attn, slowest rank:      {dist_time:8.3f} s   ({dist_time / one:.2f}x the single process, "
-          f"ideal {1 / ranks:.2f}x; {os.cpu_count()} cores for {ranks} processes)")
-    print(f"  K/V bytes sent (forward):     {dist_bytes:,.0f} measured, {predicted:,.0f} predicted by the plan")
+    print(
+        f"  dist_attn, slowest rank:      {dist_time:8.3f} s   ({dist_time / one:.2f}x the single process, "
+        f"ideal {1 / ranks:.2f}x; {os.cpu_count()} cores for {ranks} processes)"
+    )
+    print(
+        f"  K/V bytes sent (forward):     {dist_bytes:,.0f} measured, {predicted:,.0f} predicted by the plan"
+    )
 
 
 def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
@@ -110,7 +128,9 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
 
     model = model_preset("llama-7b")
     print("K/V tokens moved per layer, forward: our P2P vs ring attention over the same placement")
-    print(f"  {'workload':<15} {'GPUs':>5} {'strategy':<10} {'ours':>14} {'ring':>14} {'ours/ring':>9}")
+    print(
+        f"  {'workload':<15} {'GPUs':>5} {'strategy':<10} {'ours':>14} {'ring':>14} {'ours/ring':>9}"
+    )
     for name, n in workloads:
         w = get_workload(name)
         lens = w.sample_batch(np.random.default_rng(0))
@@ -118,13 +138,17 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
         cost = CostModel(model, cluster)
         for s in STRATEGIES:
             try:
-                plan, _ = plan_and_evaluate(lens, cluster, model, s, cost=cost, max_seq=w.max_seq, hybridcp_impl="ours")
+                plan, _ = plan_and_evaluate(
+                    lens, cluster, model, s, cost=cost, max_seq=w.max_seq, hybridcp_impl="ours"
+                )
             except PlanningError:
                 continue
             ours = float(cost.kv_traffic(plan).sent.sum())
             holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
             ring = float(((holders - 1).clip(min=0) * plan.seq_lens).sum())
-            print(f"  {name:<15} {n:>5} {s:<10} {ours:>14,.0f} {ring:>14,.0f} {ours / ring if ring else 0:>9.2f}")
+            print(
+                f"  {name:<15} {n:>5} {s:<10} {ours:>14,.0f} {ring:>14,.0f} {ours / ring if ring else 0:>9.2f}"
+            )
 
 
 def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> None:
@@ -132,7 +156,9 @@ def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> 
     from attention import select_backend
 
     be = select_backend(torch.device("cuda"), torch.bfloat16)
-    print(f"GPU {torch.cuda.get_device_name()}, backend {be.name}, bf16, {tokens} query tokens, H={H} H_kv={Hk} d={d}")
+    print(
+        f"GPU {torch.cuda.get_device_name()}, backend {be.name}, bf16, {tokens} query tokens, H={H} H_kv={Hk} d={d}"
+    )
 
     def bench(fn, reps=10):
         fn()
@@ -147,7 +173,7 @@ def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> 
     k = torch.randn(tokens, Hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    mono = bench(lambda: be.forward(q, k, v, cu, cu, tokens, tokens, True, d ** -0.5))
+    mono = bench(lambda: be.forward(q, k, v, cu, cu, tokens, tokens, True, d**-0.5))
     flops = 4 * tokens * (tokens + 1) / 2 * H * d
     print(f"  monolithic causal call: {mono * 1e3:.2f} ms, {flops / mono / 1e12:.1f} TFLOP/s")
     for b in block_sizes:
@@ -158,15 +184,19 @@ def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> 
         kv_rows = torch.cat([torch.arange(0, int(s), device="cuda") for s in starts[1:]])
         q_full = torch.cat([torch.arange(int(s), int(s) + b, device="cuda") for s in starts[1:]])
         cu_fq = torch.arange(0, n, device="cuda", dtype=torch.int32) * b
-        cu_fk = torch.tensor([0, *torch.cumsum(starts[1:], 0).tolist()], device="cuda", dtype=torch.int32)
+        cu_fk = torch.tensor(
+            [0, *torch.cumsum(starts[1:], 0).tolist()], device="cuda", dtype=torch.int32
+        )
         qf, kf, vf = q[q_full], k[kv_rows], v[kv_rows]
 
         def sharded():
-            be.forward(q, k, v, cu_b, cu_b, b, b, True, d ** -0.5)
-            be.forward(qf, kf, vf, cu_fq, cu_fk, b, int(starts[-1]), False, d ** -0.5)
+            be.forward(q, k, v, cu_b, cu_b, b, b, True, d**-0.5)
+            be.forward(qf, kf, vf, cu_fq, cu_fk, b, int(starts[-1]), False, d**-0.5)
 
         t = bench(sharded)
-        print(f"  {b:>6}-token blocks: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s, {mono / t:.2f}x the monolithic throughput")
+        print(
+            f"  {b:>6}-token blocks: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s, {mono / t:.2f}x the monolithic throughput"
+        )
 
 
 def main() -> int:

@@ -36,25 +36,41 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
                 cost = CostModel(model, cluster)
                 row = {"model": model_name, "workload": wl, "gpus": n}
                 for strategy in BASELINES + ["hdp", "hdp-megatron"]:
-                    name, kw = ("hdp", {"form": "megatron"}) if strategy == "hdp-megatron" else (strategy, {})
+                    name, kw = (
+                        ("hdp", {"form": "megatron"})
+                        if strategy == "hdp-megatron"
+                        else (strategy, {})
+                    )
                     if name == "hybridcp":
-                        kw = {"hybridcp_impl": "ours"}  # identical decisions to megatron-core's, faster
+                        kw = {
+                            "hybridcp_impl": "ours"
+                        }  # identical decisions to megatron-core's, faster
                     try:
                         plan, rep = plan_and_evaluate(lens, cluster, model, name, cost=cost, **kw)
                     except Exception as e:  # a baseline that cannot form its groups here
                         row[strategy] = {"error": str(e)}
                         continue
-                    row[strategy] = {"step_s": rep.step_time_s, "lb_s": rep.lower_bound_s,
-                                     "bound_s": plan.predicted.get("bound_s"), "plan_s": rep.plan_time_s,
-                                     "sync": plan.sync}
+                    row[strategy] = {
+                        "step_s": rep.step_time_s,
+                        "lb_s": rep.lower_bound_s,
+                        "bound_s": plan.predicted.get("bound_s"),
+                        "plan_s": rep.plan_time_s,
+                        "sync": plan.sync,
+                    }
                 rows.append(row)
                 h = row["hdp"]
                 base = {b: row[b]["step_s"] / h["step_s"] for b in BASELINES if "step_s" in row[b]}
-                print(f"{model_name:9s} {wl:15s} {n:5d}  hdp {h['step_s']:9.2f} s  xLB {h['step_s'] / h['lb_s']:5.2f}  "
-                      f"xbound {h['step_s'] / h['bound_s']:5.3f}  plan {h['plan_s']:5.2f} s  "
-                      + "  ".join(f"vs {b} {v:5.2f}x" for b, v in base.items())
-                      + (f"  megatron-form xbound {row['hdp-megatron']['step_s'] / row['hdp-megatron']['bound_s']:5.3f}"
-                         if "step_s" in row["hdp-megatron"] else ""), flush=True)
+                print(
+                    f"{model_name:9s} {wl:15s} {n:5d}  hdp {h['step_s']:9.2f} s  xLB {h['step_s'] / h['lb_s']:5.2f}  "
+                    f"xbound {h['step_s'] / h['bound_s']:5.3f}  plan {h['plan_s']:5.2f} s  "
+                    + "  ".join(f"vs {b} {v:5.2f}x" for b, v in base.items())
+                    + (
+                        f"  megatron-form xbound {row['hdp-megatron']['step_s'] / row['hdp-megatron']['bound_s']:5.3f}"
+                        if "step_s" in row["hdp-megatron"]
+                        else ""
+                    ),
+                    flush=True,
+                )
     return rows
 
 
@@ -62,33 +78,60 @@ def planning_time(points: list[tuple[int, int]], seed: int) -> list[dict]:
     rows = []
     model = model_preset("llama-7b")
     for n, tokens in points:
-        lens = get_workload("byted-2m").sample_batch(np.random.default_rng(seed), tokens_per_step=tokens)
+        lens = get_workload("byted-2m").sample_batch(
+            np.random.default_rng(seed), tokens_per_step=tokens
+        )
         cluster = ClusterSpec.preset("h100", n)
         t0 = time.perf_counter()
         plan, rep = plan_and_evaluate(lens, cluster, model, "hdp", validate=False)
         total = time.perf_counter() - t0
-        rows.append({"gpus": n, "tokens": tokens, "sequences": int(lens.size), "plan_s": rep.plan_time_s,
-                     "with_evaluation_s": total, "x_bound": rep.step_time_s / plan.predicted["bound_s"]})
-        print(f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  {lens.size:7d} sequences  "
-              f"plan {rep.plan_time_s:6.2f} s  (+ evaluation {total - rep.plan_time_s:5.2f} s)  "
-              f"step/bound {rows[-1]['x_bound']:.3f}", flush=True)
+        rows.append(
+            {
+                "gpus": n,
+                "tokens": tokens,
+                "sequences": int(lens.size),
+                "plan_s": rep.plan_time_s,
+                "with_evaluation_s": total,
+                "x_bound": rep.step_time_s / plan.predicted["bound_s"],
+            }
+        )
+        print(
+            f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  {lens.size:7d} sequences  "
+            f"plan {rep.plan_time_s:6.2f} s  (+ evaluation {total - rep.plan_time_s:5.2f} s)  "
+            f"step/bound {rows[-1]['x_bound']:.3f}",
+            flush=True,
+        )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="llama-7b,llama-70b")
     ap.add_argument("--gpus", default="64,256,1024")
     ap.add_argument("--workloads", default=",".join(workload_names()))
-    ap.add_argument("--scaling", default="256:8M,1024:32M,4096:128M,16384:256M,16384:512M",
-                    help="RANKS:TOKENS points for the planning-time curve")
+    ap.add_argument(
+        "--scaling",
+        default="256:8M,1024:32M,4096:128M,16384:256M,16384:512M",
+        help="RANKS:TOKENS points for the planning-time curve",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="folder for bench_planner.json and planner_time.png")
+    ap.add_argument(
+        "--out", default=None, help="folder for bench_planner.json and planner_time.png"
+    )
     args = ap.parse_args()
     from hdp.specs import parse_size
 
-    q = quality(args.models.split(","), [int(g) for g in args.gpus.split(",")], args.workloads.split(","), args.seed)
-    points = [(int(p.split(":")[0]), parse_size(p.split(":")[1])) for p in args.scaling.split(",") if p]
+    q = quality(
+        args.models.split(","),
+        [int(g) for g in args.gpus.split(",")],
+        args.workloads.split(","),
+        args.seed,
+    )
+    points = [
+        (int(p.split(":")[0]), parse_size(p.split(":")[1])) for p in args.scaling.split(",") if p
+    ]
     s = planning_time(points, args.seed)
     if args.out:
         out = Path(args.out)

@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hybridcp-impl", default="auto", choices=("auto", "megatron", "ours"))
-    p.add_argument("--out", type=Path, default=Path("docs/figures"), help="folder for the JSON and the PNG")
+    p.add_argument(
+        "--out", type=Path, default=Path("docs/figures"), help="folder for the JSON and the PNG"
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_preset(args.model)
@@ -38,15 +40,38 @@ def main(argv: list[str] | None = None) -> int:
         w = get_workload(wl)
         for n in (int(x) for x in args.gpus.split(",")):
             t0 = time.perf_counter()
-            sim = simulate(w, ClusterSpec(n, 8, gpu_preset(args.gpu)), model, names, steps=args.steps, seed=args.seed,
-                           hybridcp_impl=args.hybridcp_impl)
+            sim = simulate(
+                w,
+                ClusterSpec(n, 8, gpu_preset(args.gpu)),
+                model,
+                names,
+                steps=args.steps,
+                seed=args.seed,
+                hybridcp_impl=args.hybridcp_impl,
+            )
             res = sim.to_json()["results"]
-            rows.append({"workload": wl, "gpus": n, "results": res, "seconds": time.perf_counter() - t0,
-                         "longest_seq_s": longest_sequence_time(w, ClusterSpec(n, 8, gpu_preset(args.gpu)), model,
-                                                                args.steps, args.seed)})
-            print(f"{wl} {n}: " + ", ".join(
-                f"{s} {res[s]['step_time_s']:.2f}s ({res[s]['step_time_s'] / res[s]['lower_bound_s']:.2f}x LB)"
-                if "error" not in res[s] else f"{s} failed" for s in names), file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "workload": wl,
+                    "gpus": n,
+                    "results": res,
+                    "seconds": time.perf_counter() - t0,
+                    "longest_seq_s": longest_sequence_time(
+                        w, ClusterSpec(n, 8, gpu_preset(args.gpu)), model, args.steps, args.seed
+                    ),
+                }
+            )
+            print(
+                f"{wl} {n}: "
+                + ", ".join(
+                    f"{s} {res[s]['step_time_s']:.2f}s ({res[s]['step_time_s'] / res[s]['lower_bound_s']:.2f}x LB)"
+                    if "error" not in res[s]
+                    else f"{s} failed"
+                    for s in names
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
     (args.out / "sim_grid.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(markdown(rows, names))
     chart(rows, names, args.out / "sim_grid.png")
@@ -76,8 +101,11 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
 
 
 def markdown(rows: list[dict], names: list[str]) -> str:
-    head = ["workload", "GPUs", "LB s", "longest seq s"] + [f"{s} s (xLB)" for s in names] + ["hdp vs static", "hdp vs best baseline",
-                                                                              "hdp imbalance", "hdp exposed comm s"]
+    head = (
+        ["workload", "GPUs", "LB s", "longest seq s"]
+        + [f"{s} s (xLB)" for s in names]
+        + ["hdp vs static", "hdp vs best baseline", "hdp imbalance", "hdp exposed comm s"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         r = row["results"]
@@ -85,10 +113,18 @@ def markdown(rows: list[dict], names: list[str]) -> str:
         lb = next(iter(ok.values()))["lower_bound_s"]
         cells = [row["workload"], str(row["gpus"]), f"{lb:.2f}", f"{row['longest_seq_s']:.2f}"]
         for s in names:
-            cells.append(f"{ok[s]['step_time_s']:.2f} ({ok[s]['step_time_s'] / lb:.2f})" if s in ok else "fails")
+            cells.append(
+                f"{ok[s]['step_time_s']:.2f} ({ok[s]['step_time_s'] / lb:.2f})"
+                if s in ok
+                else "fails"
+            )
         h = ok.get("hdp")
         base = [ok[s]["step_time_s"] for s in ok if s != "hdp"]
-        cells.append(f"{ok['static']['step_time_s'] / h['step_time_s']:.2f}x" if h and "static" in ok else "-")
+        cells.append(
+            f"{ok['static']['step_time_s'] / h['step_time_s']:.2f}x"
+            if h and "static" in ok
+            else "-"
+        )
         cells.append(f"{min(base) / h['step_time_s']:.2f}x" if h and base else "-")
         cells.append(f"{h['imbalance']:.2f}" if h else "-")
         cells.append(f"{h['exposed_comm_s']:.2f}" if h else "-")
@@ -110,8 +146,12 @@ def chart(rows: list[dict], names: list[str], path: Path) -> None:
         x = np.arange(len(sub))
         width = 0.8 / len(names)
         for i, s in enumerate(names):
-            vals = [r["results"][s]["step_time_s"] / r["results"][s]["lower_bound_s"] if "error" not in r["results"][s]
-                    else np.nan for r in sub]
+            vals = [
+                r["results"][s]["step_time_s"] / r["results"][s]["lower_bound_s"]
+                if "error" not in r["results"][s]
+                else np.nan
+                for r in sub
+            ]
             ax.bar(x + i * width, vals, width, label=s)
         ax.set_xticks(x + width * (len(names) - 1) / 2, [str(r["gpus"]) for r in sub])
         ax.set_yscale("log")

@@ -22,9 +22,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "launch"), str(ROOT)]
 
 
 def _rank(rank: int, world: int, argv: list[str]) -> None:
-    import torch
-
     import pretrain
+    import torch
 
     torch.set_num_threads(1)
     pretrain.train(pretrain.parse_args(argv), rank, world, world, torch.device("cpu"))
@@ -46,21 +45,54 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for s in args.strategies.split(","):
             out = Path(tmp) / f"{s}.jsonl"
-            argv = ["--model", "tiny", "--workload", "wlb-128k", "--synthetic-docs", "2000", "--tokens-per-step",
-                    args.tokens_per_step, "--max-seq", args.max_seq, "--capacity", args.capacity, "--steps",
-                    str(args.steps), "--strategy", s, "--metrics", str(out), "--log-every", str(10 ** 6)]
+            argv = [
+                "--model",
+                "tiny",
+                "--workload",
+                "wlb-128k",
+                "--synthetic-docs",
+                "2000",
+                "--tokens-per-step",
+                args.tokens_per_step,
+                "--max-seq",
+                args.max_seq,
+                "--capacity",
+                args.capacity,
+                "--steps",
+                str(args.steps),
+                "--strategy",
+                s,
+                "--metrics",
+                str(out),
+                "--log-every",
+                str(10**6),
+            ]
             run_ranks(_rank, args.ranks, argv, timeout=3600)
             recs = [json.loads(x) for x in out.read_text().splitlines()][1:]  # first step: warm-up
             mean = lambda k: sum(r[k] for r in recs) / len(recs)  # noqa: E731
-            rows.append((s, mean("step_time_s"), mean("imbalance"), mean("predicted_step_s"), mean("loss"),
-                         mean("waves")))
-    print(f"{args.ranks} gloo ranks (1 thread each) on {os.cpu_count()} cores, tiny model, wlb-128k lengths, "
-          f"{args.tokens_per_step} tokens/step, max_seq {args.max_seq}, capacity {args.capacity}, "
-          f"mean of steps 2-{args.steps}:")
-    print(f"  {'strategy':<10} {'step s':>8} {'vs hdp':>7} {'imbalance':>10} {'predicted s':>12} {'measured/pred':>14} {'waves':>6}")
+            rows.append(
+                (
+                    s,
+                    mean("step_time_s"),
+                    mean("imbalance"),
+                    mean("predicted_step_s"),
+                    mean("loss"),
+                    mean("waves"),
+                )
+            )
+    print(
+        f"{args.ranks} gloo ranks (1 thread each) on {os.cpu_count()} cores, tiny model, wlb-128k lengths, "
+        f"{args.tokens_per_step} tokens/step, max_seq {args.max_seq}, capacity {args.capacity}, "
+        f"mean of steps 2-{args.steps}:"
+    )
+    print(
+        f"  {'strategy':<10} {'step s':>8} {'vs hdp':>7} {'imbalance':>10} {'predicted s':>12} {'measured/pred':>14} {'waves':>6}"
+    )
     base = next((r[1] for r in rows if r[0] == "hdp"), rows[0][1])
     for s, t, imb, pred, loss, waves in rows:
-        print(f"  {s:<10} {t:>8.3f} {t / base:>6.2f}x {imb:>10.2f} {pred:>12.3f} {t / pred:>14.2f} {waves:>6.1f}")
+        print(
+            f"  {s:<10} {t:>8.3f} {t / base:>6.2f}x {imb:>10.2f} {pred:>12.3f} {t / pred:>14.2f} {waves:>6.1f}"
+        )
     return 0
 
 

@@ -32,8 +32,14 @@ def plan_hash(plan: Plan) -> str:
     for a in (plan.seq_lens, plan.rank, plan.wave, plan.seq, plan.start, plan.end):
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(plan.offload, dtype=np.float64).tobytes())
-    meta = [plan.num_ranks, plan.num_waves, plan.sync, list(plan.barriers), plan.kv_block_tokens,
-            plan.capacity]
+    meta = [
+        plan.num_ranks,
+        plan.num_waves,
+        plan.sync,
+        list(plan.barriers),
+        plan.kv_block_tokens,
+        plan.capacity,
+    ]
     h.update(json.dumps(meta).encode())
     return h.hexdigest()[:16]
 
@@ -48,8 +54,11 @@ def grid_hashes(models, gpus, workloads, strategies, seed=0) -> dict[str, str]:
                 cluster = ClusterSpec.preset("h100", n)
                 cost = CostModel(model, cluster)
                 for strategy in strategies:
-                    name, kw = (("hdp", {"form": "megatron"}) if strategy == "hdp-megatron"
-                                else (strategy, {}))
+                    name, kw = (
+                        ("hdp", {"form": "megatron"})
+                        if strategy == "hdp-megatron"
+                        else (strategy, {})
+                    )
                     if name == "hybridcp":
                         kw = {"hybridcp_impl": "ours"}
                     key = f"{model_name}/{wl}/{n}/{strategy}"
@@ -63,7 +72,9 @@ def grid_hashes(models, gpus, workloads, strategies, seed=0) -> dict[str, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="llama-7b,llama-70b")
     ap.add_argument("--gpus", default="64,256,1024")
     ap.add_argument("--workloads", default=",".join(workload_names()))
@@ -72,8 +83,12 @@ def main() -> None:
     mode.add_argument("--write", metavar="JSON", help="record the hashes in this file")
     mode.add_argument("--check", metavar="JSON", help="compare with the hashes in this file")
     args = ap.parse_args()
-    got = grid_hashes(args.models.split(","), [int(g) for g in args.gpus.split(",")],
-                      args.workloads.split(","), args.strategies.split(","))
+    got = grid_hashes(
+        args.models.split(","),
+        [int(g) for g in args.gpus.split(",")],
+        args.workloads.split(","),
+        args.strategies.split(","),
+    )
     if args.write:
         with open(args.write, "w") as f:
             json.dump(got, f, indent=1, sort_keys=True)

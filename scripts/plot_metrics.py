@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot loss and throughput from one or more ``--metrics`` JSONL files of launch/pretrain.py.
 
-    python scripts/plot_metrics.py out/metrics.jsonl [more.jsonl ...] --out metrics.png
+python scripts/plot_metrics.py out/metrics.jsonl [more.jsonl ...] --out metrics.png
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ def main() -> int:
         ax_loss.plot(steps, [r["loss"] for r in recs], label=f.name)
         ax_tps.plot(steps, [r["tokens"] / r["step_time_s"] for r in recs], label=f.name)
         ax_imb.plot(steps, [r["imbalance"] for r in recs], label=f.name)
-    for ax, title in ((ax_loss, "loss"), (ax_tps, "tokens / s"), (ax_imb, "imbalance (slowest / mean busy)")):
+    for ax, title in (
+        (ax_loss, "loss"),
+        (ax_tps, "tokens / s"),
+        (ax_imb, "imbalance (slowest / mean busy)"),
+    ):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
     ax_loss.legend(fontsize=8)

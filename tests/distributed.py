@@ -34,7 +34,9 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     faulthandler.enable(all_threads=True)  # a rank that crashes prints where each thread was
     warm_up_exp()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from hdp.runtime import exit_without_teardown
 
     try:
@@ -49,7 +51,9 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
     """``fn(rank, world, *args)`` on ``world`` processes; raises if any fails or the deadline passes."""
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         # A grace period lets the other ranks write their errors too: the first rank noticed is

@@ -11,25 +11,67 @@ from planner.cli import plan_main, sim_main
 
 
 def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-c", "import sys; from planner.cli import sim_main, plan_main; "
-                           f"sys.exit({args[0]}(sys.argv[1:]))", *args[1:]],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from planner.cli import sim_main, plan_main; "
+            f"sys.exit({args[0]}(sys.argv[1:]))",
+            *args[1:],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_sim_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "sim.json", tmp_path / "sim.png"
-    rc = sim_main(["--workload", "wlb-128k", "--gpus", "16", "--tokens-per-step", "1M", "--steps", "2",
-                   "--hybridcp-impl", "ours", "--json", str(out_json), "--plot", str(out_png)])
+    rc = sim_main(
+        [
+            "--workload",
+            "wlb-128k",
+            "--gpus",
+            "16",
+            "--tokens-per-step",
+            "1M",
+            "--steps",
+            "2",
+            "--hybridcp-impl",
+            "ours",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
-    for col in ("step s", "vs static", "step/LB", "imbalance", "exposed comm s", "peak mem GB", "plan s", "MFU"):
+    for col in (
+        "step s",
+        "vs static",
+        "step/LB",
+        "imbalance",
+        "exposed comm s",
+        "peak mem GB",
+        "plan s",
+        "MFU",
+    ):
         assert col in text
     d = json.loads(out_json.read_text())
     assert d["config"]["gpus"] == 16 and d["config"]["tokens_per_step"] == 1 << 20
     for name in ("static", "hybridcp", "bytescale", "hdp"):
         r = d["results"][name]
-        for key in ("step_time_s", "lower_bound_s", "imbalance", "exposed_comm_s", "comm_bytes", "peak_mem_bytes",
-                    "plan_time_s", "mfu"):
+        for key in (
+            "step_time_s",
+            "lower_bound_s",
+            "imbalance",
+            "exposed_comm_s",
+            "comm_bytes",
+            "peak_mem_bytes",
+            "plan_time_s",
+            "mfu",
+        ):
             assert isinstance(r[key], float)
         assert r["step_time_s"] >= r["lower_bound_s"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -38,8 +80,23 @@ def test_sim_end_to_end(tmp_path, capsys):
 def test_sim_with_lengths_file(tmp_path, capsys):
     lens = tmp_path / "lens.txt"
     lens.write_text("\n".join(str(x) for x in [100, 2000, 30000, 500, 70000]) + "\n")
-    assert sim_main(["--lengths", str(lens), "--gpus", "8", "--tokens-per-step", "256K", "--strategies", "hdp,static",
-                     "--steps", "1"]) == 0
+    assert (
+        sim_main(
+            [
+                "--lengths",
+                str(lens),
+                "--gpus",
+                "8",
+                "--tokens-per-step",
+                "256K",
+                "--strategies",
+                "hdp,static",
+                "--steps",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "hdp" in capsys.readouterr().out
 
 
@@ -55,23 +112,54 @@ def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["sim_main", "--workload", "nope", "--gpus", "8"], "unknown workload 'nope'"),
-    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--model", "gpt-5"], "unknown model preset 'gpt-5'"),
-    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--gpu", "tpu"], "unknown GPU preset 'tpu'"),
-    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--strategies", "ring"], "unknown strategy ring"),
-    (["sim_main", "--workload", "wlb-128k", "--gpus", "0"], "must be >= 1"),
-    (["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--max-seq", "2X"], "invalid size '2X'"),
-    (["plan_main", "--lengths", "{bad}", "--gpus", "8", "--out", "{out}"], "line 2: 'x12' is not an integer"),
-    (["plan_main", "--lengths", "{neg}", "--gpus", "8", "--out", "{out}"], "line 3: sequence length -4 is negative"),
-    (["plan_main", "--lengths", "{huge}", "--gpus", "2", "--out", "{out}"], "cannot hold a 3000000-token sequence"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sim_main", "--workload", "nope", "--gpus", "8"], "unknown workload 'nope'"),
+        (
+            ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--model", "gpt-5"],
+            "unknown model preset 'gpt-5'",
+        ),
+        (
+            ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--gpu", "tpu"],
+            "unknown GPU preset 'tpu'",
+        ),
+        (
+            ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--strategies", "ring"],
+            "unknown strategy ring",
+        ),
+        (["sim_main", "--workload", "wlb-128k", "--gpus", "0"], "must be >= 1"),
+        (
+            ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--max-seq", "2X"],
+            "invalid size '2X'",
+        ),
+        (
+            ["plan_main", "--lengths", "{bad}", "--gpus", "8", "--out", "{out}"],
+            "line 2: 'x12' is not an integer",
+        ),
+        (
+            ["plan_main", "--lengths", "{neg}", "--gpus", "8", "--out", "{out}"],
+            "line 3: sequence length -4 is negative",
+        ),
+        (
+            ["plan_main", "--lengths", "{huge}", "--gpus", "2", "--out", "{out}"],
+            "cannot hold a 3000000-token sequence",
+        ),
+    ],
+)
 def test_errors_are_clear(tmp_path, args, message):
     (tmp_path / "bad.txt").write_text("10\nx12\n")
     (tmp_path / "neg.txt").write_text("10\n20\n-4\n")
     (tmp_path / "huge.txt").write_text("3000000\n")
-    args = [a.format(bad=tmp_path / "bad.txt", neg=tmp_path / "neg.txt", huge=tmp_path / "huge.txt",
-                     out=tmp_path / "o.json") for a in args]
+    args = [
+        a.format(
+            bad=tmp_path / "bad.txt",
+            neg=tmp_path / "neg.txt",
+            huge=tmp_path / "huge.txt",
+            out=tmp_path / "o.json",
+        )
+        for a in args
+    ]
     res = run_cli(*args)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr
@@ -90,11 +178,28 @@ def test_plan_hdp_forms(tmp_path):
     """--hdp-form megatron: every sequence on one rank or an aligned power-of-two block;
     --hdp-form whole: every sequence on one rank."""
     lens = tmp_path / "lens.txt"
-    lens.write_text("\n".join(str(x) for x in [300000, 120000, 60000, 9000, 4000, 2500, 700] * 3) + "\n")
+    lens.write_text(
+        "\n".join(str(x) for x in [300000, 120000, 60000, 9000, 4000, 2500, 700] * 3) + "\n"
+    )
     for form in ("megatron", "whole"):
         out = tmp_path / f"{form}.json"
         extra = ["--capacity", "320K"] if form == "whole" else []
-        assert plan_main(["--lengths", str(lens), "--gpus", "16", "--hdp-form", form, "--out", str(out), *extra]) == 0
+        assert (
+            plan_main(
+                [
+                    "--lengths",
+                    str(lens),
+                    "--gpus",
+                    "16",
+                    "--hdp-form",
+                    form,
+                    "--out",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         plan = Plan.load(out)
         holders = {}
         for s, r in zip(plan.seq.tolist(), plan.rank.tolist()):
@@ -105,6 +210,17 @@ def test_plan_hdp_forms(tmp_path):
                 assert k == 1
             else:
                 assert ranks == set(range(lo, lo + k)) and k & (k - 1) == 0 and lo % k == 0
-    res = run_cli("plan_main", "--lengths", str(lens), "--gpus", "16", "--hdp-form", "whole", "--capacity", "160K",
-                  "--out", str(tmp_path / "x.json"))
+    res = run_cli(
+        "plan_main",
+        "--lengths",
+        str(lens),
+        "--gpus",
+        "16",
+        "--hdp-form",
+        "whole",
+        "--capacity",
+        "160K",
+        "--out",
+        str(tmp_path / "x.json"),
+    )
     assert res.returncode == 2 and "does not fit one rank's 163840 tokens" in res.stderr

@@ -46,7 +46,9 @@ def test_flops_per_layer(cm):
         head = cm.causal_pairs(k, k + q // 2)
         tail = cm.causal_pairs(L - k - q // 2, L - k)
         assert head + tail == q * (L + 1) / 2
-    no_ckpt = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), activation_checkpointing=False)
+    no_ckpt = CostModel(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", 8), activation_checkpointing=False
+    )
     assert no_ckpt.linear_flops_per_token == 2 * P_LAYER * 3
     assert no_ckpt.attn_flops_per_pair == 4 * 32 * 128 * 3.5
 
@@ -63,7 +65,9 @@ def _reference_curve():
     return {L: e / top for L, e in rows}
 
 
-@pytest.mark.skipif(not (SHARED / "profiles").exists(), reason="../shared/data not beside the checkout")
+@pytest.mark.skipif(
+    not (SHARED / "profiles").exists(), reason="../shared/data not beside the checkout"
+)
 def test_attention_efficiency_curve_matches_measurement():
     ref = _reference_curve()
     g = gpu_preset("h100")
@@ -78,7 +82,10 @@ def test_single_sequence_time(cm):
     pairs = 4096 * 4097 / 2
     attn = 32 * pairs * 4 * 32 * 128 * 4.5 / (g.peak_flops * g.attn_efficiency(4096))
     lin_eff = g.linear_max_efficiency * 4096 / (4096 + g.linear_half_tokens)
-    dense = 4096 * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3) / (g.peak_flops * lin_eff) + 32 * g.layer_overhead_s
+    dense = (
+        4096 * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3) / (g.peak_flops * lin_eff)
+        + 32 * g.layer_overhead_s
+    )
     assert cm.seq_time(4096) == pytest.approx(attn + dense, rel=1e-12)
     plan = Plan.from_shards([4096], 8, [[[(0, 0, 4096)]] + [[]] * 7])
     rep = cm.evaluate(plan)
@@ -103,7 +110,9 @@ def test_memory_terms(cm):
     loss = 4096 * 32000 * (2 + 4)
     kv_buf = 2 * 8192 * 16384 * 3  # two blocks of K/V (bf16) with fp32 dK/dV in flight
     mem = cm.memory(10_000, 0.0, 8192, "wave")
-    assert mem == pytest.approx(static_wave + loss + 10_000 * (32 * 4096 * 2 + cm.working_bytes_per_token) + kv_buf)
+    assert mem == pytest.approx(
+        static_wave + loss + 10_000 * (32 * 4096 * 2 + cm.working_bytes_per_token) + kv_buf
+    )
     # Capacity: the most tokens (multiple of 128) whose memory fits the budget.
     budget = 80e9 * 0.92 - 3e9
     for sync in ("wave", "peer"):
@@ -133,20 +142,34 @@ def test_kv_traffic_two_ranks(cm):
 
 def test_kv_traffic_across_nodes():
     cm = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 16))
-    plan = Plan.from_shards([8192], 16, [[[(0, 0, 4096)]] + [[]] * 8 + [[(0, 4096, 8192)]] + [[]] * 6])
+    plan = Plan.from_shards(
+        [8192], 16, [[[(0, 0, 4096)]] + [[]] * 8 + [[(0, 4096, 8192)]] + [[]] * 6]
+    )
     tr = cm.kv_traffic(plan)
     assert tr.in_inter[0, 9] == 4096 and tr.in_intra[0, 9] == 0 and tr.out_inter[0, 0] == 4096
     t_fwd, _ = cm.comm_time_per_layer(tr)
-    assert t_fwd[0, 9] == pytest.approx(4096 * 16384 / cm.cluster.gpu.nic_bw + cm.cluster.gpu.nic_latency)
+    assert t_fwd[0, 9] == pytest.approx(
+        4096 * 16384 / cm.cluster.gpu.nic_bw + cm.cluster.gpu.nic_latency
+    )
 
 
 def test_lower_bound_and_mfu(cm):
     lens = np.array([4096, 100_000])
     g = cm.cluster.gpu
-    attn = sum(32 * (L * (L + 1) / 2) * 4 * 32 * 128 * 4.5 / (g.peak_flops * g.attn_efficiency(L)) for L in lens)
-    dense = lens.sum() * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3) / (g.peak_flops * g.linear_max_efficiency)
+    attn = sum(
+        32 * (L * (L + 1) / 2) * 4 * 32 * 128 * 4.5 / (g.peak_flops * g.attn_efficiency(L))
+        for L in lens
+    )
+    dense = (
+        lens.sum()
+        * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3)
+        / (g.peak_flops * g.linear_max_efficiency)
+    )
     assert cm.lower_bound(lens) == pytest.approx((attn + dense) / 8)
-    flops = lens.sum() * (32 * 2 * P_LAYER + 2 * 32000 * 4096) * 3 + sum(L * (L + 1) / 2 for L in lens) * 4 * 32 * 128 * 3 * 32
+    flops = (
+        lens.sum() * (32 * 2 * P_LAYER + 2 * 32000 * 4096) * 3
+        + sum(L * (L + 1) / 2 for L in lens) * 4 * 32 * 128 * 3 * 32
+    )
     assert cm.model_flops(lens) == pytest.approx(flops)
 
 
@@ -172,12 +195,23 @@ def test_wave_and_peer_step_time():
 
 
 def test_presets_and_sizes():
-    assert parse_size("2M") == 2_097_152 and parse_size("64K") == 65536 and parse_size("32m") == 32 << 20
+    assert (
+        parse_size("2M") == 2_097_152
+        and parse_size("64K") == 65536
+        and parse_size("32m") == 32 << 20
+    )
     assert parse_size("1000") == 1000
     for bad in ("", "abc", "-5", "1.5"):
         with pytest.raises(ValueError):
             parse_size(bad)
-    assert set(MODEL_PRESETS) >= {"tiny", "llama-1b", "llama-7b", "llama-13b", "llama-30b", "llama-70b"}
+    assert set(MODEL_PRESETS) >= {
+        "tiny",
+        "llama-1b",
+        "llama-7b",
+        "llama-13b",
+        "llama-30b",
+        "llama-70b",
+    }
     assert set(GPU_PRESETS) >= {"h100", "a100-80g", "a100-40g", "h200", "cpu"}
     with pytest.raises(ValueError, match="unknown model preset 'llama-9b'.*llama-7b"):
         model_preset("llama-9b")

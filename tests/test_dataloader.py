@@ -5,9 +5,9 @@ import time
 
 import numpy as np
 import pytest
+from distributed import run_ranks
 
 from dataloader import IGNORE_INDEX, BatchStream, HDPDataLoader, JsonlSource, SyntheticSource
-from distributed import run_ranks
 from hdp import ClusterSpec, model_preset
 
 
@@ -47,7 +47,9 @@ def test_every_token_exactly_once_per_epoch():
 
 def test_outliers_are_spread_over_steps():
     lens = np.array([4096] * 8 + [100] * 2000)
-    stream = BatchStream([lens], tokens_per_step=16384, max_seq=4096, seed=0, lookahead_steps=8, outlier_tokens=2048)
+    stream = BatchStream(
+        [lens], tokens_per_step=16384, max_seq=4096, seed=0, lookahead_steps=8, outlier_tokens=2048
+    )
     batches = [stream.next_batch().seqs for _ in range(12)]
     per_step = [sum(s.length >= 2048 for s in b) for b in batches]
     assert max(per_step) <= 2, per_step  # never all eight long documents in one step
@@ -104,8 +106,15 @@ def test_bad_configuration():
 def make_loader(path, world, strategy="hdp", seed=0, plan_ahead=2, tokens=4096, state=None):
     src = JsonlSource(path, vocab_size=512)
     stream = BatchStream([src.lengths], tokens_per_step=tokens, max_seq=1024, seed=seed)
-    loader = HDPDataLoader([src], stream, ClusterSpec.preset("cpu", world, 2), model_preset("tiny"), strategy,
-                           plan_ahead=plan_ahead, plan_options={"capacity": 2048})
+    loader = HDPDataLoader(
+        [src],
+        stream,
+        ClusterSpec.preset("cpu", world, 2),
+        model_preset("tiny"),
+        strategy,
+        plan_ahead=plan_ahead,
+        plan_options={"capacity": 2048},
+    )
     if state is not None:
         loader.load_state_dict(state)
     return loader, src
@@ -130,9 +139,9 @@ def check_wave_data(step, src, world_rank):
             ref = step.seqs[s]
             lo, hi = wd.cu_seqlens[i].item(), wd.cu_seqlens[i + 1].item()
             doc = src.read(ref.doc)
-            assert wd.input_ids[lo:hi].tolist() == doc[ref.offset + a: ref.offset + b].tolist()
+            assert wd.input_ids[lo:hi].tolist() == doc[ref.offset + a : ref.offset + b].tolist()
             assert wd.position_ids[lo:hi].tolist() == list(range(a, b))
-            want = doc[ref.offset + a + 1: ref.offset + min(b + 1, ref.length)].tolist()
+            want = doc[ref.offset + a + 1 : ref.offset + min(b + 1, ref.length)].tolist()
             if b == ref.length:
                 want.append(IGNORE_INDEX)
             assert wd.labels[lo:hi].tolist() == want
@@ -231,14 +240,25 @@ def test_loader_rejects_a_cluster_of_the_wrong_size(tmp_path):
     p, _ = write_corpus(tmp_path)
     src = JsonlSource(p, vocab_size=512)
     with pytest.raises(ValueError, match="cluster spec has 4 ranks but the process group has 1"):
-        HDPDataLoader([src], BatchStream([src.lengths], 4096, 1024), ClusterSpec.preset("cpu", 4), model_preset("tiny"))
+        HDPDataLoader(
+            [src],
+            BatchStream([src.lengths], 4096, 1024),
+            ClusterSpec.preset("cpu", 4),
+            model_preset("tiny"),
+        )
 
 
 def test_synthetic_source_through_the_loader():
     src = SyntheticSource("wlb-128k", 200, 512, seed=0)
     stream = BatchStream([src.lengths], 1 << 16, 1 << 14)
-    loader = HDPDataLoader([src], stream, ClusterSpec.preset("cpu", 1), model_preset("tiny"), "hdp",
-                           plan_options={"capacity": 1 << 16})
+    loader = HDPDataLoader(
+        [src],
+        stream,
+        ClusterSpec.preset("cpu", 1),
+        model_preset("tiny"),
+        "hdp",
+        plan_options={"capacity": 1 << 16},
+    )
     step = next(loader)
     assert sum(w.input_ids.numel() for w in step.waves) == step.tokens
     assert all(int(w.input_ids.max()) < 512 for w in step.waves if w.input_ids.numel())

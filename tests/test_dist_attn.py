@@ -6,19 +6,25 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from hdp import ClusterSpec, Plan, model_preset
 from planner import STRATEGIES, PlanningError, plan_step
 
 
-def random_plan(rng: np.random.Generator, n: int, waves: int, lens: list[int], max_cuts: int = 6) -> Plan:
+def random_plan(
+    rng: np.random.Generator, n: int, waves: int, lens: list[int], max_cuts: int = 6
+) -> Plan:
     """Cut every sequence at random points and put each piece on a random rank of one random wave."""
     cells = [[[] for _ in range(n)] for _ in range(waves)]
     for s, L in enumerate(lens):
         if L == 0:
             continue
-        cuts = sorted(set(rng.integers(1, L, size=rng.integers(0, max_cuts + 1)).tolist())) if L > 1 else []
+        cuts = (
+            sorted(set(rng.integers(1, L, size=rng.integers(0, max_cuts + 1)).tolist()))
+            if L > 1
+            else []
+        )
         bounds = [0] + cuts + [L]
         w = int(rng.integers(0, waves))
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -42,7 +48,10 @@ def many_short_and_one_long(n: int) -> Plan:
     cells = [[[] for _ in range(n)]]
     for i in range(n):  # the long one zigzag over all ranks, in 2n chunks
         b = np.linspace(0, 700, 2 * n + 1).astype(int)
-        cells[0][i] += [(0, int(b[i]), int(b[i + 1])), (0, int(b[2 * n - 1 - i]), int(b[2 * n - i]))]
+        cells[0][i] += [
+            (0, int(b[i]), int(b[i + 1])),
+            (0, int(b[2 * n - 1 - i]), int(b[2 * n - i])),
+        ]
     for s in range(1, len(lens)):
         cells[0][(s * 3) % n].append((s, 0, lens[s]))
     return Plan.from_shards(lens, n, cells)
@@ -61,7 +70,12 @@ def global_tensors(plan: Plan, H: int, Hk: int, d: int, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for L in plan.seq_lens.tolist():
-        seqs.append(tuple(torch.randn(L, h, d, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hk, Hk, H)))
+        seqs.append(
+            tuple(
+                torch.randn(L, h, d, generator=g, dtype=torch.float64).to(dtype)
+                for h in (H, Hk, Hk, H)
+            )
+        )
     return seqs  # per sequence: q, k, v, dout
 
 
@@ -74,8 +88,13 @@ def reference(seqs, H: int, Hk: int, scale: float):
             res.append((q, q, k, v))
             continue
         rep = H // Hk
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
-                                           v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.repeat_interleave(rep, 1).transpose(0, 1),
+            v.repeat_interleave(rep, 1).transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+        )
         o = o.transpose(0, 1)
         o.backward(do.double())
         res.append((o.detach(), q.grad, k.grad, v.grad))
@@ -111,7 +130,9 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
             sent_tokens = int(plan.kv_tokens_sent(w)[rank])
             assert COMM.fwd_bytes_sent == sent_tokens * kvb, (idx, w)
             recv_tokens = sum(m.tokens for rnd in plan.comm_rounds(w) for m in rnd if m.dst == rank)
-            assert COMM.bwd_bytes_sent == sent_tokens * kvb + recv_tokens * 2 * Hk * d * (8 if dtype == torch.float64 else 4)
+            assert COMM.bwd_bytes_sent == sent_tokens * kvb + recv_tokens * 2 * Hk * d * (
+                8 if dtype == torch.float64 else 4
+            )
             for got, want_idx in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
                 want = local(plan, rank, w, [r[want_idx] for r in ref])
                 if want.numel() == 0:
@@ -120,13 +141,16 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
                 diff = (got.double() - want).abs()
                 err = diff.max().item()
                 bound = tol if dtype == torch.float64 else tol * max(1.0, want.abs().max().item())
-                if err > bound:  # say which rows, to tell a stale message (whole blocks) from rounding
+                if (
+                    err > bound
+                ):  # say which rows, to tell a stale message (whole blocks) from rounding
                     rows = (diff.flatten(1).amax(1) > bound).nonzero().flatten().tolist()
                     where = [(s, a + i) for s, a, b in plan.shards(rank, w) for i in range(b - a)]
                     raise AssertionError(
                         f"case {idx} wave {w} rank {rank} tensor {want_idx}: error {err:.3g} > {bound:.3g} in "
                         f"{len(rows)} of {diff.shape[0]} rows, (sequence, position) {[where[r] for r in rows[:8]]}; "
-                        f"rounds {[[(m.src, m.dst, m.tokens) for m in rnd] for rnd in plan.comm_rounds(w)]}")
+                        f"rounds {[[(m.src, m.dst, m.tokens) for m in rnd] for rnd in plan.comm_rounds(w)]}"
+                    )
 
 
 def make_cases(n: int, seed: int) -> list:
@@ -140,11 +164,16 @@ def make_cases(n: int, seed: int) -> list:
         random_plan(rng, n, 2, rng.integers(1, 90, size=8).tolist()),
     ]
     heads = [(4, 4, 8), (4, 2, 8), (6, 1, 4), (4, 2, 16), (2, 2, 8), (4, 1, 8)]
-    return [(p.to_json(), H, Hk, d, 100 + i, 0.37 if i % 2 else None) for i, (p, (H, Hk, d)) in enumerate(zip(plans, heads))]
+    return [
+        (p.to_json(), H, Hk, d, 100 + i, 0.37 if i % 2 else None)
+        for i, (p, (H, Hk, d)) in enumerate(zip(plans, heads))
+    ]
 
 
 def _fix_scale(cases):
-    return [(p, H, Hk, d, s, sc if sc is not None else 1.0 / d ** 0.5) for p, H, Hk, d, s, sc in cases]
+    return [
+        (p, H, Hk, d, s, sc if sc is not None else 1.0 / d**0.5) for p, H, Hk, d, s, sc in cases
+    ]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -162,8 +191,15 @@ def test_plans_from_every_strategy():
     for i, strategy in enumerate(STRATEGIES):
         for sync in ("peer", "wave"):
             try:
-                plan = plan_step(lens, ClusterSpec.preset("h100", 4, 2), model_preset("tiny"), strategy, capacity=200,
-                                 sync=sync, hybridcp_impl="ours")
+                plan = plan_step(
+                    lens,
+                    ClusterSpec.preset("h100", 4, 2),
+                    model_preset("tiny"),
+                    strategy,
+                    capacity=200,
+                    sync=sync,
+                    hybridcp_impl="ours",
+                )
             except PlanningError:
                 continue
             cases.append((plan.to_json(), 4, 2, 8, 7 + i, 0.25))
@@ -178,7 +214,10 @@ def deterministic_rank(rank: int, world: int, plan_json: dict, path: str) -> Non
     seqs = global_tensors(plan, 4, 2, 8, torch.float32, 3)
     outs = []
     for _ in range(2):
-        q, k, v, do = (local(plan, rank, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4))
+        q, k, v, do = (
+            local(plan, rank, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3)
+            for i in range(4)
+        )
         out = dist_attn(q, k, v, plan, 0)
         (out * do).sum().backward()
         outs.append([out.detach(), q.grad, k.grad, v.grad])
@@ -196,7 +235,9 @@ def test_single_process_without_distributed():
     plan = Plan.from_shards([40, 9], 1, [[[(1, 0, 9), (0, 0, 25), (0, 25, 40)]]])
     seqs = global_tensors(plan, 2, 1, 4, torch.float64, 0)
     ref = reference(seqs, 2, 1, 0.5)
-    q, k, v, do = (local(plan, 0, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4))
+    q, k, v, do = (
+        local(plan, 0, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4)
+    )
     out = dist_attn(q, k, v, plan, 0, softmax_scale=0.5)
     (out * do).sum().backward()
     assert torch.allclose(out, local(plan, 0, 0, [r[0] for r in ref]), atol=1e-12)
@@ -214,19 +255,28 @@ def test_bad_inputs_are_clear():
     with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
         dist_attn(torch.zeros(10, 3, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), plan, 0)
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
-        dist_attn(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4),
-                  Plan.from_shards([10], 2, [[[(0, 0, 10)], []]]), 0)
+        dist_attn(
+            torch.zeros(10, 2, 4),
+            torch.zeros(10, 2, 4),
+            torch.zeros(10, 2, 4),
+            Plan.from_shards([10], 2, [[[(0, 0, 10)], []]]),
+            0,
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_on_cuda_single_rank():
     from attention import dist_attn
 
-    plan = Plan.from_shards([3000, 129, 1], 1, [[[(1, 0, 129), (0, 0, 1000), (2, 0, 1), (0, 1000, 3000)]]])
+    plan = Plan.from_shards(
+        [3000, 129, 1], 1, [[[(1, 0, 129), (0, 0, 1000), (2, 0, 1), (0, 1000, 3000)]]]
+    )
     seqs = global_tensors(plan, 8, 2, 64, torch.float64, 0)
     ref = reference(seqs, 8, 2, 0.125)
-    q, k, v, do = (local(plan, 0, 0, [s[i] for s in seqs]).to("cuda", torch.bfloat16).requires_grad_(i < 3)
-                   for i in range(4))
+    q, k, v, do = (
+        local(plan, 0, 0, [s[i] for s in seqs]).to("cuda", torch.bfloat16).requires_grad_(i < 3)
+        for i in range(4)
+    )
     out = dist_attn(q, k, v, plan, 0, softmax_scale=0.125)
     (out * do).sum().backward()
     assert out.dtype == torch.bfloat16

@@ -6,16 +6,21 @@ import pytest
 from hdp.workloads import get_workload
 from planner.hybridcp import BalancedCPSchedule, megatron_available, megatron_groups
 
-pytestmark = pytest.mark.skipif(not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')")
+pytestmark = pytest.mark.skipif(
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
+)
 
 
-@pytest.mark.parametrize("workload, ranks, cap, tokens", [
-    ("wlb-128k", 64, 16384, 1 << 20),
-    ("wikipedia-384k", 64, 16384, 1 << 20),
-    ("byted-2m", 256, 65536, 8 << 20),
-    ("github-2m", 128, 65536, 4 << 20),
-    ("wlb-128k", 8, 4096, 1 << 17),
-])
+@pytest.mark.parametrize(
+    "workload, ranks, cap, tokens",
+    [
+        ("wlb-128k", 64, 16384, 1 << 20),
+        ("wikipedia-384k", 64, 16384, 1 << 20),
+        ("byted-2m", 256, 65536, 8 << 20),
+        ("github-2m", 128, 65536, 4 << 20),
+        ("wlb-128k", 8, 4096, 1 << 17),
+    ],
+)
 def test_same_groups_as_megatron(workload, ranks, cap, tokens):
     w = get_workload(workload)
     rng = np.random.default_rng(7)
@@ -30,4 +35,8 @@ def test_same_groups_on_random_small_batches():
         ranks = int(2 ** rng.integers(0, 5))
         cap = int(rng.integers(50, 500))
         lens = rng.integers(1, cap * ranks + 1, size=int(rng.integers(1, 40))).tolist()
-        assert BalancedCPSchedule(cap, ranks).groups(lens) == megatron_groups(lens, cap, ranks), (ranks, cap, lens)
+        assert BalancedCPSchedule(cap, ranks).groups(lens) == megatron_groups(lens, cap, ranks), (
+            ranks,
+            cap,
+            lens,
+        )

@@ -6,24 +6,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import PartialAttention, get_backend, select_backend
-from attention import kernels
+from attention import PartialAttention, get_backend, kernels, select_backend
 
 
 def sdpa_segments(q, k, v, cu_q, cu_k, causal, scale):
     """Per segment, float64: output and log-sum-exp from the explicit score matrix."""
     outs, lses = [], []
     H, Hk = q.shape[1], k.shape[1]
-    for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    for a, b, c, e in zip(
+        cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()
+    ):
         qq = q[a:b].double().transpose(0, 1)
         kk = k[c:e].double().repeat_interleave(H // Hk, 1).transpose(0, 1)
         vv = v[c:e].double().repeat_interleave(H // Hk, 1).transpose(0, 1)
         s = qq @ kk.transpose(1, 2) * scale
         if causal:
-            s = s.masked_fill(torch.ones(b - a, e - c, dtype=torch.bool).triu(1 + (e - c) - (b - a)), -math.inf)
+            s = s.masked_fill(
+                torch.ones(b - a, e - c, dtype=torch.bool).triu(1 + (e - c) - (b - a)), -math.inf
+            )
         lses.append(torch.logsumexp(s, -1))
-        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale).transpose(0, 1)
-                    if causal else (torch.softmax(s, -1) @ vv).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, scale=scale).transpose(
+                0, 1
+            )
+            if causal
+            else (torch.softmax(s, -1) @ vv).transpose(0, 1)
+        )
     return torch.cat(outs), torch.cat(lses, 1)
 
 
@@ -48,7 +56,9 @@ def test_reference_crosses_chunk_boundaries(monkeypatch, causal):
     o, _ = sdpa_segments(qr, kr, vr, cu_q, cu_k, causal, 0.3)
     do = torch.randn_like(o)
     o.backward(do)
-    dq, dk, dv = be.backward(do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal, 0.3)
+    dq, dk, dv = be.backward(
+        do, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal, 0.3
+    )
     for got, want in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
         assert torch.allclose(got, want, atol=1e-11)
 
@@ -62,7 +72,9 @@ def test_rows_without_keys_and_float32():
     out, lse = be.forward(q, k, k, cu_q, cu_k, 3, 3, False, 0.5)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert (out[:2] == 0).all() and torch.isinf(lse[:, :2]).all()
-    want, want_lse = sdpa_segments(q[2:], k, k, torch.tensor([0, 3]), torch.tensor([0, 3]), False, 0.5)
+    want, want_lse = sdpa_segments(
+        q[2:], k, k, torch.tensor([0, 3]), torch.tensor([0, 3]), False, 0.5
+    )
     assert torch.allclose(out[2:].double(), want, atol=1e-6)
 
 
@@ -76,9 +88,21 @@ def test_partial_attention_merge_is_exact():
     acc = PartialAttention(6, 2, 4, torch.float64, q.device)
     rows = torch.arange(6)
     for a, b in ((0, 4), (4, 10)):
-        o, l = be.forward(q, k[a:b], k[a:b], cu6, torch.tensor([0, b - a], dtype=torch.int32), 6, b - a, False, 1.0)
+        o, l = be.forward(
+            q,
+            k[a:b],
+            k[a:b],
+            cu6,
+            torch.tensor([0, b - a], dtype=torch.int32),
+            6,
+            b - a,
+            False,
+            1.0,
+        )
         acc.merge(rows, o, l)
-    assert torch.allclose(acc.out, whole, atol=1e-13) and torch.allclose(acc.lse, whole_lse, atol=1e-13)
+    assert torch.allclose(acc.out, whole, atol=1e-13) and torch.allclose(
+        acc.lse, whole_lse, atol=1e-13
+    )
 
 
 def test_cpu_selects_the_reference():
@@ -106,14 +130,27 @@ def test_gpu_backends_match_the_reference(name, causal):
     k = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
     out, lse = be.forward(q, k, v, cu, cu, max(lens), max(lens), causal, 0.125)
-    want, want_lse = get_backend("reference").forward(q.double(), k.double(), v.double(), cu, cu, max(lens), max(lens),
-                                                      causal, 0.125)
+    want, want_lse = get_backend("reference").forward(
+        q.double(), k.double(), v.double(), cu, cu, max(lens), max(lens), causal, 0.125
+    )
     assert lse.shape == (8, T) and lse.dtype == torch.float32
     assert (out.double() - want).abs().max() < 2e-2
     assert (lse.double() - want_lse).abs().max() < 1e-2
     do = torch.randn_like(q)
     dq, dk, dv = be.backward(do, q, k, v, out, lse, cu, cu, max(lens), max(lens), causal, 0.125)
-    rq, rk, rv = get_backend("reference").backward(do.double(), q.double(), k.double(), v.double(), want, want_lse,
-                                                   cu, cu, max(lens), max(lens), causal, 0.125)
+    rq, rk, rv = get_backend("reference").backward(
+        do.double(),
+        q.double(),
+        k.double(),
+        v.double(),
+        want,
+        want_lse,
+        cu,
+        cu,
+        max(lens),
+        max(lens),
+        causal,
+        0.125,
+    )
     for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
         assert (got.double() - ref).abs().max() < 5e-2 * max(1.0, ref.abs().max().item())

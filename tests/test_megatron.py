@@ -14,17 +14,21 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from distributed import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed import run_ranks
 from planner import PlanningError
 from planner.hybridcp import GroupOfSize, megatron_available
 
-pytestmark = pytest.mark.skipif(not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')")
+pytestmark = pytest.mark.skipif(
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
+)
 
 
-def check_megatron_can_run(sample_id_groups, groups, id_len: dict[int, int], n: int, cap: int) -> None:
+def check_megatron_can_run(
+    sample_id_groups, groups, id_len: dict[int, int], n: int, cap: int
+) -> None:
     """What Megatron's hybrid_context_parallel_forward_backward needs of a schedule."""
     seen: dict[int, int] = {}
     for g, (ids_group, lens_group) in enumerate(zip(sample_id_groups, groups)):
@@ -50,13 +54,17 @@ def check_megatron_can_run(sample_id_groups, groups, id_len: dict[int, int], n: 
             for r in range(n):
                 if pos[r] < len(ids_group[r]):
                     s = ids_group[r][pos[r]]
-                    if all(pos[q] < len(ids_group[q]) and ids_group[q][pos[q]] == s for q in holders[s]):
+                    if all(
+                        pos[q] < len(ids_group[q]) and ids_group[q][pos[q]] == s for q in holders[s]
+                    ):
                         for q in holders[s]:
                             pos[q] += 1
                         moved = True
             assert moved, f"group {g} deadlocks"
     assert set(seen) == {s for s, L in id_len.items() if L > 0}
-    assert all(sample_id_groups[-1][r] for r in range(n)), "a rank has no sub-sample in the last group"
+    assert all(sample_id_groups[-1][r] for r in range(n)), (
+        "a rank has no sub-sample in the last group"
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -68,7 +76,9 @@ def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
     lens = data.draw(st.lists(st.integers(1, cap * n), min_size=count, max_size=count))
     ids = data.draw(st.permutations(list(range(1000, 1000 + count))))
     id_len = dict(zip(ids, lens))
-    groups, sample_id_groups = HDPScheduler(cap, GroupOfSize(n)).get_groups_and_subsamples(list(id_len.items()), None)
+    groups, sample_id_groups = HDPScheduler(cap, GroupOfSize(n)).get_groups_and_subsamples(
+        list(id_len.items()), None
+    )
     check_megatron_can_run(sample_id_groups, groups, id_len, n, cap)
 
 
@@ -80,13 +90,24 @@ def test_megatron_scheduler_errors():
     with pytest.raises(PlanningError, match="no sub-sample"):
         HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 0)], None)
     with pytest.raises(PlanningError, match="cannot hold a 9000-token sequence"):
-        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 9000)], None)
+        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples(
+            [(i, 600) for i in range(8)] + [(9, 9000)], None
+        )
     with pytest.raises(PlanningError, match="needs a CP group of 8 ranks"):
-        HDPScheduler(1024, GroupOfSize(6)).get_groups_and_subsamples([(i, 600) for i in range(8)] + [(9, 5000)], None)
+        HDPScheduler(1024, GroupOfSize(6)).get_groups_and_subsamples(
+            [(i, 600) for i in range(8)] + [(9, 5000)], None
+        )
 
 
-@pytest.mark.parametrize("workload, ranks, cap", [("wlb-128k", 64, 16384), ("byted-2m", 64, 65536),
-                                                  ("wlb-128k", 256, 16384), ("github-2m", 256, 65536)])
+@pytest.mark.parametrize(
+    "workload, ranks, cap",
+    [
+        ("wlb-128k", 64, 16384),
+        ("byted-2m", 64, 65536),
+        ("wlb-128k", 256, 16384),
+        ("github-2m", 256, 65536),
+    ],
+)
 def test_megatron_scheduler_beats_balanced_cp_scheduler(workload, ranks, cap):
     """Same batches, same cost model, both schedules priced as Megatron executes them."""
     with warnings.catch_warnings():
@@ -103,7 +124,9 @@ def test_megatron_scheduler_beats_balanced_cp_scheduler(workload, ranks, cap):
         ours = HDPScheduler(cap, GroupOfSize(ranks))
         groups, sample_id_groups = ours.get_groups_and_subsamples(items, None)
         check_megatron_can_run(sample_id_groups, groups, dict(items), ranks, cap)
-        _, theirs = BalancedCPScheduler(cap, GroupOfSize(ranks)).get_groups_and_subsamples(items, None)
+        _, theirs = BalancedCPScheduler(cap, GroupOfSize(ranks)).get_groups_and_subsamples(
+            items, None
+        )
         t_ours = ours.executed_plan().predicted["step_time_s"]
         t_theirs = megatron_plan(ours.cost, items, theirs).predicted["step_time_s"]
         assert t_ours < t_theirs, (workload, ranks, seed, t_ours, t_theirs)
@@ -123,7 +146,9 @@ def write_corpus(prefix: str, docs: int = 300, seed: int = 0) -> None:
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
     for _ in range(docs):
         n = int(rng.choice([rng.integers(20, 200), rng.integers(200, 1500)]))
-        builder.add_document(torch.from_numpy(np.append(rng.integers(1, 999, n - 1), 0).astype(np.int32)), [n])
+        builder.add_document(
+            torch.from_numpy(np.append(rng.integers(1, 999, n - 1), 0).astype(np.int32)), [n]
+        )
     builder.finalize(prefix + ".idx")
 
 
@@ -136,9 +161,16 @@ def gpt_dataset(prefix: str, cache: str):
         eod, pad, vocab_size = 0, 1000, 1001
         unique_identifiers = {"class": "TestTokenizer"}
 
-    config = GPTDatasetConfig(random_seed=1, sequence_length=SEQ, tokenizer=Tokenizer(), reset_position_ids=True,
-                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
-                              path_to_cache=cache)
+    config = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=SEQ,
+        tokenizer=Tokenizer(),
+        reset_position_ids=True,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=cache,
+    )
     indexed = IndexedDataset(prefix)
     return GPTDataset(indexed, prefix, np.arange(len(indexed)), 64, Split.train, config)
 
@@ -179,7 +211,9 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
         for i in range(PER_REPLICA):
             s = ds[d * PER_REPLICA + i]
             starts = [int(x) for x in torch.nonzero(s["position_ids"] == 0).flatten()] + [SEQ]
-            expected += [{k: v[a:b] for k, v in s.items()} for a, b in zip(starts[:-1], starts[1:]) if b > a]
+            expected += [
+                {k: v[a:b] for k, v in s.items()} for a, b in zip(starts[:-1], starts[1:]) if b > a
+            ]
     lengths = {i: int(e["tokens"].numel()) for i, e in enumerate(expected)}
     for gid, sample in samples.items():
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
@@ -192,11 +226,17 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
 
     from megatron.core.datasets.data_schedule import HybridCPDataLoaderWrapper
 
-    with mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t), \
-            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
-        theirs_samples, theirs_groups = next(HybridCPDataLoaderWrapper(iter([batch]), Config(), pg_collection=pgs))
+    with (
+        mock.patch.object(torch.Tensor, "cuda", lambda t, *a, **k: t),
+        mock.patch.object(torch.cuda, "current_device", lambda: "cpu"),
+    ):
+        theirs_samples, theirs_groups = next(
+            HybridCPDataLoaderWrapper(iter([batch]), Config(), pg_collection=pgs)
+        )
     assert {s for g in theirs_groups for s in g[rank]} == set(theirs_samples)
-    assert set(next(iter(theirs_samples.values()))) == set(next(iter(samples.values())))  # same keys
+    assert set(next(iter(theirs_samples.values()))) == set(
+        next(iter(samples.values()))
+    )  # same keys
     if rank == 0:
         from dataloader.megatron import megatron_plan
 
@@ -212,7 +252,9 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
 def test_megatron_wrapper_on_gloo(tmp_path, world, cp):
     prefix = str(tmp_path / "corpus")
     write_corpus(prefix)
-    gpt_dataset(prefix, str(tmp_path / "cache"))  # GPTDataset builds its index cache on global rank 0 only
+    gpt_dataset(
+        prefix, str(tmp_path / "cache")
+    )  # GPTDataset builds its index cache on global rank 0 only
     run_ranks(_wrapper_ranks, world, prefix, cp, str(tmp_path), timeout=240)
     t_ours, t_theirs = map(float, (tmp_path / "times.txt").read_text().split())
     assert t_ours <= t_theirs * 1.0001, (t_ours, t_theirs)
@@ -227,8 +269,13 @@ def test_megatron_packed_batch_iterator(tmp_path):
 
     src = SyntheticSource("wlb-128k", 200, 2048, 0)
     stream = BatchStream([src.lengths], 8192, 2048)
-    loader = HDPDataLoader([src], stream, ClusterSpec.preset("cpu", 1), model_preset("tiny"),
-                           plan_options={"form": "whole", "capacity": 4096})
+    loader = HDPDataLoader(
+        [src],
+        stream,
+        ClusterSpec.preset("cpu", 1),
+        model_preset("tiny"),
+        plan_options={"form": "whole", "capacity": 4096},
+    )
     it = PackedBatchIterator(loader, num_microbatches=6, pad_multiple=4)
     batches = [next(it) for _ in range(6)]
     step = it.step_data
@@ -240,16 +287,25 @@ def test_megatron_packed_batch_iterator(tmp_path):
         p = b["packed_seq_params"]
         cu = b["cu_seqlens"].tolist()
         assert p.qkv_format == "thd" and torch.equal(p.cu_seqlens_q, b["cu_seqlens"])
-        assert cu[-1] == b["tokens"].shape[1] and all((y - x) % 4 == 0 for x, y in zip(cu[:-1], cu[1:]))
+        assert cu[-1] == b["tokens"].shape[1] and all(
+            (y - x) % 4 == 0 for x, y in zip(cu[:-1], cu[1:])
+        )
         assert p.max_seqlen_q == max(y - x for x, y in zip(cu[:-1], cu[1:]))
         for x, y in zip(cu[:-1], cu[1:]):  # positions restart with every document
             assert b["position_ids"][0, x] == 0
         trained += int(b["loss_mask"].sum())
     assert trained == sum(int((w.labels != -100).sum()) for w in step.waves)
     with pytest.raises(PlanningError, match="raise --global-batch-size"):
-        it2 = PackedBatchIterator(HDPDataLoader([src], BatchStream([src.lengths], 8192, 2048), ClusterSpec.preset("cpu", 1),
-                                                model_preset("tiny"), plan_options={"form": "whole", "capacity": 2048}),
-                                  num_microbatches=1)
+        it2 = PackedBatchIterator(
+            HDPDataLoader(
+                [src],
+                BatchStream([src.lengths], 8192, 2048),
+                ClusterSpec.preset("cpu", 1),
+                model_preset("tiny"),
+                plan_options={"form": "whole", "capacity": 2048},
+            ),
+            num_microbatches=1,
+        )
         next(it2)
 
 
@@ -259,7 +315,9 @@ def test_megatron_install_replaces_the_wrapper(monkeypatch):
 
     from dataloader.megatron import HDPDataLoaderWrapper, install
 
-    monkeypatch.setattr(data_schedule, "HybridCPDataLoaderWrapper", data_schedule.HybridCPDataLoaderWrapper)
+    monkeypatch.setattr(
+        data_schedule, "HybridCPDataLoaderWrapper", data_schedule.HybridCPDataLoaderWrapper
+    )
     install(model="llama-70b")
 
     class Pgs:

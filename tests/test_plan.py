@@ -39,16 +39,19 @@ def test_shards_and_json_round_trip():
     assert q2.sync == "wave" and q2.predicted["step_time_s"] == 1.5
 
 
-@pytest.mark.parametrize("waves, message", [
-    ([[[(0, 0, 3)], [(0, 4, 10)]]], "gap"),
-    ([[[(0, 0, 5)], [(0, 4, 10)]]], "overlap"),
-    ([[[(0, 0, 3)], []]], r"tokens \[3, 10\) are in no shard"),
-    ([[[(0, 2, 10)], []]], r"tokens \[0, 2\) are in no shard"),
-    ([[[(0, 0, 5)], []], [[], [(0, 5, 10)]]], "all must share one wave"),
-    ([[[(0, 0, 11)], []]], "not a non-empty range"),
-    ([[[(0, 5, 5), (0, 0, 10)], []]], "not a non-empty range"),
-    ([[[(1, 0, 10)], []]], "names a sequence outside"),
-])
+@pytest.mark.parametrize(
+    "waves, message",
+    [
+        ([[[(0, 0, 3)], [(0, 4, 10)]]], "gap"),
+        ([[[(0, 0, 5)], [(0, 4, 10)]]], "overlap"),
+        ([[[(0, 0, 3)], []]], r"tokens \[3, 10\) are in no shard"),
+        ([[[(0, 2, 10)], []]], r"tokens \[0, 2\) are in no shard"),
+        ([[[(0, 0, 5)], []], [[], [(0, 5, 10)]]], "all must share one wave"),
+        ([[[(0, 0, 11)], []]], "not a non-empty range"),
+        ([[[(0, 5, 5), (0, 0, 10)], []]], "not a non-empty range"),
+        ([[[(1, 0, 10)], []]], "names a sequence outside"),
+    ],
+)
 def test_validate_rejects(waves, message):
     with pytest.raises(PlanError, match=message):
         Plan.from_shards([10], 2, waves).validate()
@@ -108,7 +111,9 @@ def random_plans(draw):
     for s, L in enumerate(lens):
         if L == 0:
             continue
-        cuts = sorted(set(draw(st.lists(st.integers(1, max(L - 1, 1)), max_size=5)) if L > 1 else []))
+        cuts = sorted(
+            set(draw(st.lists(st.integers(1, max(L - 1, 1)), max_size=5)) if L > 1 else [])
+        )
         bounds = [0] + [c for c in cuts if 0 < c < L] + [L]
         w = draw(st.integers(0, W - 1))
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -163,8 +168,13 @@ def test_comm_rounds_are_congestion_free_and_optimal(plan):
 
 def test_edge_colouring_dense_multigraph():
     from hdp.plan import KVTransfer
+
     rng = np.random.default_rng(0)
-    msgs = [KVTransfer(int(a), int(b), (Shard(0, i, i + 1),)) for i, (a, b) in enumerate(rng.integers(0, 12, (400, 2))) if a != b]
+    msgs = [
+        KVTransfer(int(a), int(b), (Shard(0, i, i + 1),))
+        for i, (a, b) in enumerate(rng.integers(0, 12, (400, 2)))
+        if a != b
+    ]
     rounds = edge_colour_rounds(msgs)
     deg = defaultdict(int)
     for m in msgs:

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import PlanningError, plan_and_evaluate, plan_step
+from planner import PlanningError, hdp_ilp, plan_and_evaluate, plan_step
 from planner import hdp as hdp_planner
-from planner import hdp_ilp
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
-from test_strategies import check_plan
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -27,12 +26,26 @@ def test_split_times_match_the_cost_model(model, rpn):
         for d in [2, 3, 5, 8, 9, 16, 31, 64]:
             for align in [1, 128]:
                 h, area, most = split_times(cost, np.array([L]), np.array([d]), "peer", align)
-                rank, seq, start, end = zigzag_arrays(np.array([0]), np.array([L]), np.array([d]),
-                                                      first_rank=np.array([0]), align=align)
+                rank, seq, start, end = zigzag_arrays(
+                    np.array([0]),
+                    np.array([L]),
+                    np.array([d]),
+                    first_rank=np.array([0]),
+                    align=align,
+                )
                 tokens = np.bincount(rank, weights=end - start)
                 offload = cost.offload_needed(tokens, "peer")[None, :]
-                plan = Plan([L], d, rank, np.zeros_like(rank), seq, start, end, sync="peer",
-                            offload=offload if (offload > 0).any() else None)
+                plan = Plan(
+                    [L],
+                    d,
+                    rank,
+                    np.zeros_like(rank),
+                    seq,
+                    start,
+                    end,
+                    sync="peer",
+                    offload=offload if (offload > 0).any() else None,
+                )
                 if not np.isfinite(h[0]):
                     assert (offload > 1).any() or tokens.max() > cost.offload_capacity("peer")
                     continue
@@ -47,15 +60,23 @@ def _brute_force(lens, cost):
     """Fastest peer plan of zigzag jobs: every degree, every member set, every execution order,
     each evaluated by the cost model."""
     n = cost.cluster.num_ranks
-    options = [list(itertools.chain.from_iterable(itertools.combinations(range(n), d) for d in range(1, n + 1)))
-               for _ in lens]
+    options = [
+        list(
+            itertools.chain.from_iterable(
+                itertools.combinations(range(n), d) for d in range(1, n + 1)
+            )
+        )
+        for _ in lens
+    ]
     best = np.inf
     for choice in itertools.product(*options):
         for order in itertools.permutations(range(len(lens))):
             seqs = np.asarray(order)
             members = [np.asarray(choice[i]) for i in order]
             parts = np.asarray([m.size for m in members])
-            rank, seq, start, end = zigzag_arrays(seqs, np.asarray(lens)[seqs], parts, ranks=members)
+            rank, seq, start, end = zigzag_arrays(
+                seqs, np.asarray(lens)[seqs], parts, ranks=members
+            )
             pos = np.empty(len(lens), dtype=np.int64)
             pos[seqs] = np.arange(len(lens))
             plan = Plan(lens, n, rank, pos[seq], seq, start, end, sync="peer")
@@ -85,7 +106,9 @@ def _brute_force_wave(lens, cost):
     ranks, which are interchangeable), offload where a cell needs it, each evaluated by the cost
     model; plans that a cell cannot hold even with offload are left out."""
     n, lens = cost.cluster.num_ranks, np.asarray(lens)
-    sets = list(itertools.chain.from_iterable(itertools.combinations(range(n), d) for d in range(1, n + 1)))
+    sets = list(
+        itertools.chain.from_iterable(itertools.combinations(range(n), d) for d in range(1, n + 1))
+    )
     firsts = [tuple(range(d)) for d in range(1, n + 1)]
     seqs = np.arange(lens.size)
     best = np.inf
@@ -105,8 +128,9 @@ def _brute_force_wave(lens, cost):
     return best
 
 
-@pytest.mark.parametrize("lens, cap", [([5556, 2806, 489], 1024), ([10713, 1787, 5303], 2048),
-                                       ([3000, 1200, 900], 2048)])
+@pytest.mark.parametrize(
+    "lens, cap", [([5556, 2806, 489], 1024), ([10713, 1787, 5303], 2048), ([3000, 1200, 900], 2048)]
+)
 def test_wave_bound_is_below_the_brute_force_optimum(lens, cap):
     """The first two cases are where the shelf bound lies above the relaxation's (a sequence
     that needs all three ranks to be fast, and sequences too long in tokens to fill its wave)."""
@@ -127,7 +151,9 @@ def test_wave_bound_is_below_the_brute_force_optimum(lens, cap):
 
 def _check_no_wave_plan_beats_the_bound(n: int, cap: int, model_name: str, lens: list[int]) -> None:
     model = model_preset(model_name)
-    cost = CostModel(model, ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n), capacity_override=cap)
+    cost = CostModel(
+        model, ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n), capacity_override=cap
+    )
     bound = step_bound(cost, np.asarray(lens), "wave", cap)
     for strategy in ("hdp", "bytescale", "flexsp", "static", "hybridcp"):
         try:
@@ -137,11 +163,19 @@ def _check_no_wave_plan_beats_the_bound(n: int, cap: int, model_name: str, lens:
         assert plan.predicted["step_time_s"] >= bound * (1 - 1e-9), strategy
 
 
-@pytest.mark.parametrize("n, cap, model_name, lens", [
-    (4, 2048, "llama-7b", [2882, 1]),  # static's exact 720/721-token shares beat 128-token blocks
-    (3, 1024, "llama-7b", [1741]),  # hybridcp: 580 tokens per member
-    (4, 1024, "tiny", [2945]),  # bytescale: the exact split fits 3 ranks, blocks do not
-])
+@pytest.mark.parametrize(
+    "n, cap, model_name, lens",
+    [
+        (
+            4,
+            2048,
+            "llama-7b",
+            [2882, 1],
+        ),  # static's exact 720/721-token shares beat 128-token blocks
+        (3, 1024, "llama-7b", [1741]),  # hybridcp: 580 tokens per member
+        (4, 1024, "tiny", [2945]),  # bytescale: the exact split fits 3 ranks, blocks do not
+    ],
+)
 def test_plans_that_once_beat_the_wave_bound(n, cap, model_name, lens):
     _check_no_wave_plan_beats_the_bound(n, cap, model_name, lens)
 
@@ -150,22 +184,37 @@ def test_exact_shares_where_blocks_do_not_fit():
     # 17281 tokens fit 8 ranks of 2176 (offloaded) in exact shares, not in 128-token blocks: hdp
     # splits it exactly (a valid plan, offload recorded) rather than refusing what bytescale plans.
     lens = [17281, 300]
-    plan = plan_step(lens, ClusterSpec.preset("h100", 8, 4), model_preset("tiny"), "hdp", capacity=2048, sync="wave")
+    plan = plan_step(
+        lens,
+        ClusterSpec.preset("h100", 8, 4),
+        model_preset("tiny"),
+        "hdp",
+        capacity=2048,
+        sync="wave",
+    )
     check_plan(plan, np.asarray(lens), 8, 2048)
     assert np.unique(plan.rank[plan.seq == 0]).size == 8
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.sampled_from([2, 3, 4, 8]), cap=st.sampled_from([512, 1024, 2048]),
-       model_name=st.sampled_from(["llama-7b", "tiny"]), data=st.data())
+@given(
+    n=st.sampled_from([2, 3, 4, 8]),
+    cap=st.sampled_from([512, 1024, 2048]),
+    model_name=st.sampled_from(["llama-7b", "tiny"]),
+    data=st.data(),
+)
 def test_no_wave_plan_beats_the_bound(n, cap, model_name, data):
     """Plans of every strategy in ``wave`` sync, one to three long sequences among short ones,
     take at least the bound (relaxation or shelf) hdp reports."""
-    cost = CostModel(model_preset(model_name), ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n),
-                     capacity_override=cap)
+    cost = CostModel(
+        model_preset(model_name),
+        ClusterSpec.preset("h100", n, 4 if n % 4 == 0 else n),
+        capacity_override=cap,
+    )
     room = cost.offload_capacity("wave")
-    lens = (data.draw(st.lists(st.integers(cap, n * room), min_size=1, max_size=3))
-            + data.draw(st.lists(st.integers(1, room), max_size=12)))
+    lens = data.draw(st.lists(st.integers(cap, n * room), min_size=1, max_size=3)) + data.draw(
+        st.lists(st.integers(1, room), max_size=12)
+    )
     _check_no_wave_plan_beats_the_bound(n, cap, model_name, lens)
 
 
@@ -175,7 +224,9 @@ def test_megatron_form_uses_aligned_power_of_two_groups(n, cap, data):
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=20))
     cluster = ClusterSpec.preset("h100", n, 4)
     try:
-        plan = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", capacity=cap, form="megatron")
+        plan = plan_step(
+            lens, cluster, model_preset("llama-7b"), "hdp", capacity=cap, form="megatron"
+        )
     except PlanningError as e:
         assert "power of two" in str(e) or "CP" in str(e), e
         return
@@ -203,7 +254,9 @@ def test_megatron_form_is_never_slower_than_balanced_cp_scheduler():
         for n in [64, 256]:
             cluster = ClusterSpec.preset("h100", n)
             ours = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", form="megatron")
-            theirs = plan_step(lens, cluster, model_preset("llama-7b"), "hybridcp", hybridcp_impl="ours")
+            theirs = plan_step(
+                lens, cluster, model_preset("llama-7b"), "hybridcp", hybridcp_impl="ours"
+            )
             assert ours.predicted["step_time_s"] <= theirs.predicted["step_time_s"] * (1 + 1e-12)
 
 
@@ -237,7 +290,12 @@ def test_token_capped_degrees_hold_at_most_the_cap_per_member():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 8), cap=st.integers(64, 600), share=st.sampled_from([0.0, 1e-3]), data=st.data())
+@given(
+    n=st.integers(1, 8),
+    cap=st.integers(64, 600),
+    share=st.sampled_from([0.0, 1e-3]),
+    data=st.data(),
+)
 def test_two_tier_wave_plans_are_valid(n, cap, share, data):
     # The two-tier wave candidate (cheapest whole sequences in waves of their own), forced on;
     # every such candidate is checked, not only the plan kept.
@@ -256,8 +314,14 @@ def test_two_tier_wave_plans_are_valid(n, cap, share, data):
         patch.setattr(hdp_planner, "CHEAP_WAVE_SHARE", share)
         patch.setattr(hdp_planner, "_place", place_and_check)
         patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)  # skip no candidate
-        plan = plan_step(lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "hdp", capacity=cap,
-                         sync="wave")
+        plan = plan_step(
+            lens,
+            ClusterSpec.preset("h100", n, 4),
+            model_preset("llama-7b"),
+            "hdp",
+            capacity=cap,
+            sync="wave",
+        )
     check_plan(plan, lens, n, cap)
     assert two_tier
 
@@ -283,8 +347,14 @@ def test_no_stacking_wave_plans_are_valid(n, cap, data):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(hdp_planner, "_place", place_without_stacking)
-        plan = plan_step(lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "hdp", capacity=cap,
-                         sync="wave")
+        plan = plan_step(
+            lens,
+            ClusterSpec.preset("h100", n, 4),
+            model_preset("llama-7b"),
+            "hdp",
+            capacity=cap,
+            sync="wave",
+        )
     check_plan(plan, lens, n, cap)
     assert no_stacking
 
@@ -295,21 +365,37 @@ def test_shelf_candidates_are_valid_plans(n, data):
     # Every shelf candidate (the longest sequences side by side in a first wave, the rest fast),
     # placed as plan_hdp places them: a valid plan with no job stacked.
     cap = 1024
-    cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap)
+    cost = CostModel(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap
+    )
     room = cost.offload_capacity("wave")
-    lens = np.array([data.draw(st.integers(cap, n * room))]
-                    + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=20)))
-    ctx = Context(seq_lens=lens, cost=cost, sync="wave", capacity=cap, max_seq=int(lens.max()),
-                  tokens_per_step=int(lens.sum()))
+    lens = np.array(
+        [data.draw(st.integers(cap, n * room))]
+        + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=20))
+    )
+    ctx = Context(
+        seq_lens=lens,
+        cost=cost,
+        sync="wave",
+        capacity=cap,
+        max_seq=int(lens.max()),
+        tokens_per_step=int(lens.sum()),
+    )
     rel = relaxation_bound(cost, lens, "wave", cap, n)
     num_waves = hdp_planner.num_waves_for(ctx)
-    for degree, job_time in hdp_planner.shelf_candidates(ctx, rel, num_waves, hdp_planner.candidate_heights(rel, "wave")):
-        plan = hdp_planner._place(ctx, num_waves, degree, job_time, 0, None, hdp_planner.STACK_SHARE)
+    for degree, job_time in hdp_planner.shelf_candidates(
+        ctx, rel, num_waves, hdp_planner.candidate_heights(rel, "wave")
+    ):
+        plan = hdp_planner._place(
+            ctx, num_waves, degree, job_time, 0, None, hdp_planner.STACK_SHARE
+        )
         check_plan(plan, lens, n, cap)
         assert plan.predicted["stacked_jobs"] == 0
 
 
-def _wave_plans_with_and_without_skipping(lens, cluster, model, **opts) -> tuple[list[float], list[float]]:
+def _wave_plans_with_and_without_skipping(
+    lens, cluster, model, **opts
+) -> tuple[list[float], list[float]]:
     """Step times of every wave candidate placed, planning as usual and with nothing skipped
     (the last of each list is the plan kept); each placed candidate's step is checked to be at
     least its work spread over the ranks (the bound candidates are skipped by)."""
@@ -330,7 +416,9 @@ def _wave_plans_with_and_without_skipping(lens, cluster, model, **opts) -> tuple
             if not skip:
                 patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)
             runs.append([])
-            runs[-1].append(plan_and_evaluate(lens, cluster, model, "hdp", sync="wave", **opts)[1].step_time_s)
+            runs[-1].append(
+                plan_and_evaluate(lens, cluster, model, "hdp", sync="wave", **opts)[1].step_time_s
+            )
     return runs[0], runs[1]
 
 
@@ -341,7 +429,8 @@ def test_skipped_wave_candidates_could_not_have_won(n, cap, data):
     # far: that work is a lower bound of every candidate's step, and skipping changes no plan.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
     skipping, everything = _wave_plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), capacity=cap)
+        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), capacity=cap
+    )
     assert skipping[-1] == everything[-1]
 
 
@@ -350,8 +439,9 @@ def test_skipping_wave_candidates_saves_placements_on_real_batches(workload):
     from hdp.workloads import get_workload
 
     lens = get_workload(workload).sample_batch(np.random.default_rng(0), tokens_per_step=1 << 20)
-    skipping, everything = _wave_plans_with_and_without_skipping(lens, ClusterSpec.preset("h100", 16),
-                                                                 model_preset("llama-7b"))
+    skipping, everything = _wave_plans_with_and_without_skipping(
+        lens, ClusterSpec.preset("h100", 16), model_preset("llama-7b")
+    )
     assert skipping[-1] == everything[-1]
     assert len(skipping) < len(everything)
 
@@ -364,7 +454,9 @@ def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     lens = [40000] * 6 + [1000] * 50
     cluster = ClusterSpec.preset("h100", 16, 8)
     with pytest.warns(RuntimeWarning, match="keeping the heuristic"):
-        plan = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer")
+        plan = plan_step(
+            lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer"
+        )
     assert plan.predicted["ilp_failed"] == 1.0  # plan_step validated the plan
 
 
@@ -376,7 +468,9 @@ def test_solver_timeout_falls_back_with_a_warning(monkeypatch):
     cluster = ClusterSpec.preset("h100", 32, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer")
+        plan = plan_step(
+            lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer"
+        )
     assert plan.num_shards > 0  # plan_step validated the plan
     if "ilp_failed" in plan.predicted:
         assert any("keeping the heuristic" in str(w.message) for w in caught)

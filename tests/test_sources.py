@@ -56,15 +56,18 @@ def test_jsonl_text_with_hf_tokenizer(tmp_path):
     assert src.lengths.tolist() == [3, 1] and src.read(0).tolist() == [1, 2, 1]
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"input_ids": [1, 2', "line 2: malformed JSON"),
-    ('{"input_ids": "1 2 3"}', "line 2: field 'input_ids' must be a list of integers, got str"),
-    ('{"input_ids": [1, 2.5]}', "line 2: field 'input_ids' must hold integers, found 2.5"),
-    ('{"input_ids": [1, 999]}', "line 2: token id 999 is outside the vocabulary [0, 512)"),
-    ('{"text": 7}', "line 2: field 'text' must be a string, got int"),
-    ('{"ids": [1]}', "line 2: has neither 'input_ids' nor 'text'"),
-    ('[1, 2]', "line 2: expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"input_ids": [1, 2', "line 2: malformed JSON"),
+        ('{"input_ids": "1 2 3"}', "line 2: field 'input_ids' must be a list of integers, got str"),
+        ('{"input_ids": [1, 2.5]}', "line 2: field 'input_ids' must hold integers, found 2.5"),
+        ('{"input_ids": [1, 999]}', "line 2: token id 999 is outside the vocabulary [0, 512)"),
+        ('{"text": 7}', "line 2: field 'text' must be a string, got int"),
+        ('{"ids": [1]}', "line 2: has neither 'input_ids' nor 'text'"),
+        ("[1, 2]", "line 2: expected a JSON object, got list"),
+    ],
+)
 def test_jsonl_bad_records_fail_or_are_counted(tmp_path, line, problem):
     p = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2, 3]}, line, {"input_ids": [4]}])
     with pytest.raises(DataError) as e:
@@ -102,7 +105,9 @@ def test_parquet(tmp_path):
     assert src.lengths.tolist() == [len(d) for d in DOCS]
     assert [src.read(i).tolist() for i in range(4)] == DOCS
     pq.write_table(pa.table({"input_ids": [[1, 2], [1, 600], [3]]}), tmp_path / "bad.parquet")
-    with pytest.raises(DataError, match=r"bad.parquet, row 1: token id 600 is outside the vocabulary"):
+    with pytest.raises(
+        DataError, match=r"bad.parquet, row 1: token id 600 is outside the vocabulary"
+    ):
         open_source(str(tmp_path / "bad.parquet"), vocab_size=512)
     src = open_source(str(tmp_path / "bad.parquet"), vocab_size=512, skip_bad=True)
     assert src.lengths.tolist() == [2, 1] and src.skipped_documents == 1 and src.skipped_tokens == 2
@@ -130,11 +135,15 @@ def write_megatron(prefix, docs, dtype=np.int32):
             for d in docs:
                 f.write(np.asarray(d, dtype=dtype).tobytes())
         lens = np.array([len(d) for d in docs], dtype=np.int32)
-        ptr = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) * np.dtype(dtype).itemsize
+        ptr = (
+            np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) * np.dtype(dtype).itemsize
+        )
         with open(str(prefix) + ".idx", "wb") as f:
             f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", codes[dtype]))
             f.write(struct.pack("<QQ", len(docs), len(docs) + 1))
-            f.write(lens.tobytes() + ptr.tobytes() + np.arange(len(docs) + 1, dtype=np.int64).tobytes())
+            f.write(
+                lens.tobytes() + ptr.tobytes() + np.arange(len(docs) + 1, dtype=np.int64).tobytes()
+            )
         return False
 
 
@@ -167,9 +176,15 @@ def test_megatron_bad_inputs(tmp_path):
     with pytest.raises(DataError, match=r"c.bin: truncated: document 3 needs bytes"):
         open_source(str(prefix))
     src = open_source(str(prefix), skip_bad=True)
-    assert src.lengths.tolist() == [3, 40, 1, 0] and src.skipped_documents == 1 and src.skipped_tokens == 150
+    assert (
+        src.lengths.tolist() == [3, 40, 1, 0]
+        and src.skipped_documents == 1
+        and src.skipped_tokens == 150
+    )
     write_megatron(prefix, [[1, 2], [3, 700], [4]])
-    with pytest.raises(DataError, match=r"c.bin: document 1: token id 700 is outside the vocabulary"):
+    with pytest.raises(
+        DataError, match=r"c.bin: document 1: token id 700 is outside the vocabulary"
+    ):
         open_source(str(prefix), vocab_size=512)
     src = open_source(str(prefix), vocab_size=512, skip_bad=True)
     assert src.lengths.tolist() == [2, 0, 1] and src.skipped_documents == 1
@@ -179,7 +194,10 @@ def test_megatron_bad_inputs(tmp_path):
 
 
 def test_synthetic_is_deterministic():
-    a, b = SyntheticSource("byted-2m", 50, 512, seed=3), SyntheticSource("byted-2m", 50, 512, seed=3)
+    a, b = (
+        SyntheticSource("byted-2m", 50, 512, seed=3),
+        SyntheticSource("byted-2m", 50, 512, seed=3),
+    )
     assert a.lengths.tolist() == b.lengths.tolist()
     assert a.read(7, 3, 20).tolist() == b.read(7)[3:20].tolist()
     assert (a.read(7) < 512).all()

@@ -34,8 +34,11 @@ def check_plan(plan, lens, n, cap):
     assert len(owner) == int(sum(lens))
 
 
-@settings(max_examples=int(os.environ.get("HDP_HYPOTHESIS_EXAMPLES", "200")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("HDP_HYPOTHESIS_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     strategy=st.sampled_from(sorted(STRATEGIES)),
     n=st.integers(1, 12),
@@ -49,8 +52,15 @@ def test_random_batches_give_valid_plans(strategy, n, rpn, cap, sync, data):
     lens = data.draw(st.lists(st.integers(0, min(longest, 3000)), min_size=1, max_size=25))
     cluster = ClusterSpec.preset("h100", n, rpn)
     try:
-        plan = plan_step(lens, cluster, model_preset("llama-7b"), strategy, capacity=cap, sync=sync,
-                         hybridcp_impl="ours")
+        plan = plan_step(
+            lens,
+            cluster,
+            model_preset("llama-7b"),
+            strategy,
+            capacity=cap,
+            sync=sync,
+            hybridcp_impl="ours",
+        )
     except PlanningError as e:
         # Power-of-two CP groups cannot always be formed (static, hybridcp): a stated limitation.
         assert strategy in ("static", "hybridcp", "flexsp"), e
@@ -66,7 +76,9 @@ def test_sequence_longer_than_the_cluster_is_a_clear_error():
     for strategy in STRATEGIES:
         # 1000 tokens per rank, 2688 with all checkpointed activations offloaded (llama-7b).
         longest = 11000 if strategy in OFFLOADING else 5000
-        with pytest.raises(PlanningError, match=f"cannot hold a {longest}-token sequence.*at least 5 GPUs"):
+        with pytest.raises(
+            PlanningError, match=f"cannot hold a {longest}-token sequence.*at least 5 GPUs"
+        ):
             plan_step([longest, 10], cluster, model_preset("llama-7b"), strategy, capacity=1000)
 
 
@@ -95,31 +107,50 @@ def test_unknown_strategy_and_option():
 @pytest.mark.parametrize("workload, gpus", [("wlb-128k", 64), ("byted-2m", 256)])
 def test_hdp_beats_the_baselines_on_long_tailed_batches(workload, gpus):
     w = get_workload(workload)
-    lens = w.sample_batch(np.random.default_rng(1), w.tokens_per_step // (4 if gpus == 256 else 1), w.max_seq)
+    lens = w.sample_batch(
+        np.random.default_rng(1), w.tokens_per_step // (4 if gpus == 256 else 1), w.max_seq
+    )
     cluster = ClusterSpec.preset("h100", gpus)
-    times = {s: plan_step(lens, cluster, model_preset("llama-7b"), s, max_seq=w.max_seq,
-                          hybridcp_impl="ours").predicted["step_time_s"] for s in STRATEGIES}
+    times = {
+        s: plan_step(
+            lens, cluster, model_preset("llama-7b"), s, max_seq=w.max_seq, hybridcp_impl="ours"
+        ).predicted["step_time_s"]
+        for s in STRATEGIES
+    }
     assert times["hdp"] < min(times[s] for s in STRATEGIES if s != "hdp")
 
 
 def test_static_splits_every_sequence_zigzag_over_its_cp_group():
     # Three micro-batches of 4000 tokens on 4 ranks: CP 2 for memory, and 2 replicas have work.
     cluster = ClusterSpec.preset("h100", 4)
-    plan = plan_step([4000, 4000, 1000, 3000], cluster, model_preset("llama-7b"), "static", capacity=2000, max_seq=4000)
+    plan = plan_step(
+        [4000, 4000, 1000, 3000],
+        cluster,
+        model_preset("llama-7b"),
+        "static",
+        capacity=2000,
+        max_seq=4000,
+    )
     assert plan.predicted["cp_size"] == 2
     # Each sequence: rank i of its group holds chunks i and 3 - i of four.
     for s, L in enumerate([4000, 4000, 1000, 3000]):
         idx = np.flatnonzero(plan.seq == s)
         ranks = sorted(set(plan.rank[idx].tolist()))
         assert len(ranks) == 2 and ranks[1] == ranks[0] + 1 and ranks[0] % 2 == 0
-        first = [(int(a), int(b)) for a, b, r in zip(plan.start[idx], plan.end[idx], plan.rank[idx]) if r == ranks[0]]
+        first = [
+            (int(a), int(b))
+            for a, b, r in zip(plan.start[idx], plan.end[idx], plan.rank[idx])
+            if r == ranks[0]
+        ]
         assert sorted(first) == [(0, L // 4), (3 * L // 4, L)]
 
 
 def test_hybridcp_uses_power_of_two_groups_and_barriers():
     cluster = ClusterSpec.preset("h100", 8)
     lens = [8000, 3000, 2500, 900, 800, 700, 600, 500, 400, 300, 200, 100]
-    plan = plan_step(lens, cluster, model_preset("llama-7b"), "hybridcp", capacity=1000, hybridcp_impl="ours")
+    plan = plan_step(
+        lens, cluster, model_preset("llama-7b"), "hybridcp", capacity=1000, hybridcp_impl="ours"
+    )
     for s in range(len(lens)):
         holders = set(plan.rank[plan.seq == s].tolist())
         assert len(holders) & (len(holders) - 1) == 0  # a power of two

@@ -10,14 +10,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "launch"))
 
-COMMON = ["--model", "tiny", "--workload", "wlb-128k", "--tokens-per-step", "3K", "--max-seq", "1K",
-          "--synthetic-docs", "400", "--lr", "1e-2", "--warmup", "2", "--capacity", "1024"]
+COMMON = [
+    "--model",
+    "tiny",
+    "--workload",
+    "wlb-128k",
+    "--tokens-per-step",
+    "3K",
+    "--max-seq",
+    "1K",
+    "--synthetic-docs",
+    "400",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "2",
+    "--capacity",
+    "1024",
+]
 
 
 def _train(rank, world, argv, out):
@@ -39,7 +54,9 @@ def _train(rank, world, argv, out):
     assert pretrain.train(args, rank, world, world, torch.device("cpu")) == 0
     model = captured.get("model")
     if model is not None:
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
             torch.save(sd, out)
 
@@ -70,13 +87,17 @@ def losses(path):
     return [json.loads(line)["loss"] for line in Path(path).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("strategy, sync", [("hdp", "peer"), ("hdp", "wave"), ("static", "peer"), ("static", "wave")])
+@pytest.mark.parametrize(
+    "strategy, sync", [("hdp", "peer"), ("hdp", "wave"), ("static", "peer"), ("static", "wave")]
+)
 def test_four_ranks_equal_one_process(tmp_path, strategy, sync):
     # lr 1e-3: weights move ~10% in 3 steps; AdamW turns fp32 summation-order noise into parameter
     # differences proportional to the learning rate.
     argv = COMMON + ["--steps", "3", "--strategy", strategy, "--sync", sync, "--lr", "1e-3"]
     run_single(argv + ["--metrics", str(tmp_path / "one.jsonl")], tmp_path / "one.pt", tmp_path)
-    run_ranks(_train, 4, argv + ["--metrics", str(tmp_path / "four.jsonl")], str(tmp_path / "four.pt"))
+    run_ranks(
+        _train, 4, argv + ["--metrics", str(tmp_path / "four.jsonl")], str(tmp_path / "four.pt")
+    )
     one, four = losses(tmp_path / "one.jsonl"), losses(tmp_path / "four.jsonl")
     assert len(one) == len(four) == 3
     for a, b in zip(one, four):
@@ -93,27 +114,79 @@ def test_a_sequence_spread_over_all_ranks(tmp_path):
     # One global batch holding a 3K-token document on 4 ranks of capacity 1K: it must span >= 3 ranks.
     from dataloader import BatchStream, SyntheticSource
 
-    argv = ["--model", "tiny", "--workload", "wlb-128k", "--tokens-per-step", "4K", "--max-seq", "4K",
-            "--synthetic-docs", "50", "--steps", "3", "--lr", "1e-3"]
+    argv = [
+        "--model",
+        "tiny",
+        "--workload",
+        "wlb-128k",
+        "--tokens-per-step",
+        "4K",
+        "--max-seq",
+        "4K",
+        "--synthetic-docs",
+        "50",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-3",
+    ]
     stream = BatchStream([SyntheticSource("wlb-128k", 50, 512, 0).lengths], 4096, 4096)
-    assert max(stream.next_batch().lengths.max() for _ in range(3)) > 3 * 1024  # needs all 4 ranks at capacity 1K
+    assert (
+        max(stream.next_batch().lengths.max() for _ in range(3)) > 3 * 1024
+    )  # needs all 4 ranks at capacity 1K
     run_single(argv + ["--metrics", str(tmp_path / "one.jsonl")], tmp_path / "one.pt", tmp_path)
-    run_ranks(_train, 4, argv + ["--capacity", "1024", "--metrics", str(tmp_path / "four.jsonl")],
-              str(tmp_path / "four.pt"))
+    run_ranks(
+        _train,
+        4,
+        argv + ["--capacity", "1024", "--metrics", str(tmp_path / "four.jsonl")],
+        str(tmp_path / "four.pt"),
+    )
     for a, b in zip(losses(tmp_path / "one.jsonl"), losses(tmp_path / "four.jsonl"), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
 def test_resume_is_bit_identical(tmp_path):
     argv = COMMON + ["--steps", "4"]
-    run_ranks(_train, 2, argv + ["--metrics", str(tmp_path / "straight.jsonl")], str(tmp_path / "straight.pt"))
+    run_ranks(
+        _train,
+        2,
+        argv + ["--metrics", str(tmp_path / "straight.jsonl")],
+        str(tmp_path / "straight.pt"),
+    )
     ck = tmp_path / "ck"
-    run_ranks(_train, 2, COMMON + ["--steps", "4", "--checkpoint-dir", str(ck), "--save-every", "2",
-                                   "--metrics", str(tmp_path / "a.jsonl")], str(tmp_path / "a.pt"))
+    run_ranks(
+        _train,
+        2,
+        COMMON
+        + [
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(ck),
+            "--save-every",
+            "2",
+            "--metrics",
+            str(tmp_path / "a.jsonl"),
+        ],
+        str(tmp_path / "a.pt"),
+    )
     # Pretend the run stopped after step 2: point 'latest' at it and continue.
     (ck / "latest").write_text("step_00000002\n")
-    run_ranks(_train, 2, COMMON + ["--steps", "4", "--checkpoint-dir", str(ck), "--resume",
-                                   "--metrics", str(tmp_path / "b.jsonl")], str(tmp_path / "b.pt"))
+    run_ranks(
+        _train,
+        2,
+        COMMON
+        + [
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+            "--metrics",
+            str(tmp_path / "b.jsonl"),
+        ],
+        str(tmp_path / "b.pt"),
+    )
     straight = losses(tmp_path / "straight.jsonl")
     assert losses(tmp_path / "b.jsonl") == straight[2:]
     w1, w2 = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "b.pt")
@@ -125,35 +198,74 @@ def test_kill_a_rank_and_resume(tmp_path):
     repeats no data (the resumed steps train on exactly the batches of an uninterrupted run)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     ck = tmp_path / "ck"
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(ROOT / "launch" / "pretrain.py"), *COMMON, "--steps", "6", "--checkpoint-dir", str(ck),
-            "--save-every", "2"]
-    killed = subprocess.run(base + ["--metrics", str(tmp_path / "killed.jsonl")], env=dict(env, HDP_KILL_AT="1:5"),
-                            capture_output=True, text=True, timeout=300)
+    base = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "launch" / "pretrain.py"),
+        *COMMON,
+        "--steps",
+        "6",
+        "--checkpoint-dir",
+        str(ck),
+        "--save-every",
+        "2",
+    ]
+    killed = subprocess.run(
+        base + ["--metrics", str(tmp_path / "killed.jsonl")],
+        env=dict(env, HDP_KILL_AT="1:5"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode != 0  # torchrun reports the lost worker
     assert (ck / "latest").read_text().strip() == "step_00000004"
     assert len(losses(tmp_path / "killed.jsonl")) == 4
-    resumed = subprocess.run(base + ["--resume", "--metrics", str(tmp_path / "resumed.jsonl")], env=env,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        base + ["--resume", "--metrics", str(tmp_path / "resumed.jsonl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
-    straight = subprocess.run(base[:-4] + ["--metrics", str(tmp_path / "straight.jsonl")], env=env,
-                              capture_output=True, text=True, timeout=300)
+    straight = subprocess.run(
+        base[:-4] + ["--metrics", str(tmp_path / "straight.jsonl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert straight.returncode == 0, straight.stdout + straight.stderr
     assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "straight.jsonl")[4:]
     assert losses(tmp_path / "killed.jsonl") == losses(tmp_path / "straight.jsonl")[:4]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max-seq", "8K", "--tokens-per-step", "4K"], "exceeds --tokens-per-step"),
-    (["--model", "gpt-9"], "invalid choice: 'gpt-9'"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
-    (["--max-seq", "4K", "--tokens-per-step", "8K", "--capacity", "1K"], "cannot hold a 4096-token sequence"),
-    (["--data", "/no/such/file.jsonl"], "file.jsonl: cannot open"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-seq", "8K", "--tokens-per-step", "4K"], "exceeds --tokens-per-step"),
+        (["--model", "gpt-9"], "invalid choice: 'gpt-9'"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (
+            ["--max-seq", "4K", "--tokens-per-step", "8K", "--capacity", "1K"],
+            "cannot hold a 4096-token sequence",
+        ),
+        (["--data", "/no/such/file.jsonl"], "file.jsonl: cannot open"),
+    ],
+)
 def test_bad_flags(argv, message):
-    res = subprocess.run([sys.executable, str(ROOT / "launch" / "pretrain.py"), *argv], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "pretrain.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stdout + res.stderr
 
@@ -166,7 +278,12 @@ def test_selective_offload_keeps_the_math(tmp_path):
     from hdp.runtime import run_waves
 
     src = SyntheticSource("wlb-128k", 30, 512, 0)
-    loader = HDPDataLoader([src], BatchStream([src.lengths], 2048, 512), ClusterSpec.preset("cpu", 1), model_preset("tiny"))
+    loader = HDPDataLoader(
+        [src],
+        BatchStream([src.lengths], 2048, 512),
+        ClusterSpec.preset("cpu", 1),
+        model_preset("tiny"),
+    )
     step = next(loader)
     loader.close()
     grads = []
@@ -174,8 +291,17 @@ def test_selective_offload_keeps_the_math(tmp_path):
         torch.manual_seed(0)
         model = Llama(model_preset("tiny"), activation_checkpointing=True)
         p = step.plan
-        step.plan = Plan(p.seq_lens, 1, p.rank, p.wave, p.seq, p.start, p.end, sync=p.sync,
-                         offload=[[frac]] * p.num_waves)
+        step.plan = Plan(
+            p.seq_lens,
+            1,
+            p.rank,
+            p.wave,
+            p.seq,
+            p.start,
+            p.end,
+            sync=p.sync,
+            offload=[[frac]] * p.num_waves,
+        )
         run_waves(model, step)
         grads.append([q.grad.clone() for q in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -190,7 +316,9 @@ def test_chunked_loss_matches_full_logits():
     from hdp.model import AttentionContext, Llama
 
     T = 300
-    plan = Plan(np.array([T]), 1, np.array([0]), np.array([0]), np.array([0]), np.array([0]), np.array([T]))
+    plan = Plan(
+        np.array([T]), 1, np.array([0]), np.array([0]), np.array([0]), np.array([0]), np.array([T])
+    )
     ctx = AttentionContext(plan, 0)
     ids = torch.randint(0, 512, (T,))
     pos = torch.arange(T)
@@ -200,7 +328,11 @@ def test_chunked_loss_matches_full_logits():
     for chunk in (64, None):
         torch.manual_seed(0)
         model = Llama(model_preset("tiny"), loss_chunk_tokens=chunk or T).double()
-        loss = model(ids, pos, ctx, labels) if chunk else F.cross_entropy(model(ids, pos, ctx).double(), labels, reduction="sum")
+        loss = (
+            model(ids, pos, ctx, labels)
+            if chunk
+            else F.cross_entropy(model(ids, pos, ctx).double(), labels, reduction="sum")
+        )
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (l_chunked, g_chunked), (l_full, g_full) = results

@@ -21,7 +21,9 @@ def test_standard_workloads_ship_in_the_package():
 @pytest.mark.skipif(not SHARED.exists(), reason="../shared/data not beside the checkout")
 def test_packaged_data_equals_shared_data():
     for name in ("wikipedia_flexsp.txt.gz", "wlbllm.txt.gz"):
-        assert (SHARED / "lengths" / name).read_bytes() == (Path(__file__).parents[1] / "hdp" / "data" / "lengths" / name).read_bytes()
+        assert (SHARED / "lengths" / name).read_bytes() == (
+            Path(__file__).parents[1] / "hdp" / "data" / "lengths" / name
+        ).read_bytes()
 
 
 @pytest.mark.parametrize("name", ["byted-2m", "github-2m", "wikipedia-384k", "wlb-128k"])
@@ -33,7 +35,10 @@ def test_batches_have_exactly_the_token_budget(name):
         assert b.sum() == w.tokens_per_step
         assert b.min() >= 1 and b.max() <= w.max_seq
     # Same seed, same batches.
-    assert (get_workload(name).sample_batch(np.random.default_rng(3)) == w.sample_batch(np.random.default_rng(3))).all()
+    assert (
+        get_workload(name).sample_batch(np.random.default_rng(3))
+        == w.sample_batch(np.random.default_rng(3))
+    ).all()
 
 
 def test_bucket_sampling_follows_the_token_shares():
