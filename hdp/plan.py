@@ -66,7 +66,11 @@ class PlanError(ValueError):
     """A plan that breaks an invariant (coverage, ranges, waves, capacity, JSON form)."""
 
 
+# Largest K/V message between two ranks (tokens); PLAN.json's ``kv_block_tokens`` defaults to it.
 DEFAULT_KV_BLOCK_TOKENS = 8192
+# Granularity of multi-rank shards and of per-rank capacities (tokens): the attention kernels'
+# tile, so shares of a split sequence and a rank's token budget fill whole tiles.
+BLOCK_TOKENS = 128
 
 
 class Plan:
