@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .rounds import edge_colour_rounds
+
 SYNC_MODES = ("wave", "peer")
 
 
@@ -47,7 +49,7 @@ class Shard(NamedTuple):
 
 @dataclass(frozen=True)
 class KVTransfer:
-    """One P2P message: keys/values of ``pieces`` (``Shard``s: sequence, start, end) from ``src`` to ``dst``.
+    """One P2P message: keys/values of ``pieces`` (``Shard``s) from ``src`` to ``dst``.
 
     All the KV one rank needs from another in a wave travels together, cut into messages of at
     most ``Plan.kv_block_tokens`` tokens; the receiver places each piece by its sequence positions.
@@ -185,7 +187,8 @@ class Plan:
                 raise PlanError(f"PLAN.json lacks the required key {key!r}")
         if not isinstance(d["waves"], list) or not all(isinstance(w, list) for w in d["waves"]):
             raise PlanError(
-                "PLAN.json 'waves' must be a list (waves) of lists (ranks) of [seq, start, end] lists"
+                "PLAN.json 'waves' must be a list (waves) of lists (ranks) of "
+                "[seq, start, end] lists"
             )
         lens = d["seq_lens"]
         if not isinstance(lens, list) or not all(
@@ -279,7 +282,8 @@ class Plan:
         """Rank ``rank``'s shards in wave ``wave``, in local order."""
         if not (0 <= rank < self.num_ranks and 0 <= wave < self.num_waves):
             raise IndexError(
-                f"no cell (rank {rank}, wave {wave}) in a plan of {self.num_ranks} ranks x {self.num_waves} waves"
+                f"no cell (rank {rank}, wave {wave}) in a plan of {self.num_ranks} ranks x "
+                f"{self.num_waves} waves"
             )
         sl = self.shard_slice(rank, wave)
         return [
@@ -312,11 +316,37 @@ class Plan:
     def validate(self, capacity: int | None = None, offload_capacity: int | None = None) -> None:
         """Raise :class:`PlanError` unless every invariant holds.
 
-        Checked: ranges (ranks, waves, sequences, ``0 <= start < end <= len``); every token of every
-        sequence in exactly one shard; all shards of a sequence in one wave; offload fractions in
-        [0, 1]; and, when ``capacity`` is given, at most ``capacity`` tokens per rank per wave
-        (``offload_capacity`` for cells that offload activations).
+        Checked: ranges (ranks, waves, sequences, ``0 <= start < end <= len``); every token of
+        every sequence in exactly one shard; all shards of a sequence in one wave; offload
+        fractions in [0, 1]. When ``capacity`` is given, also at most ``capacity`` tokens per rank
+        per wave (``offload_capacity`` for cells that offload activations).
         """
+        problems = self._index_problems()
+        if problems:  # the checks below index arrays by these values
+            raise PlanError("invalid plan: " + "; ".join(problems))
+        lens = self.seq_lens[self.seq]
+        bad = (self.start < 0) | (self.end <= self.start) | (self.end > lens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            problems.append(
+                f"shard {self._describe(i)} is not a non-empty range inside [0, {int(lens[i])})"
+            )
+        problems += self._coverage_problems()
+        if ((self.offload < 0) | (self.offload > 1)).any():
+            problems.append("offload fractions must lie in [0, 1]")
+        if any(not 0 <= b_ < self.num_waves for b_ in self.barriers):
+            problems.append(f"barriers must name waves in [0, {self.num_waves})")
+        if capacity is not None:
+            problems += self._capacity_problems(capacity, offload_capacity)
+        if problems:
+            raise PlanError(
+                "invalid plan: "
+                + "; ".join(problems[:5])
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+            )
+
+    def _index_problems(self) -> list[str]:
+        """Negative lengths, and ranks, waves or sequences outside their ranges."""
         problems: list[str] = []
         n = self.seq_lens.size
         if (self.seq_lens < 0).any():
@@ -325,7 +355,8 @@ class Plan:
         bad = (self.rank < 0) | (self.rank >= self.num_ranks)
         if bad.any():
             problems.append(
-                f"shard {self._describe(int(np.argmax(bad)))} names rank outside [0, {self.num_ranks})"
+                f"shard {self._describe(int(np.argmax(bad)))} names rank outside "
+                f"[0, {self.num_ranks})"
             )
         bad = self.wave < 0
         if bad.any():
@@ -335,16 +366,11 @@ class Plan:
             problems.append(
                 f"shard {self._describe(int(np.argmax(bad)))} names a sequence outside [0, {n})"
             )
-        if problems:
-            raise PlanError("invalid plan: " + "; ".join(problems))
-        lens = self.seq_lens[self.seq]
-        bad = (self.start < 0) | (self.end <= self.start) | (self.end > lens)
-        if bad.any():
-            i = int(np.argmax(bad))
-            problems.append(
-                f"shard {self._describe(i)} is not a non-empty range inside [0, {int(lens[i])})"
-            )
-        # Coverage: sorted by (seq, start), shards of a sequence must tile [0, len) exactly.
+        return problems
+
+    def _coverage_problems(self) -> list[str]:
+        """Sorted by (seq, start), the shards of a sequence must tile [0, len) in one wave."""
+        problems: list[str] = []
         order = np.lexsort((self.start, self.seq))
         s, a, b, w = self.seq[order], self.start[order], self.end[order], self.wave[order]
         first = np.ones(s.size, dtype=bool)
@@ -362,15 +388,17 @@ class Plan:
             i = int(np.argmax(gap))
             kind = "overlap" if a[i] < b[i - 1] else "leave a gap"
             problems.append(
-                f"sequence {int(s[i])}: shards ending at {int(b[i - 1])} and starting at {int(a[i])} {kind}"
+                f"sequence {int(s[i])}: shards ending at {int(b[i - 1])} and starting at "
+                f"{int(a[i])} {kind}"
             )
         bad = last & (b != self.seq_lens[s])
         if bad.any():
             i = int(np.argmax(bad))
             problems.append(
-                f"sequence {int(s[i])}: tokens [{int(b[i])}, {int(self.seq_lens[s[i]])}) are in no shard"
+                f"sequence {int(s[i])}: tokens [{int(b[i])}, {int(self.seq_lens[s[i]])}) are in "
+                "no shard"
             )
-        covered = np.zeros(n, dtype=bool)
+        covered = np.zeros(self.seq_lens.size, dtype=bool)
         covered[s] = True
         missing = (~covered) & (self.seq_lens > 0)
         if missing.any():
@@ -381,32 +409,31 @@ class Plan:
         if split.any():
             i = int(np.argmax(split))
             problems.append(
-                f"sequence {int(s[i])} has shards in waves {int(w[i - 1])} and {int(w[i])}: all must share one wave"
+                f"sequence {int(s[i])} has shards in waves {int(w[i - 1])} and {int(w[i])}: "
+                "all must share one wave"
             )
-        if ((self.offload < 0) | (self.offload > 1)).any():
-            problems.append("offload fractions must lie in [0, 1]")
-        if any(not 0 <= b_ < self.num_waves for b_ in self.barriers):
-            problems.append(f"barriers must name waves in [0, {self.num_waves})")
-        if capacity is not None:
-            tok = self.tokens_per_cell()
-            cap = np.full(tok.shape, float(capacity))
-            if offload_capacity is not None:
-                cap = np.where(self.offload > 0, float(max(offload_capacity, capacity)), cap)
-            over = tok > cap
-            if over.any():
-                wv, rk = (int(x[0]) for x in np.nonzero(over))
-                problems.append(
-                    f"rank {rk} holds {int(tok[wv, rk])} tokens in wave {wv}, above its capacity {int(cap[wv, rk])}"
-                )
-        if problems:
-            raise PlanError(
-                "invalid plan: "
-                + "; ".join(problems[:5])
-                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
-            )
+        return problems
+
+    def _capacity_problems(self, capacity: int, offload_capacity: int | None) -> list[str]:
+        """The first cell holding more tokens than its capacity, if any."""
+        tok = self.tokens_per_cell()
+        cap = np.full(tok.shape, float(capacity))
+        if offload_capacity is not None:
+            cap = np.where(self.offload > 0, float(max(offload_capacity, capacity)), cap)
+        over = tok > cap
+        if not over.any():
+            return []
+        wv, rk = (int(x[0]) for x in np.nonzero(over))
+        return [
+            f"rank {rk} holds {int(tok[wv, rk])} tokens in wave {wv}, above its capacity "
+            f"{int(cap[wv, rk])}"
+        ]
 
     def _describe(self, i: int) -> str:
-        return f"[{int(self.seq[i])}, {int(self.start[i])}, {int(self.end[i])}] (rank {int(self.rank[i])}, wave {int(self.wave[i])})"
+        return (
+            f"[{int(self.seq[i])}, {int(self.start[i])}, {int(self.end[i])}] "
+            f"(rank {int(self.rank[i])}, wave {int(self.wave[i])})"
+        )
 
     # ------------------------------------------------------------------ communication
     def kv_needs(self, wave: int) -> dict[tuple[int, int], list[Shard]]:
@@ -483,67 +510,7 @@ class Plan:
 
     def __repr__(self) -> str:
         return (
-            f"Plan(strategy={self.strategy!r}, sequences={self.seq_lens.size}, tokens={int(self.seq_lens.sum())}, "
-            f"ranks={self.num_ranks}, waves={self.num_waves}, shards={self.num_shards}, sync={self.sync!r})"
+            f"Plan(strategy={self.strategy!r}, sequences={self.seq_lens.size}, "
+            f"tokens={int(self.seq_lens.sum())}, ranks={self.num_ranks}, waves={self.num_waves}, "
+            f"shards={self.num_shards}, sync={self.sync!r})"
         )
-
-
-def edge_colour_rounds(transfers: Sequence[KVTransfer]) -> list[list[KVTransfer]]:
-    """Proper edge colouring of the bipartite (sender, receiver) multigraph with max-degree colours.
-
-    Classic alternating-path method: colour each edge with a colour free at both ends, swapping
-    an alternating two-coloured path when no such colour exists. Deterministic for a given input
-    order, so every rank derives the same rounds from the same plan.
-    """
-    send_at: dict[int, dict[int, int]] = {}  # sender -> colour -> edge index
-    recv_at: dict[int, dict[int, int]] = {}  # receiver -> colour -> edge index
-    colour = [-1] * len(transfers)
-
-    def free(table: dict[int, int]) -> int:
-        c = 0
-        while c in table:
-            c += 1
-        return c
-
-    for e, t in enumerate(transfers):
-        su = send_at.setdefault(t.src, {})
-        rv = recv_at.setdefault(t.dst, {})
-        a = free(su)
-        b = free(rv)
-        if a not in rv:
-            c = a
-        elif b not in su:
-            c = b
-        else:
-            # Colour a is free at the sender but used at the receiver; b the other way round.
-            # Walk the a/b alternating path from the receiver and swap its colours, freeing a there.
-            path: list[int] = []
-            node, on_recv_side, want = t.dst, True, a
-            while True:
-                table = recv_at[node] if on_recv_side else send_at[node]
-                if want not in table:
-                    break
-                edge = table[want]
-                path.append(edge)
-                node = transfers[edge].src if on_recv_side else transfers[edge].dst
-                on_recv_side = not on_recv_side
-                want = b if want == a else a
-            for edge in path:
-                old = colour[edge]
-                tr = transfers[edge]
-                del send_at[tr.src][old]
-                del recv_at[tr.dst][old]
-            for edge in path:
-                new = b if colour[edge] == a else a
-                colour[edge] = new
-                tr = transfers[edge]
-                send_at[tr.src][new] = edge
-                recv_at[tr.dst][new] = edge
-            c = a
-        colour[e] = c
-        su[c] = e
-        rv[c] = e
-    rounds: list[list[KVTransfer]] = [[] for _ in range(max(colour, default=-1) + 1)]
-    for e, c in enumerate(colour):
-        rounds[c].append(transfers[e])
-    return rounds
