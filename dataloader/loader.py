@@ -2,11 +2,13 @@
 
 Rank 0 runs a background thread that forms global batches (:class:`BatchStream`, lengths only) and
 plans each with :func:`planner.plan_step`, keeping up to ``plan_ahead`` planned steps ready. Each
-step rank 0 broadcasts the batch's sequence descriptors and the plan's shards as one int64 tensor;
-every rank then reads only the tokens of its own shards (plus one token past a shard's end, for the
-label) and yields a :class:`StepData`: for each wave, ``input_ids``, ``labels`` (the next token of
-the same sequence; ``-100`` after a sequence's last token), ``position_ids`` (position inside the
-sequence), ``cu_seqlens`` of its shards, and the step's global ``loss_tokens``.
+step rank 0 broadcasts one message (:func:`encode_step`: the batch's sequence descriptors and the
+plan's wire form), and every rank, rank 0 included, runs the plan decoded from it, so all ranks
+derive the same communication rounds. Every rank then reads only the tokens of its own shards (plus
+one token past a shard's end, for the label). It yields a :class:`StepData`: for each wave,
+``input_ids``, ``labels`` (the next token of the same sequence; ``-100`` after a sequence's last
+token), ``position_ids`` (position inside the sequence) and ``cu_seqlens`` of its shards, and the
+step's global ``loss_tokens``.
 
 ``state_dict()`` is the stream state after the last step handed out (prefetched plans are formed
 again on resume), so a resumed run sees exactly the same global batches, on any number of ranks.
@@ -20,13 +22,14 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hdp import ClusterSpec, ModelSpec, Plan, Shard
+from hdp import ClusterSpec, ModelSpec, Plan, Shard, wire
 
 from .batching import BatchStream, GlobalBatch, SeqRef
 from .sources import Source
@@ -59,6 +62,45 @@ class StepData:
     seqs: list[SeqRef] = field(default_factory=list)
 
 
+# Names (and versions) the layout of a step message; decode_step refuses any other.
+STEP_FORMAT = "hdp.step/1"
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """The scalar fields of a step message; the sequences and the plan travel as arrays."""
+
+    step: int
+    truncated_tokens: int
+    plan_time_s: float
+
+
+def encode_step(batch: GlobalBatch, plan: Plan, plan_time_s: float) -> np.ndarray:
+    """One ``uint8`` message (:mod:`hdp.wire`) with all a rank needs of a step.
+
+    Its fields are :class:`StepHeader`'s and the names of the ``seqs`` columns; its arrays are
+    ``seqs`` (one int64 row per :class:`SeqRef`) and ``plan`` (:meth:`Plan.to_wire`).
+    """
+    header = StepHeader(int(batch.step), int(batch.truncated_tokens), float(plan_time_s))
+    fields = {"format": STEP_FORMAT, "seq_fields": list(SeqRef._fields), **asdict(header)}
+    seqs = np.asarray(batch.seqs, dtype=np.int64).reshape(-1, len(SeqRef._fields))
+    return wire.pack(fields, {"seqs": seqs, "plan": plan.to_wire()})
+
+
+def decode_step(message: np.ndarray) -> tuple[GlobalBatch, Plan, float]:
+    """The batch, plan and planning time of :func:`encode_step`'s ``message``."""
+    fields, arrays = wire.unpack(message)
+    if fields.get("format") != STEP_FORMAT or fields.get("seq_fields") != list(SeqRef._fields):
+        raise ValueError(
+            f"not a step message of format {STEP_FORMAT!r} with sequence columns "
+            f"{SeqRef._fields}: {fields.get('format')!r}, {fields.get('seq_fields')}"
+        )
+    header = StepHeader(**{f.name: fields[f.name] for f in dataclass_fields(StepHeader)})
+    refs = [SeqRef(*row) for row in arrays["seqs"].tolist()]
+    batch = GlobalBatch(header.step, refs, header.truncated_tokens)
+    return batch, Plan.from_wire(arrays["plan"]), header.plan_time_s
+
+
 class HDPDataLoader:
     """Iterate :class:`StepData` for this rank; see the module docstring."""
 
@@ -85,7 +127,8 @@ class HDPDataLoader:
         self.world = dist.get_world_size(group) if self.distributed else 1
         if self.world != cluster.num_ranks:
             raise ValueError(
-                f"the cluster spec has {cluster.num_ranks} ranks but the process group has {self.world}"
+                f"the cluster spec has {cluster.num_ranks} ranks but the process group has "
+                f"{self.world}"
             )
         self.plan_ahead = max(1, int(plan_ahead))
         self._device = (
@@ -115,7 +158,7 @@ class HDPDataLoader:
                 batch = self.stream.next_batch()
                 state = self.stream.state_dict()
                 plan, dt = self._plan(batch)
-                self._hand_over((batch, plan, state, dt))
+                self._hand_over((encode_step(batch, plan, dt), state))
         except BaseException as e:  # surface planning errors in the training thread
             self._hand_over(e)
 
@@ -143,75 +186,21 @@ class HDPDataLoader:
         return self._queue.qsize() if self._queue is not None else 0
 
     # ------------------------------------------------------------------ broadcast
-    def _broadcast(self, batch: GlobalBatch | None, plan: Plan | None, plan_time: float):
-        if self.rank == 0:
-            seqs = np.asarray([tuple(s) for s in batch.seqs], dtype=np.int64).reshape(-1, 5)
-            shards = np.stack([plan.rank, plan.wave, plan.seq, plan.start, plan.end]).astype(
-                np.int64
-            )
-            offload = plan.offload if plan.offload.any() else None
-            header = np.array(
-                [
-                    batch.step,
-                    seqs.shape[0],
-                    shards.shape[1],
-                    plan.num_waves,
-                    1 if plan.sync == "peer" else 0,
-                    batch.truncated_tokens,
-                    int(round(plan_time * 1e6)),
-                    1 if offload is not None else 0,
-                    len(plan.barriers),
-                ],
-                dtype=np.int64,
-            )
-            payload = np.concatenate(
-                [header, seqs.reshape(-1), shards.reshape(-1), np.asarray(plan.barriers, np.int64)]
-            )
+    def _broadcast(self, message: np.ndarray | None) -> np.ndarray:
+        """Rank 0's step message on every rank: its length, then its bytes (two broadcasts)."""
         if not self.distributed:
-            return batch, plan, plan_time
+            return message
         n = torch.tensor(
-            [payload.size if self.rank == 0 else 0], dtype=torch.int64, device=self._device
+            [message.size if self.rank == 0 else 0], dtype=torch.int64, device=self._device
         )
         dist.broadcast(n, src=self._src(), group=self.group)
         buf = (
-            torch.from_numpy(payload).to(self._device)
+            torch.from_numpy(message).to(self._device)
             if self.rank == 0
-            else torch.empty(int(n.item()), dtype=torch.int64, device=self._device)
+            else torch.empty(int(n.item()), dtype=torch.uint8, device=self._device)
         )
         dist.broadcast(buf, src=self._src(), group=self.group)
-        data = buf.cpu().numpy()
-        step, S, M, W, peer, trunc, plan_us, has_off, nb = (int(x) for x in data[:9])
-        seqs = data[9 : 9 + 5 * S].reshape(S, 5)
-        sh = data[9 + 5 * S : 9 + 5 * S + 5 * M].reshape(5, M)
-        barriers = data[9 + 5 * S + 5 * M : 9 + 5 * S + 5 * M + nb].tolist()
-        off = None
-        if has_off:
-            off_t = (
-                torch.from_numpy(plan.offload).to(self._device, torch.float64)
-                if self.rank == 0
-                else torch.empty(W * self.world, dtype=torch.float64, device=self._device)
-            )
-            dist.broadcast(off_t, src=self._src(), group=self.group)
-            off = off_t.cpu().numpy().reshape(W, self.world)
-        if self.rank == 0:
-            return batch, plan, plan_time
-        refs = [SeqRef(*map(int, row)) for row in seqs]
-        batch = GlobalBatch(step, refs, trunc)
-        plan = Plan(
-            batch.lengths,
-            self.world,
-            sh[0],
-            sh[1],
-            sh[2],
-            sh[3],
-            sh[4],
-            sync="peer" if peer else "wave",
-            num_waves=W,
-            offload=off,
-            barriers=barriers,
-            strategy=self.strategy,
-        )
-        return batch, plan, plan_us / 1e6
+        return message if self.rank == 0 else buf.cpu().numpy()
 
     def _src(self) -> int:
         return 0 if self.group is None else dist.get_global_rank(self.group, 0)
@@ -250,15 +239,14 @@ class HDPDataLoader:
     def __next__(self) -> StepData:
         self._start()
         t0 = time.perf_counter()
-        batch = plan = None
-        plan_time = 0.0
+        message = None
         if self.rank == 0:
             item = self._queue.get()
             if isinstance(item, BaseException):
                 raise item
-            batch, plan, state, plan_time = item
-            self._delivered_state = state
-        batch, plan, plan_time = self._broadcast(batch, plan, plan_time)
+            message, self._delivered_state = item
+        # Every rank, rank 0 included, runs the plan decoded from the same bytes.
+        batch, plan, plan_time = decode_step(self._broadcast(message))
         if self.rank != 0:
             self._delivered_state = None  # rank 0 holds the state; see state_dict()
         waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
@@ -280,7 +268,7 @@ class HDPDataLoader:
         return dict(self._delivered_state) if self._delivered_state is not None else {}
 
     def sync_state(self) -> dict:
-        """Broadcast rank 0's state to every rank and return it (for checkpoints saved by all ranks)."""
+        """Broadcast rank 0's state to every rank and return it (for checkpoints all ranks save)."""
         if not self.distributed:
             return self.state_dict()
         obj = [self.state_dict() if self.rank == 0 else None]
@@ -295,7 +283,7 @@ class HDPDataLoader:
         self._delivered_state = self.stream.state_dict()
 
     def close(self, timeout_s: float = 300.0) -> None:
-        """Stop planning ahead and wait for the plan in progress (bounded by the MILP's time limit)."""
+        """Stop planning ahead; wait for the plan in progress (bounded by the MILP's time limit)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
@@ -303,5 +291,6 @@ class HDPDataLoader:
                 warnings.warn(
                     f"hdp-planner thread still planning {timeout_s:.0f} s after close()",
                     RuntimeWarning,
+                    stacklevel=2,
                 )
             atexit.unregister(self.close)

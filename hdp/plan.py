@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import wire
 from .rounds import edge_colour_rounds
 
 SYNC_MODES = ("wave", "peer")
@@ -68,6 +69,10 @@ class PlanError(ValueError):
     """A plan that breaks an invariant (coverage, ranges, waves, capacity, JSON form)."""
 
 
+# The per-shard arrays of a plan, in the order the constructor takes them.
+SHARD_COLUMNS = ("rank", "wave", "seq", "start", "end")
+# Names (and versions) the layout of Plan.to_wire; from_wire refuses any other.
+WIRE_FORMAT = "hdp.plan/1"
 # Largest K/V message between two ranks (tokens); PLAN.json's ``kv_block_tokens`` defaults to it.
 DEFAULT_KV_BLOCK_TOKENS = 8192
 # Granularity of multi-rank shards and of per-rank capacities (tokens): the attention kernels'
@@ -125,9 +130,12 @@ class Plan:
         arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (rank, wave, seq, start, end)]
         if len({a.shape for a in arrays}) != 1:
             raise PlanError("rank, wave, seq, start and end must have one entry per shard each")
-        # Stable sort by cell keeps each cell's local order as given.
-        order = np.lexsort((arrays[0], arrays[1]))
-        self.rank, self.wave, self.seq, self.start, self.end = (a[order] for a in arrays)
+        if _in_cell_order(arrays[1], arrays[0]):  # e.g. from_wire: sorting would change nothing
+            arrays = [a.copy() for a in arrays]
+        else:  # a stable sort by cell keeps each cell's local order as given
+            order = np.lexsort((arrays[0], arrays[1]))
+            arrays = [a[order] for a in arrays]
+        self.rank, self.wave, self.seq, self.start, self.end = arrays
         inferred = int(self.wave.max()) + 1 if self.wave.size else 1
         self.num_waves = max(int(num_waves) if num_waves is not None else 1, inferred)
         self.sync = sync
@@ -262,6 +270,57 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+
+    def to_wire(self) -> np.ndarray:
+        """The form that crosses ranks: one ``uint8`` array (see :mod:`hdp.wire`) with every field.
+
+        The header names the scalar fields (``num_ranks``, ``num_waves``, ``sync``, ``barriers``,
+        ``kv_block_tokens``, ``strategy``, ``capacity``, ``predicted``). The arrays travel as raw
+        bytes: ``seq_lens``, the shard columns ``rank``, ``wave``, ``seq``, ``start``, ``end``, and
+        ``offload`` when the plan offloads anything. :meth:`from_wire` rebuilds an equal plan.
+        """
+        fields = {
+            "format": WIRE_FORMAT,
+            "num_ranks": self.num_ranks,
+            "num_waves": self.num_waves,
+            "sync": self.sync,
+            "barriers": list(self.barriers),
+            "kv_block_tokens": self.kv_block_tokens,
+            "strategy": self.strategy,
+            "capacity": None if self.capacity is None else int(self.capacity),
+            "predicted": {str(k): float(v) for k, v in self.predicted.items()},
+        }
+        arrays = {"seq_lens": self.seq_lens}
+        arrays.update((c, getattr(self, c)) for c in SHARD_COLUMNS)
+        if self.offload.any():
+            arrays["offload"] = self.offload
+        return wire.pack(fields, arrays)
+
+    @classmethod
+    def from_wire(cls, buf: np.ndarray | bytes) -> Plan:
+        """The plan of :meth:`to_wire`'s ``buf``."""
+        try:
+            f, arrays = wire.unpack(buf)
+        except wire.WireError as e:
+            raise PlanError(f"not a plan in wire form: {e}") from None
+        if f.get("format") != WIRE_FORMAT:
+            raise PlanError(f"not a plan in wire form {WIRE_FORMAT!r}: format {f.get('format')!r}")
+        missing = [k for k in ("seq_lens", *SHARD_COLUMNS) if k not in arrays]
+        if missing:
+            raise PlanError(f"the plan's wire form lacks the arrays {', '.join(missing)}")
+        return cls(
+            arrays["seq_lens"],
+            f["num_ranks"],
+            *(arrays[c] for c in SHARD_COLUMNS),
+            sync=f["sync"],
+            num_waves=f["num_waves"],
+            offload=arrays.get("offload"),
+            barriers=f["barriers"],
+            kv_block_tokens=f["kv_block_tokens"],
+            predicted=f["predicted"],
+            strategy=f["strategy"],
+            capacity=f["capacity"],
+        )
 
     # ------------------------------------------------------------------ queries
     @property
@@ -514,3 +573,11 @@ class Plan:
             f"tokens={int(self.seq_lens.sum())}, ranks={self.num_ranks}, waves={self.num_waves}, "
             f"shards={self.num_shards}, sync={self.sync!r})"
         )
+
+
+def _in_cell_order(wave: np.ndarray, rank: np.ndarray) -> bool:
+    """Whether shards are already sorted by (wave, rank)."""
+    if wave.size < 2:
+        return True
+    dw = wave[1:] - wave[:-1]
+    return bool(((dw > 0) | ((dw == 0) & (rank[1:] >= rank[:-1]))).all())

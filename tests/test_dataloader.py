@@ -263,3 +263,70 @@ def test_synthetic_source_through_the_loader():
     assert sum(w.input_ids.numel() for w in step.waves) == step.tokens
     assert all(int(w.input_ids.max()) < 512 for w in step.waves if w.input_ids.numel())
     loader.close()
+
+
+class Block16Loader(HDPDataLoader):
+    """Plans with 16-token K/V messages (the planner keeps the default), and remembers them."""
+
+    def _plan(self, batch):
+        plan, dt = super()._plan(batch)
+        plan.kv_block_tokens = 16
+        self.planned = [*getattr(self, "planned", []), plan]
+        return plan, dt
+
+
+def make_block16_loader(path, world):
+    src = JsonlSource(path, vocab_size=512)
+    stream = BatchStream([src.lengths], tokens_per_step=4096, max_seq=2048, seed=1)
+    cluster = ClusterSpec.preset("cpu", world, 2)
+    return Block16Loader([src], stream, cluster, model_preset("tiny"), "hdp", plan_options={})
+
+
+def plan_summary(step):
+    p = step.plan
+    return {
+        "wire": p.to_wire().tolist(),
+        "fields": [p.kv_block_tokens, p.strategy, p.capacity, p.predicted, p.sync, p.num_waves],
+        "rounds": [repr(p.comm_rounds(w)) for w in range(p.num_waves)],
+        "header": [
+            step.step,
+            step.truncated_tokens,
+            step.plan_time_s,
+            [list(s) for s in step.seqs],
+        ],
+    }
+
+
+def _same_plan_rank(rank, world, path, out_dir, steps):
+    import torch.distributed as dist
+
+    loader = make_block16_loader(path, world)
+    mine = [plan_summary(next(loader)) for _ in range(steps)]
+    loader.close()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(f"{out_dir}/plans_{world}.json", "w") as f:
+            json.dump(gathered, f)
+
+
+def test_every_rank_runs_the_plan_rank0_planned(tmp_path):
+    p, _ = write_corpus(tmp_path, seed=3)
+    run_ranks(_same_plan_rank, 2, str(p), str(tmp_path), 3)
+    ranks = json.loads((tmp_path / "plans_2.json").read_text())
+    assert ranks[1] == ranks[0]
+    for step in ranks[0]:
+        block, strategy, capacity, predicted, _, _ = step["fields"]
+        assert block == 16 and strategy == "hdp" and capacity is not None
+        assert predicted["step_time_s"] > 0 and step["header"][2] > 0
+
+
+def test_rank0_runs_the_decoded_plan_not_its_own(tmp_path):
+    p, _ = write_corpus(tmp_path, seed=3)
+    loader = make_block16_loader(p, 1)
+    step = next(loader)
+    loader.close()
+    planned = loader.planned[0]
+    assert step.plan is not planned
+    assert step.plan.to_wire().tobytes() == planned.to_wire().tobytes()
+    assert step.plan.kv_block_tokens == 16

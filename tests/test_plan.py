@@ -183,3 +183,88 @@ def test_edge_colouring_dense_multigraph():
     assert len(rounds) == max(deg.values())
     for rnd in rounds:
         assert len({m.src for m in rnd}) == len({m.dst for m in rnd}) == len(rnd)
+
+
+def assert_same_plan(p, q):
+    """Every field of two plans equal (arrays element-wise, floats exactly)."""
+    for name in ("seq_lens", "rank", "wave", "seq", "start", "end", "offload"):
+        a, b = getattr(p, name), getattr(q, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    for name in ("num_ranks", "num_waves", "sync", "barriers", "kv_block_tokens", "strategy"):
+        assert getattr(p, name) == getattr(q, name), name
+    assert p.capacity == q.capacity and type(p.capacity) is type(q.capacity)
+    assert p.predicted == q.predicted
+
+
+def test_wire_round_trip_keeps_every_field():
+    waves = [
+        [[(0, 0, 3), (0, 8, 10)], [(0, 3, 8), (1, 0, 4)]],
+        [[(2, 0, 5)], []],
+        [[], []],  # an empty last wave still counts
+    ]
+    p = Plan.from_shards(
+        [10, 4, 5],
+        2,
+        waves,
+        sync="peer",
+        offload=np.array([[0.0, 0.25], [1 / 3, 0.0], [0.0, 0.0]]),
+        barriers=[2, 1],
+        kv_block_tokens=3,
+        predicted={"step_time_s": 0.1 + 0.2, "bound_s": float("inf"), "mfu": -0.0},
+        strategy="hdp",
+        capacity=4096,
+    )
+    buf = p.to_wire()
+    assert buf.dtype == np.uint8 and buf.ndim == 1
+    q = Plan.from_wire(buf)
+    assert_same_plan(p, q)
+    assert q.num_waves == 3 and q.barriers == (1, 2) and q.offload[1, 0] == 1 / 3
+    assert_same_plan(p, Plan.from_wire(buf.tobytes()))  # bytes work too
+    # Defaults survive as such: no offload, no strategy, no capacity, nothing predicted.
+    r = example_plan()
+    assert_same_plan(r, Plan.from_wire(r.to_wire()))
+    assert Plan.from_wire(r.to_wire()).capacity is None
+    # An empty plan.
+    e = Plan.from_shards([0], 3, [[[], [], []]])
+    assert_same_plan(e, Plan.from_wire(e.to_wire()))
+
+
+def test_wire_is_independent_of_the_shard_order_given():
+    # Shards given out of cell order are sorted (each cell's own order kept) before they travel.
+    p = Plan([6, 6], 2, [1, 0, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1], [3, 0, 3, 0], [6, 3, 6, 3])
+    q = Plan.from_wire(p.to_wire())
+    assert_same_plan(p, q)
+    assert q.shards(1, 0) == [Shard(0, 3, 6), Shard(1, 3, 6)]
+
+
+def test_wire_keeps_the_communication_rounds():
+    # A long sequence zigzagged over 4 ranks with 16-token messages: many rounds per wave, which
+    # every rank must derive alike (a rank rebuilding the plan with the default block size would
+    # count one message per pair and wait for messages that never come).
+    n, L = 4, 800
+    cut = np.linspace(0, L, 2 * n + 1).astype(int)
+    owner = list(range(n)) + list(reversed(range(n)))
+    waves = [
+        [[(0, int(a), int(b)) for a, b, o in zip(cut, cut[1:], owner) if o == r]] for r in range(n)
+    ]
+    waves = [[cell[0] for cell in waves], [[(1, 0, 40)], [(1, 40, 90)], [], []]]
+    p = Plan.from_shards([L, 90], n, waves, kv_block_tokens=16)
+    q = Plan.from_wire(p.to_wire())
+    assert q.kv_block_tokens == 16
+    for w in range(p.num_waves):
+        assert len(p.comm_rounds(w)) > 1
+        assert q.comm_rounds(w) == p.comm_rounds(w)
+    default = Plan(p.seq_lens, n, p.rank, p.wave, p.seq, p.start, p.end)
+    assert len(default.comm_rounds(0)) < len(p.comm_rounds(0))
+
+
+def test_wire_rejects_other_buffers():
+    with pytest.raises(PlanError, match="not a plan in wire form"):
+        Plan.from_wire(np.zeros(3, dtype=np.uint8))
+    buf = example_plan().to_wire()
+    with pytest.raises(PlanError, match="not a plan in wire form"):
+        Plan.from_wire(buf[: buf.size - 8])  # truncated
+    from hdp import wire
+
+    with pytest.raises(PlanError, match="format"):
+        Plan.from_wire(wire.pack({"format": "other"}, {}))
