@@ -13,7 +13,7 @@ checkpointing]):
   forward, backward 2.5x forward (x3.5 training, x4.5 with checkpointing), at
   ``attn_efficiency(b - a)`` -- the kernel's efficiency for a query block of that length.
 
-Communication (per layer): the KV a rank lacks (see :mod:`hdp.plan`) arrives forward
+Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
 and returns dK/dV partials (fp32) to the owners. Traffic between ranks of one node uses NVLink, the
 rest the NIC; both directions and both links run concurrently, so a rank's transfer time is the
@@ -44,34 +44,12 @@ from functools import cached_property
 
 import numpy as np
 
+from . import traffic
 from .plan import Plan
 from .specs import ClusterSpec, ModelSpec
+from .traffic import KVTraffic, wave_components
 
-_POS_BITS = 36  # positions < 2**36 tokens; group ids < 2**27: packed keys stay below 2**63
-
-
-@dataclass
-class KVTraffic:
-    """Per-cell KV traffic of one plan, forward pass of one layer. Arrays are ``[num_waves, num_ranks]``.
-
-    ``*_tokens`` count K/V tokens; multiply by ``ModelSpec.kv_bytes_per_token`` for bytes.
-    """
-
-    in_intra: np.ndarray
-    in_inter: np.ndarray
-    out_intra: np.ndarray
-    out_inter: np.ndarray
-    in_msgs: np.ndarray
-    out_msgs: np.ndarray
-    max_in_block: np.ndarray
-
-    @property
-    def received(self) -> np.ndarray:
-        return self.in_intra + self.in_inter
-
-    @property
-    def sent(self) -> np.ndarray:
-        return self.out_intra + self.out_inter
+__all__ = ["CostModel", "KVTraffic", "StepReport", "wave_components"]
 
 
 @dataclass
@@ -181,7 +159,7 @@ class CostModel:
         return pairs * self.attn_flops_per_pair / (g.peak_flops * eff)
 
     def dense_time(self, tokens: np.ndarray) -> np.ndarray:
-        """Training time of the dense layers (all layers) and the head for micro-batches of ``tokens``."""
+        """Training time of all dense layers and the head for micro-batches of ``tokens``."""
         g = self.cluster.gpu
         t = np.asarray(tokens, dtype=np.float64)
         eff = np.where(t > 0, g.linear_efficiency(np.maximum(t, 1.0)), 1.0)
@@ -340,7 +318,8 @@ class CostModel:
         return np.where(t <= cap, 0.0, f)
 
     def offload_time(self, tokens: np.ndarray, fraction: np.ndarray) -> np.ndarray:
-        """Host-copy time of offloading ``fraction`` of the checkpointed activations (out and back)."""
+        """Host-copy time (out and back) of offloading ``fraction`` of the checkpointed
+        activations."""
         return (
             2.0
             * np.asarray(fraction)
@@ -372,91 +351,9 @@ class CostModel:
 
     # ------------------------------------------------------------------ KV traffic
     def kv_traffic(self, plan: Plan, labels: np.ndarray | None = None) -> KVTraffic:
-        """Vectorised per-cell KV traffic of ``plan``: exactly the tokens of :meth:`Plan.kv_needs`;
-        message counts bounded by the distinct peers (``labels``: :func:`wave_components`) plus
-        one per ``kv_block_tokens``."""
-        W, N = plan.num_waves, plan.num_ranks
-        z = lambda: np.zeros((W, N))  # noqa: E731
-        out = KVTraffic(z(), z(), z(), z(), z(), z(), z())
-        if plan.num_shards == 0:
-            return out
-        rpn = self.cluster.ranks_per_node
-        seq, rank, start, end = plan.seq, plan.rank, plan.start, plan.end
-        # (sequence, rank) pairs: how far each holder needs keys (E) and what it holds (n).
-        pair_key = seq * N + rank
-        pk, pair_idx = np.unique(pair_key, return_inverse=True)
-        E = np.zeros(pk.size, dtype=np.int64)
-        np.maximum.at(E, pair_idx, end)
-        held = np.bincount(pair_idx, weights=end - start, minlength=pk.size)
-        own_shards = np.bincount(pair_idx, minlength=pk.size)
-        p_seq, p_rank = pk // N, pk % N
-        holders = np.bincount(p_seq, minlength=plan.seq_lens.size)
-        multi_pair = holders[p_seq] > 1
-        if not multi_pair.any():
-            return out
-        seq_wave = plan.seq_wave()
-        p_wave = seq_wave[p_seq]
-        # Shards of multi-holder sequences, sorted by (seq, start), for "how much of s lies before E".
-        keep = holders[seq] > 1
-        s_seq, s_start, s_end, s_rank = seq[keep], start[keep], end[keep], rank[keep]
-        o = np.lexsort((s_start, s_seq))
-        s_seq, s_start, s_end, s_rank = s_seq[o], s_start[o], s_end[o], s_rank[o]
-        s_node = s_rank // rpn
-        ps, pr, pE = p_seq[multi_pair], p_rank[multi_pair], E[multi_pair]
-        pn = held[multi_pair]
-        pw = p_wave[multi_pair]
-        recv = pE - pn
-        # Tokens of the pair's own node (all holders there, itself included) before E.
-        s_gid, sorted_keys = _group_ids(s_seq, s_node)
-        lens = (s_end - s_start).astype(np.float64)
-        o2 = np.lexsort((s_start, s_gid))
-        g_gid, g_start, g_end, g_len = s_gid[o2], s_start[o2], s_end[o2], lens[o2]
-        cum = np.concatenate([[0.0], np.cumsum(g_len)])
-        gkey = (g_gid << _POS_BITS) + g_start
-        pair_gid = _lookup_group(sorted_keys, ps, pr // rpn)
-        node_before = _tokens_before(gkey, g_gid, g_start, g_end, cum, pair_gid, pE)
-        in_intra = node_before - pn
-        in_inter = recv - in_intra
-        # Pieces received: other holders' shards starting before E.
-        akey = (s_seq << _POS_BITS) + s_start
-        n_before = np.searchsorted(akey, (ps << _POS_BITS) + pE, side="left") - np.searchsorted(
-            akey, ps << _POS_BITS, side="left"
-        )
-        in_pieces = n_before - own_shards[multi_pair]
-        max_in = np.minimum(recv, plan.kv_block_tokens)
-        # Sent: each shard [a, b) goes to every other holder c of its sequence, truncated at E_c.
-        consumers_seq, consumers_E, consumers_node = ps, pE, pr // rpn
-        o3 = np.lexsort((consumers_E, consumers_seq))
-        c_seq, c_E = consumers_seq[o3], consumers_E[o3]
-        sent_all, cnt_all = _truncated_sum(c_seq, c_E, s_seq, s_start, s_end)
-        c_gid = _lookup_group(sorted_keys, consumers_seq, consumers_node)
-        o4 = np.lexsort((consumers_E, c_gid))
-        sent_node, _ = _truncated_sum(c_gid[o4], consumers_E[o4], s_gid, s_start, s_end)
-        own = (s_end - s_start).astype(np.float64)
-        out_all = sent_all - own  # the owner itself counted as a consumer needing all of it
-        out_node = sent_node - own
-        out_pieces = cnt_all - 1
-        # Aggregate to cells.
-        s_cell = seq_wave[s_seq] * N + s_rank
-        p_cell = pw * N + pr
-        size = W * N
-        agg = lambda cell, v: np.bincount(cell, weights=v, minlength=size).reshape(W, N)  # noqa: E731
-        out.in_intra = agg(p_cell, in_intra)
-        out.in_inter = agg(p_cell, in_inter)
-        out.out_intra = agg(s_cell, out_node)
-        out.out_inter = agg(s_cell, out_all - out_node)
-        # Messages: one per peer (pieces from one peer travel together), one more per full block.
-        if labels is None:
-            labels = wave_components(plan)
-        flat = (labels + (np.arange(W) * N)[:, None]).reshape(-1)
-        peers = (np.bincount(flat, minlength=size)[flat] - 1).reshape(W, N)
-        blk = plan.kv_block_tokens
-        out.in_msgs = np.minimum(agg(p_cell, in_pieces), peers) + (out.received // blk)
-        out.out_msgs = np.minimum(agg(s_cell, out_pieces), peers) + (out.sent // blk)
-        mx = np.zeros(size)
-        np.maximum.at(mx, p_cell, max_in)
-        out.max_in_block = mx.reshape(W, N)
-        return out
+        """Per-cell KV traffic of ``plan`` on this cluster's nodes (:func:`hdp.traffic.kv_traffic`;
+        ``labels``: :func:`wave_components`)."""
+        return traffic.kv_traffic(plan, self.cluster.ranks_per_node, labels)
 
     def comm_time_per_layer(self, traffic: KVTraffic) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) KV transfer time of one layer per cell, seconds."""
@@ -496,7 +393,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ evaluation
     def cell_compute(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-        """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` seconds."""
+        """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` s."""
         W, N = plan.num_waves, plan.num_ranks
         cell = plan.wave * N + plan.rank
         attn = np.bincount(
@@ -598,79 +495,3 @@ class CostModel:
         if with_collectives:
             t += (self.allgather_time() + self.reduce_scatter_time()) / L
         return t, start
-
-
-def wave_components(plan: Plan) -> np.ndarray:
-    """``[W, N]`` label of each rank's group in each wave: ranks sharing a sequence are joined
-    (the label is the group's smallest rank)."""
-    W, N = plan.num_waves, plan.num_ranks
-    labels = np.tile(np.arange(N), (W, 1))
-    if plan.num_shards == 0:
-        return labels
-    key = plan.seq * N + plan.rank
-    pk = np.unique(key)
-    p_seq, p_rank = pk // N, pk % N
-    holders = np.bincount(p_seq, minlength=plan.seq_lens.size)
-    multi = holders[p_seq] > 1
-    if not multi.any():
-        return labels
-    p_seq, p_rank = p_seq[multi], p_rank[multi]
-    seq_wave = plan.seq_wave()
-    first = np.full(plan.seq_lens.size, -1, dtype=np.int64)
-    # first holder of each sequence (p_seq is sorted, so the first occurrence)
-    idx = np.flatnonzero(np.r_[True, p_seq[1:] != p_seq[:-1]])
-    first[p_seq[idx]] = p_rank[idx]
-    u = seq_wave[p_seq] * N + first[p_seq]
-    v = seq_wave[p_seq] * N + p_rank
-    flat = labels.reshape(-1).copy() + (np.arange(W) * N).repeat(N)
-    while True:
-        m = np.minimum(flat[u], flat[v])
-        before = flat.copy()
-        np.minimum.at(flat, u, m)
-        np.minimum.at(flat, v, m)
-        flat = flat[flat]  # pointer jumping
-        if np.array_equal(before, flat):
-            break
-    return (flat - (np.arange(W) * N).repeat(N)).reshape(W, N)
-
-
-def _group_ids(seq: np.ndarray, sub: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ids of (seq, sub) pairs; returns (id of each element, sorted unique packed keys)."""
-    key = (seq << 20) + sub
-    uniq, inv = np.unique(key, return_inverse=True)
-    return inv.astype(np.int64), uniq
-
-
-def _lookup_group(sorted_keys: np.ndarray, seq: np.ndarray, sub: np.ndarray) -> np.ndarray:
-    """Dense id of (seq, sub) in ``sorted_keys`` (-1 where absent)."""
-    key = (seq << 20) + sub
-    i = np.searchsorted(sorted_keys, key)
-    i = np.minimum(i, max(sorted_keys.size - 1, 0))
-    return np.where(sorted_keys[i] == key, i, -1)
-
-
-def _tokens_before(gkey, g_gid, g_start, g_end, cum, query_gid, query_pos) -> np.ndarray:
-    """Tokens held by group ``query_gid`` before position ``query_pos`` (groups of disjoint shards)."""
-    first = np.searchsorted(gkey, query_gid << _POS_BITS, side="left")
-    k = np.searchsorted(
-        gkey, (query_gid << _POS_BITS) + query_pos, side="left"
-    )  # shards starting < pos
-    full = cum[np.maximum(k - 1, first)] - cum[first]  # shards first .. k-2 entirely before
-    last = np.maximum(k - 1, 0)
-    part = np.where(k > first, np.minimum(g_end[last], query_pos) - g_start[last], 0)
-    return np.where(query_gid >= 0, full + part, 0.0)
-
-
-def _truncated_sum(c_group, c_E, s_group, s_start, s_end) -> tuple[np.ndarray, np.ndarray]:
-    """For each shard ``[a, b)`` of group ``g``: sum over consumers of g of ``clip(min(b, E) - a, 0)``,
-    and the number of consumers with ``E > a``. Consumers must be sorted by (group, E)."""
-    key = (c_group << _POS_BITS) + c_E
-    cumE = np.concatenate([[0.0], np.cumsum(c_E.astype(np.float64))])
-    lo = np.searchsorted(key, (s_group << _POS_BITS) + s_start, side="right")  # first E > a
-    mid = np.searchsorted(key, (s_group << _POS_BITS) + s_end, side="left")  # first E >= b
-    hi = np.searchsorted(key, (s_group + 1) << _POS_BITS, side="left")  # end of group
-    a = s_start.astype(np.float64)
-    b = s_end.astype(np.float64)
-    partial = (cumE[mid] - cumE[lo]) - (mid - lo) * a
-    full = (hi - mid) * (b - a)
-    return partial + full, (hi - lo).astype(np.float64)
