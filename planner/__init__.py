@@ -17,6 +17,7 @@ parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default 
 ``max_seq`` (default: the longest sequence), ``tokens_per_step`` (default: the batch's tokens),
 ``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
 ``form`` (``hdp`` only: ``free``, or ``megatron`` for aligned power-of-two CP groups and barriers),
+``hdp_options`` (``hdp`` only: a :class:`planner.hdp.HdpOptions`),
 ``validate`` (default True).
 """
 
@@ -131,15 +132,16 @@ def plan_and_evaluate(
     )
     validate = opts.pop("validate", True)
     impl = opts.pop("hybridcp_impl", "auto")
-    if form != "free" and strategy != "hdp":
-        raise TypeError(f"form={form!r} applies to the hdp strategy only")
+    hdp_options = opts.pop("hdp_options", None)
+    if (form != "free" or hdp_options is not None) and strategy != "hdp":
+        raise TypeError("form= and hdp_options= apply to the hdp strategy only")
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     t0 = time.perf_counter()
     if strategy == "hybridcp":
         plan = fn(ctx, implementation=impl)
     elif strategy == "hdp":
-        plan = fn(ctx, form=form)
+        plan = fn(ctx, form=form, options=hdp_options)
     else:
         plan = fn(ctx)
     plan_time = time.perf_counter() - t0

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 from hdp import CostModel, Plan
+from hdp.plan import BLOCK_TOKENS
 
 
 class PlanningError(ValueError):
@@ -36,6 +39,16 @@ class Context:
     @property
     def ranks_per_node(self) -> int:
         return self.cost.cluster.ranks_per_node
+
+    @cached_property
+    def whole_s(self) -> np.ndarray:
+        """Busy time (s) of each sequence whole on one rank, as the cost model prices it."""
+        return np.asarray(self.cost.seq_time(self.seq_lens), dtype=np.float64)
+
+    @cached_property
+    def offload_capacity(self) -> int:
+        """Most tokens a rank holds in one wave with activation offload (at least the capacity)."""
+        return max(self.cost.offload_capacity(self.sync), self.capacity)
 
 
 def next_pow2(x: float) -> int:
@@ -123,6 +136,43 @@ def zigzag_arrays(
     end = np.stack([head_start + head, tail_end], axis=1).reshape(-1)
     keep = end > start
     return (np.repeat(rank, 2)[keep], np.repeat(seq_ids[rep], 2)[keep], start[keep], end[keep])
+
+
+class Split(NamedTuple):
+    """How ``hdp`` splits a sequence over a group: the block size of the shares (tokens) and the
+    tokens its fullest member holds."""
+
+    align: int
+    most_tokens: int
+
+
+def blocks_fit(length, parts):
+    """Whether every one of ``parts`` shares of ``length`` tokens holds two blocks (a head and a
+    tail) of :data:`~hdp.plan.BLOCK_TOKENS`; numpy arrays broadcast."""
+    return length >= 2 * parts * BLOCK_TOKENS
+
+
+def use_blocks(length, parts, blocked_most, room):
+    """``hdp``'s split rule, for the planner and for the priced menus alike: shares in whole
+    blocks where every share holds two (:func:`blocks_fit`) and the fullest member of that split
+    (``blocked_most`` tokens) stays within ``room`` tokens; exact shares otherwise."""
+    return blocks_fit(length, parts) & (blocked_most <= room)
+
+
+@lru_cache(maxsize=1 << 16)
+def hdp_split(length: int, parts: int, room: int) -> Split:
+    """The split :func:`use_blocks` chooses for ``length`` tokens over ``parts`` ranks whose
+    members hold at most ``room`` tokens (the offload capacity)."""
+
+    def most(align: int) -> int:
+        _, _, head, tail = zigzag_shares(np.array([length]), np.array([parts]), align)
+        return int((head + tail).max())
+
+    if blocks_fit(length, parts):
+        blocked = most(BLOCK_TOKENS)
+        if use_blocks(length, parts, blocked, room):
+            return Split(BLOCK_TOKENS, blocked)
+    return Split(1, most(1))
 
 
 class PlanBuilder:

@@ -30,16 +30,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 from hdp import CostModel
 from hdp.cost import KVTraffic
+from hdp.plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS
 
-from .common import zigzag_positions, zigzag_shares
+from .common import blocks_fit, use_blocks, zigzag_positions, zigzag_shares
 
-BLOCK_ALIGN = 128  # block granularity of multi-rank shards (tokens)
-MIN_SHARE = BLOCK_ALIGN  # fewest tokens per member in a menu degree
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
 
@@ -77,9 +77,8 @@ def split_times(
     in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
     out_all = (d - 1) * head + member * tail
     out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
-    blk = 8192  # Plan.kv_block_tokens
-    msgs_in = (d - 1) + received // blk
-    msgs_out = (d - 1) + out_all // blk
+    msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
+    msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
     traffic = KVTraffic(
         in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
     )
@@ -156,13 +155,12 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     off_cap = cost.offload_capacity(sync)
 
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
-        # Megatron (pow2) splits into exact shares; ours into 128-token blocks where every share
-        # holds two and the fullest member fits the offload capacity, else exact shares too
-        # (planner.hdp._split, the same rule).
+        # Megatron (pow2) splits into exact shares; hdp by common.use_blocks, priced here in
+        # blocks first and exactly where the blocks leave a member over the offload capacity.
         lengths = np.full(deg.size, length)
-        blocked = (length >= 2 * deg * BLOCK_ALIGN) & (not pow2)
-        h, a, most = split_times(cost, lengths, deg, sync, np.where(blocked, BLOCK_ALIGN, 1))
-        over = blocked & ~np.isfinite(h)
+        blocked = blocks_fit(length, deg) & (not pow2)
+        h, a, most = split_times(cost, lengths, deg, sync, np.where(blocked, BLOCK_TOKENS, 1))
+        over = blocked & ~use_blocks(length, deg, most, off_cap)
         if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
@@ -180,12 +178,11 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(c.num_ranks)) + 1)
         return price(deg.astype(np.int64))
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
-    # Members holding under MIN_SHARE tokens (a block) are never priced. (At 1024 tokens, the
-    # earlier limit, bytescale's or static's exact split of a short sequence over more ranks was
-    # faster than every degree priced, and the bound was not one.)
-    # One degree beyond the fewest that hold it: 128-token blocks can leave the fewest a block
-    # over the capacity (1793 tokens on 3 ranks of 640: 641 on one).
-    widest = min(c.num_ranks, max(1, length // MIN_SHARE, -(-length // max(off_cap, 1)) + 1))
+    # Members hold at least one block: fewer tokens per member would leave the exact splits of
+    # other strategies faster than every degree priced, and the bound would not be one.
+    # One degree beyond the fewest that hold it: blocks can leave the fewest a block over the
+    # capacity (1793 tokens on 3 ranks of 640: 641 on one).
+    widest = min(c.num_ranks, max(1, length // BLOCK_TOKENS, -(-length // max(off_cap, 1)) + 1))
     candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
     if candidates.size == 0:  # more ranks than the cluster has
         return price(candidates)
@@ -258,6 +255,13 @@ def work_area(
     return float(area.sum())
 
 
+class Jobs(NamedTuple):
+    """A degree for every sequence (1: whole on one rank) and its busy time there (s)."""
+
+    degree: np.ndarray
+    job_time: np.ndarray
+
+
 @dataclass(frozen=True)
 class Relaxation:
     """Solution of the relaxation: the bound (seconds), its height ``M``, its area (rank-seconds),
@@ -270,14 +274,12 @@ class Relaxation:
     long_ids: np.ndarray
     menus: tuple[Menu, ...]
 
-    def degrees_at(
-        self, height: float, cost: CostModel, max_tokens: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(degree, busy time s) of every sequence: the smallest-area menu degree no taller than
-        ``height`` (the lowest one where none is); ``max_tokens``: also holding at most that many
-        tokens per member where a menu degree does."""
+    def degrees_at(self, height: float, whole_s: np.ndarray, max_tokens: int | None = None) -> Jobs:
+        """Each sequence's smallest-area menu degree no taller than ``height`` (the lowest one
+        where none is), and its busy time; ``whole_s`` for the sequences that stay whole.
+        ``max_tokens``: also holding at most that many tokens per member where a degree does."""
         degrees = np.ones(self.seq_lens.size, dtype=np.int64)
-        job_time = np.asarray(cost.seq_time(self.seq_lens), dtype=np.float64)
+        job_time = np.array(whole_s, dtype=np.float64)
         for i, mu in zip(self.long_ids.tolist(), self.menus):
             allowed = mu.height <= height * (1 + 1e-12)
             if max_tokens is not None:
@@ -290,7 +292,7 @@ class Relaxation:
             )
             degrees[i] = mu.degrees[k]
             job_time[i] = mu.height[k]
-        return degrees, job_time
+        return Jobs(degrees, job_time)
 
 
 def relaxation_bound(

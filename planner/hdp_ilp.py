@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from hdp import CostModel
 
-from .degrees import Relaxation, packed_time
+from .degrees import Jobs, Relaxation, packed_time
 
 MAX_OPTIONS = 3000  # (bucket, degree) pairs the MILP takes within the planning budget
 MAX_RANKS = 512  # above this the sweep alone plans (and is exact for distinct lengths)
@@ -85,41 +86,81 @@ def _make_solver(name: str, time_limit_s: float, mip: bool = True):
     )
 
 
+@dataclass
+class _Milp:
+    """The MILP of one batch: the problem, its height ``M``, the count variable of each (bucket,
+    menu entry), and each bucket's members (indices into ``rel.long_ids``) by length."""
+
+    prob: Any
+    height: Any
+    counts: dict[tuple[int, int], Any]
+    buckets: list[list[int]]
+
+
 def solve_degrees(
     rel: Relaxation,
     cost: CostModel,
     sync: str,
     slots: int,
-    warm: np.ndarray,
+    warm: Jobs,
     time_limit_s: float = 2.0,
     solver: str | None = None,
     eps: float = 1e-4,
 ) -> IlpChoice:
-    """Solve the MILP (module docstring) for the long sequences of ``rel``; ``warm``: degrees of
-    every sequence to start from."""
+    """Solve the MILP (module docstring) for the long sequences of ``rel``, starting from the
+    degrees ``warm`` (whose busy times also price the sequences that stay whole)."""
     import pulp
 
     name = solver or solver_name()
+    milp = _build(rel, cost, sync, slots, warm.degree, eps)
+    info: dict[str, float] = {
+        "ilp_variables": float(2 * len(milp.counts)),
+        "ilp_solver_highs": float(name == "highs"),
+    }
+    try:
+        if pulp.LpStatus[milp.prob.solve(_make_solver(name, time_limit_s, mip=False))] == "Optimal":
+            info["lp_bound_s"] = float(milp.height.value())
+        status = milp.prob.solve(_make_solver(name, time_limit_s))
+    except Exception as e:  # solver missing, crashed, or refused the model
+        return _failed(info, f"the MILP solver ({name}) failed ({e})")
+    if pulp.LpStatus[status] != "Optimal" or milp.height.value() is None:
+        return _failed(
+            info,
+            f"the MILP ({name}) ended '{pulp.LpStatus[status]}' within {time_limit_s:.1f} s / "
+            f"{NODE_LIMIT} nodes",
+        )
+    info["ilp_objective_s"] = float(milp.height.value())
+    return IlpChoice(*_solution(rel, milp, warm), info)
+
+
+def _failed(info: dict[str, float], why: str) -> IlpChoice:
+    warnings.warn(f"hdp: {why}; keeping the heuristic's degrees", RuntimeWarning, stacklevel=3)
+    info["ilp_failed"] = 1.0
+    return IlpChoice(None, None, info)
+
+
+def _build(
+    rel: Relaxation, cost: CostModel, sync: str, slots: int, warm: np.ndarray, eps: float
+) -> _Milp:
+    """The MILP over length buckets, each count variable warm-started from ``warm``."""
+    import pulp
+
     lens = rel.seq_lens
-    long_lens = lens[rel.long_ids]
-    buckets: dict[int, list[int]] = {}
-    for j, L in enumerate(long_lens.tolist()):
-        buckets.setdefault(int(L), []).append(j)  # j indexes rel.long_ids / rel.menus
+    by_length: dict[int, list[int]] = {}
+    for j, L in enumerate(lens[rel.long_ids].tolist()):
+        by_length.setdefault(int(L), []).append(j)  # j indexes rel.long_ids / rel.menus
+    buckets = [by_length[L] for L in sorted(by_length)]
     short = np.ones(lens.size, dtype=bool)
     short[rel.long_ids] = False
-
     packed = packed_time(cost, lens, cost.offload_capacity(sync))
-    area_short = float(packed[short].sum())
-    h_short = float(packed[short].max(initial=0.0))
-
     prob = pulp.LpProblem("hdp_degrees", pulp.LpMinimize)
-    M = prob.add_variable("M", lowBound=h_short)
-    n_vars: dict[tuple[int, int], pulp.LpVariable] = {}
+    M = prob.add_variable("M", lowBound=float(packed[short].max(initial=0.0)))
+    counts: dict[tuple[int, int], Any] = {}
     area_terms = []
-    for b, (L, members) in enumerate(sorted(buckets.items())):
+    for b, members in enumerate(buckets):
         mu = rel.menus[members[0]]
         c = len(members)
-        warm_counts = {}
+        warm_counts: dict[int, int] = {}
         for j in members:
             d = int(warm[rel.long_ids[j]])
             warm_counts[d] = warm_counts.get(d, 0) + 1
@@ -133,45 +174,26 @@ def solve_degrees(
             y.setInitialValue(1 if warm_counts.get(d, 0) else 0)
             prob += n <= c * y
             prob += h * y <= M
-            n_vars[(b, k)] = n
+            counts[(b, k)] = n
             row.append(n)
             area_terms.append(a * n)
         prob += pulp.lpSum(row) == c
-    prob += area_short + pulp.lpSum(area_terms) <= slots * M
+    prob += float(packed[short].sum()) + pulp.lpSum(area_terms) <= slots * M
     prob += M + eps * (pulp.lpSum(area_terms) / slots)
-    info: dict[str, float] = {
-        "ilp_variables": float(2 * len(n_vars)),
-        "ilp_solver_highs": float(name == "highs"),
-    }
-    try:
-        if pulp.LpStatus[prob.solve(_make_solver(name, time_limit_s, mip=False))] == "Optimal":
-            info["lp_bound_s"] = float(M.value())
-        status = prob.solve(_make_solver(name, time_limit_s))
-    except Exception as e:  # solver missing, crashed, or refused the model
-        warnings.warn(
-            f"hdp: the MILP solver ({name}) failed ({e}); keeping the heuristic's degrees",
-            RuntimeWarning,
-        )
-        info["ilp_failed"] = 1.0
-        return IlpChoice(None, None, info)
-    if pulp.LpStatus[status] != "Optimal" or M.value() is None:
-        warnings.warn(
-            f"hdp: the MILP ({name}) ended '{pulp.LpStatus[status]}' within {time_limit_s:.1f} s / "
-            f"{NODE_LIMIT} nodes; keeping the heuristic's degrees",
-            RuntimeWarning,
-        )
-        info["ilp_failed"] = 1.0
-        return IlpChoice(None, None, info)
-    info["ilp_objective_s"] = float(M.value())
-    degrees = np.asarray(warm, dtype=np.int64).copy()
-    job_time = np.asarray(cost.seq_time(lens), dtype=np.float64)
-    for b, (L, members) in enumerate(sorted(buckets.items())):
+    return _Milp(prob, M, counts, buckets)
+
+
+def _solution(rel: Relaxation, milp: _Milp, warm: Jobs) -> Jobs:
+    """Every sequence's degree and busy time from the solved counts (``warm`` for the rest)."""
+    degrees = np.asarray(warm.degree, dtype=np.int64).copy()
+    job_time = np.array(warm.job_time, dtype=np.float64)
+    for b, members in enumerate(milp.buckets):
         mu = rel.menus[members[0]]
         assigned: list[int] = []
         for k in range(mu.degrees.size):
-            assigned += [k] * int(round(n_vars[(b, k)].value() or 0))
+            assigned += [k] * int(round(milp.counts[(b, k)].value() or 0))
         # Larger degrees to the first members (equal lengths: any order is the same job).
         for j, k in zip(members, sorted(assigned, reverse=True)):
             degrees[rel.long_ids[j]] = mu.degrees[k]
             job_time[rel.long_ids[j]] = mu.height[k]
-    return IlpChoice(degrees, job_time, info)
+    return Jobs(degrees, job_time)

@@ -1,7 +1,6 @@
 """The hdp planner: closed-form split times against the cost model, the bound against brute
 force, the Megatron form, the MILP and its fallback, errors, determinism."""
 
-import inspect
 import itertools
 import warnings
 from dataclasses import replace
@@ -14,9 +13,12 @@ from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import PlanningError, hdp_ilp, plan_and_evaluate, plan_step
-from planner import hdp as hdp_planner
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
+from planner.hdp import HdpOptions, candidate_heights
+from planner.hdp.layout import num_waves_for
+from planner.hdp.place import place
+from planner.hdp.shelves import shelf_candidates
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -279,14 +281,43 @@ def test_token_capped_degrees_hold_at_most_the_cap_per_member():
     rel = relaxation_bound(cost, lens, "wave", cap, 64)
     limit = int(0.25 * cost.offload_capacity("wave"))
     for h in (rel.height_s, 2 * rel.height_s):
-        free, _ = rel.degrees_at(h, cost)
-        capped, times = rel.degrees_at(h, cost, limit)
+        whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
+        free, _ = rel.degrees_at(h, whole)
+        capped, times = rel.degrees_at(h, whole, limit)
         assert np.all(capped >= free)
         for i, mu in zip(rel.long_ids.tolist(), rel.menus):
             k = list(mu.degrees).index(capped[i])
             if (mu.most_tokens <= limit).any():
                 assert mu.most_tokens[k] <= limit
             assert times[i] == mu.height[k]
+
+
+def _wave_context(lens, n: int, cap: int) -> Context:
+    """The context plan_step builds for llama-7b on ``n`` ranks (4 per node) in wave sync."""
+    cost = CostModel(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap
+    )
+    lens = np.asarray(lens, dtype=np.int64)
+    return Context(
+        seq_lens=lens,
+        cost=cost,
+        sync="wave",
+        capacity=cap,
+        max_seq=int(lens.max()),
+        tokens_per_step=int(lens.sum()),
+    )
+
+
+def _plan_wave(lens, n: int, cap: int, options: HdpOptions):
+    return plan_step(
+        lens,
+        ClusterSpec.preset("h100", n, 4),
+        model_preset("llama-7b"),
+        "hdp",
+        capacity=cap,
+        sync="wave",
+        hdp_options=options,
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -300,63 +331,35 @@ def test_two_tier_wave_plans_are_valid(n, cap, share, data):
     # The two-tier wave candidate (cheapest whole sequences in waves of their own), forced on;
     # every such candidate is checked, not only the plan kept.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
-    place = hdp_planner._place
     two_tier = []
 
-    def place_and_check(ctx, *args, **kwargs):
-        candidate = place(ctx, *args, **kwargs)
-        if kwargs.get("cheap_share", args[4] if len(args) > 4 else None) is not None:
-            check_plan(candidate, lens, n, cap)
-            two_tier.append(candidate)
-        return candidate
+    def check(cand, placement):
+        if cand.cheap_share is not None:
+            check_plan(placement.plan, lens, n, cap)
+            two_tier.append(cand)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hdp_planner, "CHEAP_WAVE_SHARE", share)
-        patch.setattr(hdp_planner, "_place", place_and_check)
-        patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)  # skip no candidate
-        plan = plan_step(
-            lens,
-            ClusterSpec.preset("h100", n, 4),
-            model_preset("llama-7b"),
-            "hdp",
-            capacity=cap,
-            sync="wave",
-        )
-    check_plan(plan, lens, n, cap)
+    options = HdpOptions(cheap_wave_share=share, skip_by_work=False, on_place=check)
+    check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
     assert two_tier
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 8), cap=st.integers(64, 600), data=st.data())
 def test_no_stacking_wave_plans_are_valid(n, cap, data):
-    # The wave candidate in which a multi-rank job never joins a wave that already holds work
-    # when that raises the wave by more than STACK_SHARE of its time, forced on for every
-    # placement: valid plans, and no job stacked.
+    # Every candidate the search places, placed again with no stacking (a multi-rank job never
+    # joins a wave that already holds work where that raises the wave by more than the share of
+    # its time): valid plans, and no job stacked.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
-    place = hdp_planner._place
-    no_stacking = []
-
-    def place_without_stacking(*args, **kwargs):
-        bound = inspect.signature(place).bind(*args, **kwargs)
-        bound.arguments["stack_share"] = hdp_planner.STACK_SHARE
-        candidate = place(*bound.args, **bound.kwargs)
-        check_plan(candidate, lens, n, cap)
-        assert candidate.predicted["stacked_jobs"] == 0
-        no_stacking.append(candidate)
-        return candidate
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hdp_planner, "_place", place_without_stacking)
-        plan = plan_step(
-            lens,
-            ClusterSpec.preset("h100", n, 4),
-            model_preset("llama-7b"),
-            "hdp",
-            capacity=cap,
-            sync="wave",
-        )
-    check_plan(plan, lens, n, cap)
-    assert no_stacking
+    placed = []
+    options = HdpOptions(on_place=lambda cand, placement: placed.append(cand))
+    check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
+    ctx = _wave_context(lens, n, cap)
+    for cand in placed:
+        no_stacking = replace(cand, stack_share=options.stack_share)
+        placement = place(ctx, num_waves_for(ctx), no_stacking, options)
+        check_plan(placement.plan, lens, n, cap)
+        assert placement.stacked_jobs == 0
+    assert placed
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -365,60 +368,53 @@ def test_shelf_candidates_are_valid_plans(n, data):
     # Every shelf candidate (the longest sequences side by side in a first wave, the rest fast),
     # placed as plan_hdp places them: a valid plan with no job stacked.
     cap = 1024
-    cost = CostModel(
-        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap
-    )
-    room = cost.offload_capacity("wave")
+    room = _wave_context([1], n, cap).cost.offload_capacity("wave")
     lens = np.array(
         [data.draw(st.integers(cap, n * room))]
         + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=20))
     )
-    ctx = Context(
-        seq_lens=lens,
-        cost=cost,
-        sync="wave",
-        capacity=cap,
-        max_seq=int(lens.max()),
-        tokens_per_step=int(lens.sum()),
+    ctx = _wave_context(lens, n, cap)
+    rel = relaxation_bound(ctx.cost, lens, "wave", cap, n)
+    options = HdpOptions()
+    num_waves = num_waves_for(ctx)
+    heights = candidate_heights(rel, "wave", options)
+    shelves = shelf_candidates(
+        ctx,
+        rel,
+        num_waves,
+        heights,
+        shelf_heights=options.shelf_heights,
+        stack_share=options.stack_share,
     )
-    rel = relaxation_bound(cost, lens, "wave", cap, n)
-    num_waves = hdp_planner.num_waves_for(ctx)
-    for degree, job_time in hdp_planner.shelf_candidates(
-        ctx, rel, num_waves, hdp_planner.candidate_heights(rel, "wave")
-    ):
-        plan = hdp_planner._place(
-            ctx, num_waves, degree, job_time, 0, None, hdp_planner.STACK_SHARE
-        )
-        check_plan(plan, lens, n, cap)
-        assert plan.predicted["stacked_jobs"] == 0
+    for cand in shelves:
+        placement = place(ctx, num_waves, cand, options)
+        check_plan(placement.plan, lens, n, cap)
+        assert placement.stacked_jobs == 0
 
 
 def _wave_plans_with_and_without_skipping(
-    lens, cluster, model, **opts
+    lens, cluster, model, capacity=None
 ) -> tuple[list[float], list[float]]:
     """Step times of every wave candidate placed, planning as usual and with nothing skipped
     (the last of each list is the plan kept); each placed candidate's step is checked to be at
     least its work spread over the ranks (the bound candidates are skipped by)."""
-    place = hdp_planner._place
+    cost = CostModel(model, cluster, capacity_override=capacity)
+    cap = cost.capacity("wave")
     runs: list[list[float]] = []
 
-    def place_and_check(ctx, num_waves, degree, *args, **kwargs):
-        candidate = place(ctx, num_waves, degree, *args, **kwargs)
-        step = ctx.cost.evaluate(candidate).step_time_s
-        work = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, ctx.capacity) / ctx.num_ranks
-        assert step >= work * (1 - 1e-12)
+    def check(cand, placement):
+        step = cost.evaluate(placement.plan).step_time_s
+        work = work_area(cost, placement.plan.seq_lens, cand.degree, "wave", cap)
+        assert step >= work / cluster.num_ranks * (1 - 1e-12)
         runs[-1].append(step)
-        return candidate
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hdp_planner, "_place", place_and_check)
-        for skip in (True, False):
-            if not skip:
-                patch.setattr(hdp_planner, "work_area", lambda *args: 0.0)
-            runs.append([])
-            runs[-1].append(
-                plan_and_evaluate(lens, cluster, model, "hdp", sync="wave", **opts)[1].step_time_s
-            )
+    for skip in (True, False):
+        runs.append([])
+        options = HdpOptions(skip_by_work=skip, on_place=check)
+        report = plan_and_evaluate(
+            lens, cluster, model, "hdp", sync="wave", capacity=capacity, hdp_options=options
+        )[1]
+        runs[-1].append(report.step_time_s)
     return runs[0], runs[1]
 
 

@@ -1,0 +1,104 @@
+"""What the placers share: candidates, placements, layouts, and how a job picks its ranks."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hdp import Plan
+
+from ..common import Context
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to plan a batch: each sequence's degree and busy time, and how to place them.
+
+    ``cheap_share`` (``wave`` sync, two tiers): the whole sequences that are cheapest per token
+    get waves of their own, so the other waves hold at most this share of the offload capacity.
+    ``stack_share`` (``wave`` sync, no stacking): a multi-rank job joins a wave that already
+    holds work only where that raises the wave by at most this share of the job's time.
+    ``height_s``: the relaxation height the degrees were read at (``None``: another family)."""
+
+    degree: np.ndarray
+    job_time: np.ndarray
+    cheap_share: float | None = None
+    stack_share: float | None = None
+    height_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placed candidate: its plan, and how many multi-rank jobs joined a wave that held work
+    and raised it by more than the no-stacking share of their time."""
+
+    plan: Plan
+    stacked_jobs: int
+
+
+@dataclass
+class Layout:
+    """Where the placers put the work. Multi-rank jobs (in placement order): their members and
+    keys; sequences placed whole (indexed by sequence, -1 where not placed): rank and key. Keys
+    order the work: a wave index in ``wave`` sync, an order within each rank in ``peer`` sync."""
+
+    job_members: list[np.ndarray]
+    job_key: list[int]
+    single_rank: np.ndarray
+    single_key: np.ndarray
+    stacked_jobs: int = 0
+
+
+def num_waves_for(ctx: Context) -> int:
+    """Waves a ``wave``-sync plan aims at (90% full, so sequences pack); 1 in ``peer`` sync."""
+    if ctx.sync != "wave":
+        return 1
+    return max(1, math.ceil(int(ctx.seq_lens.sum()) / (0.9 * ctx.num_ranks * ctx.capacity)))
+
+
+def jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> tuple:
+    """(jobs placed as blocks, tallest first: split sequences and whole ones that need offload to
+    fit a rank; sequences placed whole on one rank, slowest first)."""
+    lens = ctx.seq_lens
+    job = (degree > 1) | (lens > ctx.capacity)
+    multi = np.flatnonzero(job)
+    multi = multi[np.argsort(-job_time[multi], kind="stable")]
+    single = np.flatnonzero(~job & (lens > 0))
+    return multi, single[np.argsort(-ctx.whole_s[single], kind="stable")]
+
+
+def pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:
+    """``d`` ranks for one job: the least-loaded ranks of one node if ``d <= rpn``, else whole
+    nodes with the smallest maximum load plus the least-loaded ranks of one more node."""
+    n = load_row.size
+    nodes = -(-n // rpn)
+    padded = np.full(nodes * rpn, np.inf)
+    padded[:n] = np.where(eligible, load_row, np.inf)
+    grid = padded.reshape(nodes, rpn)
+    order = np.argsort(grid, axis=1, kind="stable")
+    sorted_loads = np.take_along_axis(grid, order, axis=1)
+    if d <= rpn:
+        score = sorted_loads[:, d - 1]
+        k = int(np.argmin(score))
+        if not np.isfinite(score[k]):
+            return None
+        return np.sort(k * rpn + order[k, :d])
+    full, rem = divmod(d, rpn)
+    node_max = sorted_loads[:, -1]
+    by_max = np.argsort(node_max, kind="stable")
+    chosen_nodes = by_max[:full]
+    if not np.isfinite(node_max[chosen_nodes]).all():
+        return None
+    members = [np.arange(k * rpn, (k + 1) * rpn) for k in chosen_nodes]
+    if rem:
+        rest = by_max[full:]
+        if rest.size == 0:
+            return None
+        score = sorted_loads[rest, rem - 1]
+        k = int(rest[int(np.argmin(score))])
+        if not np.isfinite(sorted_loads[k, rem - 1]):
+            return None
+        members.append(k * rpn + order[k, :rem])
+    return np.sort(np.concatenate(members))

@@ -1,0 +1,234 @@
+"""``hdp`` restricted to what Megatron's hybrid context parallelism executes (``form="megatron"``).
+
+Each sequence lies whole on one rank or zigzag-split over an aligned power-of-two group of
+consecutive ranks (size ``2^i`` starting at a multiple of ``2^i``), with no offload. Degrees
+come from the relaxation over power-of-two menus. Two placements are tried for each choice of
+degrees: barrier-separated groups (:func:`_place_groups`), and one group of start-time-ordered
+lists (:func:`_place_one_group`); Megatron's own ``BalancedCPScheduler`` schedule is a
+candidate too where it keeps to the form.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+import numpy as np
+
+from hdp import Plan
+
+from ..common import Context, PlanBuilder, PlanningError, next_pow2
+from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
+from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
+from .options import HdpOptions
+
+
+def plan_hdp_megatron(ctx: Context, options: HdpOptions | None = None) -> Plan:
+    """The fastest Megatron-form plan by the cost model, with its bound in ``predicted``."""
+    options = options or HdpOptions()
+    lens, cost = ctx.seq_lens, ctx.cost
+    n, cap = ctx.num_ranks, ctx.capacity
+    longest = int(lens.max(initial=0))
+    if longest > 0 and next_pow2(-(-longest // cap)) > n:
+        raise PlanningError(
+            f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
+            f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but the cluster has {n}"
+        )
+    rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True)
+    best: tuple[float, Plan] | None = None
+    seen: list[np.ndarray] = []
+    for degree, job_time in _degree_choices(ctx, rel, options):
+        if any(np.array_equal(degree, d) for d in seen):
+            continue
+        seen.append(degree)
+        for place in (_place_groups, _place_one_group):
+            plan = place(ctx, degree, job_time)
+            t = cost.evaluate(plan).step_time_s
+            if best is None or t < best[0]:
+                best = (t, plan)
+    theirs = plan_hybridcp(ctx, implementation="ours")
+    t = cost.evaluate(theirs).step_time_s
+    if t < best[0] and aligned_groups(theirs):  # its empty-rank filling can break alignment
+        theirs.strategy = "hdp"
+        theirs.predicted["from_balanced_cp_scheduler"] = 1.0
+        best = (t, theirs)
+    plan = best[1]
+    plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
+    plan.predicted["relaxation_height_s"] = rel.height_s
+    return plan
+
+
+def _degree_choices(ctx: Context, rel: Relaxation, options: HdpOptions) -> list[Jobs]:
+    """The relaxation's degrees at each of ``options.megatron_height_factors`` of its height,
+    and mixes in which the jobs that take a quarter of the ranks or more keep their degree at
+    ``M`` while the rest run faster (wider) after them: two sequences on half the ranks each
+    leave no room beside them, so what follows must be short."""
+    factors = options.megatron_height_factors
+    choices = [rel.degrees_at(rel.height_s * f, ctx.whole_s) for f in factors]
+    at_m = choices[factors.index(1.0)]
+    wide = at_m.degree >= max(2, ctx.num_ranks // 4)
+    for f in (0.15, 0.25, 0.35):
+        low = rel.degrees_at(rel.height_s * f, ctx.whole_s)
+        choices.append(
+            Jobs(
+                np.where(wide, at_m.degree, low.degree), np.where(wide, at_m.job_time, low.job_time)
+            )
+        )
+    return choices
+
+
+def aligned_groups(plan: Plan) -> bool:
+    """Whether every sequence lies on one rank or on an aligned power-of-two group of consecutive
+    ranks (size ``2^i`` starting at a multiple of ``2^i``)."""
+    pairs = np.unique(plan.seq * plan.num_ranks + plan.rank)
+    seq, rank = pairs // plan.num_ranks, pairs % plan.num_ranks
+    first = np.searchsorted(seq, seq)  # index of each sequence's first (lowest) rank
+    size = np.bincount(seq, minlength=plan.seq_lens.size)[seq]
+    lowest = rank[first]
+    return bool(
+        ((size & (size - 1)) == 0).all()
+        and (lowest % size == 0).all()
+        and (rank - lowest == np.arange(seq.size) - first).all()
+    )
+
+
+def _place_groups(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+    """Barrier-separated groups, each partitioning the ranks into aligned blocks that run their
+    sequences one per micro-batch. A group gives each degree class blocks in proportion to its
+    area (largest class first, so consecutive allocation keeps every block aligned), LPT inside
+    a class; classes left without ranks wait for the next group."""
+    lens, n = ctx.seq_lens, ctx.num_ranks
+    time_of = np.where(degree > 1, job_time, ctx.whole_s)
+    todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
+    builder = PlanBuilder(ctx, "hdp")
+    rows: list[tuple[int, int, np.ndarray]] = []  # (sequence, wave, members)
+    wave0 = 0
+    groups = 0
+    while todo:
+        left = _place_group(todo, degree, time_of, n, wave0, rows)
+        placed_waves = [w for _, w, _ in rows if w >= wave0]
+        if groups > 0:
+            builder.barriers.append(wave0)
+        wave0 = max(placed_waves, default=wave0 - 1) + 1
+        groups += 1
+        if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a block
+            raise PlanningError("hdp (megatron form): no group could be formed")
+        todo = left
+    builder.add_zigzag([s for s, _, _ in rows], [w for _, w, _ in rows], [m for _, _, m in rows])
+    builder.info = {"groups": float(groups), "max_degree": float(degree.max(initial=1))}
+    return builder.build()
+
+
+def _place_group(
+    todo: list[int],
+    degree: np.ndarray,
+    time_of: np.ndarray,
+    n: int,
+    wave0: int,
+    rows: list[tuple[int, int, np.ndarray]],
+) -> list[int]:
+    """One group starting at wave ``wave0``: appends its (sequence, wave, members) to ``rows``
+    and returns the sequences left for the next group."""
+    classes: dict[int, list[int]] = {}
+    for i in todo:
+        classes.setdefault(int(degree[i]), []).append(i)
+    area = {k: sum(float(time_of[i]) for i in ids) * k for k, ids in classes.items()}
+    height = max(sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values()))
+    counts = _block_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
+    next_rank = 0
+    left: list[int] = []
+    for k in sorted(classes, reverse=True):
+        m = counts.get(k, 0)
+        if m == 0:
+            left += classes[k]
+            continue
+        firsts = [next_rank + j * k for j in range(m)]
+        next_rank += m * k
+        # LPT of the class's sequences over its blocks (each block's list is its micro-batches),
+        # up to the group's height; what does not fit waits for the next group.
+        heap = [(0.0, b) for b in range(m)]
+        lists: list[list[int]] = [[] for _ in range(m)]
+        for i in classes[k]:
+            load, b = heap[0]
+            if load > 0 and load + float(time_of[i]) > height * 1.02:
+                left.append(i)
+                continue
+            heapq.heapreplace(heap, (load + float(time_of[i]), b))
+            lists[b].append(i)
+        for first, ids in zip(firsts, lists):
+            for slot, i in enumerate(ids):
+                rows.append((i, wave0 + slot, np.arange(first, first + k, dtype=np.int64)))
+    return left
+
+
+def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+    """One group (no barrier): each rank runs its list of sub-samples in order and waits only
+    for the CP partners of each; a rank may change CP size between its sub-samples.
+
+    Lists are formed by simulating start times: multi-rank jobs, tallest first, on the aligned
+    block whose busiest member frees first (the others idle until then); whole sequences,
+    longest first, into the tightest idle gap they fit, else after the least-loaded rank's work.
+    Every rank lists its items by start time, so partners meet in the same order and no CP group
+    waits for another in a cycle."""
+    lens, n, whole = ctx.seq_lens, ctx.num_ranks, ctx.whole_s
+    load = np.zeros(n)
+    items: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # per rank: (start, sequence)
+    gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
+    by_time = np.argsort(-job_time, kind="stable").tolist()
+    for i in [i for i in by_time if degree[i] > 1 and lens[i] > 0]:
+        d = int(degree[i])
+        starts = load.reshape(-1, d).max(axis=1) if n % d == 0 else np.array([load.max()])
+        b = int(np.argmin(starts))
+        members = range(b * d, (b + 1) * d) if n % d == 0 else range(n)
+        t0 = float(starts[b])
+        for r in members:
+            if t0 - load[r] > 0:
+                bisect.insort(gaps, (t0 - float(load[r]), float(load[r]), r))
+            items[r].append((t0, i))
+            load[r] = t0 + float(job_time[i])
+    heap = [(float(load[r]), r) for r in range(n)]
+    heapq.heapify(heap)
+    by_whole = np.argsort(-whole, kind="stable").tolist()
+    for i in [i for i in by_whole if degree[i] <= 1 and lens[i] > 0]:
+        t = float(whole[i])
+        k = bisect.bisect_left(gaps, (t, -1.0, -1))
+        if k < len(gaps):
+            length, start, r = gaps.pop(k)
+            items[r].append((start, i))
+            if length - t > 0:
+                bisect.insort(gaps, (length - t, start + t, r))
+            continue
+        end, r = heapq.heappop(heap)
+        items[r].append((end, i))
+        heapq.heappush(heap, (end + t, r))
+    lists = [[i for _, i in sorted(row)] for row in items]
+    plan = plan_from_sample_id_groups(ctx, [lists], None, "hdp")
+    plan.predicted.update({"groups": 1.0, "max_degree": float(degree.max(initial=1))})
+    return plan
+
+
+def _block_counts(
+    area: dict[int, float], jobs: dict[int, int], n: int, height: float
+) -> dict[int, int]:
+    """Blocks per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
+    each class the blocks its area needs (at least one), largest class first while ranks last;
+    spare ranks go one block at a time to the class with the most work per rank (never more
+    blocks than sequences)."""
+    counts: dict[int, int] = {}
+    free = n
+    for k in sorted(area, reverse=True):
+        want = min(jobs[k], max(1, int(round(area[k] / (k * height)))))
+        m = min(want, free // k)
+        if m:
+            counts[k] = m
+            free -= m * k
+    heap = [(-area[k] / (counts[k] * k), k) for k in counts]
+    heapq.heapify(heap)
+    while heap:
+        _, k = heapq.heappop(heap)
+        if k > free or counts[k] >= jobs[k]:
+            continue
+        counts[k] += 1
+        free -= k
+        heapq.heappush(heap, (-area[k] / (counts[k] * k), k))
+    return counts

@@ -1,0 +1,40 @@
+"""The knobs of the ``hdp`` search, in one place (see Note [The candidate families])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HdpOptions:
+    """What :func:`planner.hdp.plan_hdp` tries; the defaults are what ``plan_step`` plans with.
+
+    Heights are relative to the relaxation's ``M``; shares are of the offload capacity (tokens
+    per rank per wave) unless said otherwise."""
+
+    # Relaxation heights placed in ``peer`` sync, and per wave in ``wave`` sync.
+    height_factors: tuple[float, ...] = (1.0, 1.04, 1.12)
+    # The Megatron form also tries lower heights: a job on all ranks there runs alone, so the
+    # jobs after it must be fast rather than area-efficient.
+    megatron_height_factors: tuple[float, ...] = (0.35, 0.5, 0.7, 1.0, 1.12)
+    # ``wave`` sync, at the best height: most tokens per member of a split.
+    token_shares: tuple[float, ...] = (0.25,)
+    # ``wave`` sync, two tiers: the dense waves hold at most this share.
+    cheap_wave_share: float = 0.4
+    # ``wave`` sync, no stacking: a multi-rank job joins a wave that holds work only where that
+    # raises the wave by at most this share of the job's time.
+    stack_share: float = 0.05
+    # ``wave`` sync, shelves: first-wave heights tried, and how many of the best are placed.
+    shelf_heights: int = 64
+    shelf_placed: int = 3
+    # ``wave`` sync: skip a candidate whose work spread over the ranks cannot beat the best step.
+    skip_by_work: bool = True
+    # ``peer`` sync: moves of whole sequences between ranks after placement.
+    polish_moves: int = 20000
+    # The MILP: ``None`` where it fits the time budget, else forced on or off.
+    use_ilp: bool | None = None
+    ilp_time_limit_s: float = 2.0
+    # Called with every candidate placed and its placement (tests observe the search with it).
+    on_place: Callable[[Any, Any], None] | None = None

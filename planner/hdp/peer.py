@@ -1,0 +1,166 @@
+"""``peer`` sync placement: each rank runs its own list of work, multi-rank jobs start together.
+
+Multi-rank jobs, tallest first, take the least-loaded ranks (node-aware) after everything already
+on them; the less-loaded members wait, and those idle gaps take whole sequences first (best fit).
+The rest go longest first onto the least-loaded rank, then move from the most to the least loaded
+rank while the maximum falls. Waves are the fewest that keep each rank's order (lock-step levels).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..common import Context, PlanningError, hdp_split
+from .layout import Candidate, Layout, pick_members
+
+
+@dataclass
+class _Tail:
+    """The whole sequences after each rank's last multi-rank job: tokens per tail wave of each
+    rank, each rank's load (s), and the key of a rank's first tail wave."""
+
+    waves: list[list[int]]
+    rank_load: np.ndarray
+    key: int
+
+
+def place_peer(
+    ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candidate, polish_moves: int
+) -> Layout:
+    """Keys order each rank's work: a multi-rank job placed ``k``-th has key ``(2k + 1) * S``;
+    whole sequences in the gap before it ``2k * S + j``; the tail after a rank's last job
+    ``(2 K + 2) * S + j`` (``S`` exceeds any count of single waves)."""
+    lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
+    off_cap = ctx.offload_capacity
+    stride = int(lens.size) + 2
+    rank_load = np.zeros(n)
+    layout = Layout([], [], np.full(lens.size, -1, np.int64), np.full(lens.size, -1, np.int64))
+    gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job k) before job k on rank
+    for k, i in enumerate(multi.tolist()):
+        L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
+        if hdp_split(L, d, off_cap).most_tokens > off_cap:
+            raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
+        members = pick_members(rank_load, d, rpn, np.ones(n, dtype=bool))
+        start = float(rank_load[members].max())
+        for r in members.tolist():
+            if start - rank_load[r] > 0:
+                gaps.append((start - float(rank_load[r]), r, k))
+        rank_load[members] = start + t
+        layout.job_members.append(members)
+        layout.job_key.append((2 * k + 1) * stride)
+    rest = _fill_gaps(ctx, layout, single, sorted(gaps), stride)
+    tail = _Tail([[] for _ in range(n)], rank_load, (2 * len(layout.job_members) + 2) * stride)
+    # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
+    heap = [(float(rank_load[r]), r) for r in range(n)]
+    heapq.heapify(heap)
+    for i in rest:
+        _, r = heapq.heappop(heap)
+        layout.single_rank[i] = r
+        rank_load[r] += ctx.whole_s[i]
+        layout.single_key[i] = tail.key + _first_fit(tail.waves[r], int(lens[i]), ctx.capacity)
+        heapq.heappush(heap, (float(rank_load[r]), r))
+    if polish_moves and rest:
+        _polish(ctx, layout, tail, np.asarray(rest), polish_moves)
+    return layout
+
+
+def _fill_gaps(
+    ctx: Context,
+    layout: Layout,
+    single: np.ndarray,
+    room: list[tuple[float, int, int]],
+    stride: int,
+) -> list[int]:
+    """Each whole sequence, longest first, into the smallest idle gap before a job that it fills
+    without delaying the job (``room``: the gaps, sorted); returns the sequences no gap takes."""
+    gap_waves: dict[tuple[int, int], list[int]] = {}
+    rest = []
+    for i in single.tolist():
+        t = float(ctx.whole_s[i])
+        j = bisect.bisect_left(room, (t, -1, -1))
+        if j == len(room):
+            rest.append(i)
+            continue
+        left, r, k = room.pop(j)
+        waves = gap_waves.setdefault((r, k), [])
+        slot = _first_fit(waves, int(ctx.seq_lens[i]), ctx.capacity)
+        layout.single_rank[i], layout.single_key[i] = r, 2 * k * stride + slot
+        if left - t > 0:
+            bisect.insort(room, (left - t, r, k))
+    return rest
+
+
+def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
+    """Index of the first wave (tokens used per wave) with room for ``tokens``; opens one if none."""
+    k = next((k for k, used in enumerate(waves) if used + tokens <= cap), len(waves))
+    if k == len(waves):
+        waves.append(0)
+    waves[k] += tokens
+    return k
+
+
+def _polish(ctx: Context, layout: Layout, tail: _Tail, ids: np.ndarray, moves: int) -> None:
+    """Move tail sequences from the most to the least loaded rank while the maximum falls."""
+    whole, load = ctx.whole_s, tail.rank_load
+    by_rank: dict[int, list[int]] = {}
+    for i in ids.tolist():
+        by_rank.setdefault(int(layout.single_rank[i]), []).append(i)
+    for _ in range(moves):
+        hi = int(np.argmax(load))
+        lo = int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        # The largest sequence whose move lowers the pair's maximum.
+        best = None
+        for i in by_rank.get(hi, ()):
+            if whole[i] < gap and (best is None or whole[i] > whole[best]):
+                best = i
+        if best is None:
+            return
+        L = int(ctx.seq_lens[best])
+        tail.waves[hi][int(layout.single_key[best] - tail.key)] -= L
+        by_rank[hi].remove(best)
+        by_rank.setdefault(lo, []).append(best)
+        load[hi] -= whole[best]
+        load[lo] += whole[best]
+        slot = _first_fit(tail.waves[lo], L, ctx.capacity)
+        layout.single_rank[best], layout.single_key[best] = lo, tail.key + slot
+
+
+def peer_levels(
+    n: int,
+    job_members: list[np.ndarray],
+    job_key: np.ndarray,
+    single_rank: np.ndarray,
+    single_key: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The fewest waves that keep every rank's order of work (its keys) and give a multi-rank
+    job one wave on all its members: items in key order, each in the first wave after the last
+    one its ranks used; a rank's whole sequences with one key share a cell. (One wave per
+    distinct key would be right too, but gives 16K ranks hundreds of mostly empty waves, and
+    every (waves x ranks) array of the cost model pays for them.)"""
+    next_free = np.zeros(n, dtype=np.int64)
+    job_wave = np.zeros(len(job_key), dtype=np.int64)
+    cell_id = single_rank * (int(single_key.max(initial=0)) + 1) + single_key
+    _, first, cell_of = np.unique(cell_id, return_index=True, return_inverse=True)
+    cell_rank, cell_key = single_rank[first], single_key[first]
+    cell_wave = np.zeros(first.size, dtype=np.int64)
+    # Jobs first on ties: a job's key is never equal to a single's (odd vs even multiples).
+    order = sorted(
+        [(int(k), 0, j) for j, k in enumerate(job_key)]
+        + [(int(k), 1, c) for c, k in enumerate(cell_key.tolist())]
+    )
+    for _, is_cell, j in order:
+        if is_cell:
+            r = int(cell_rank[j])
+            cell_wave[j] = next_free[r]
+            next_free[r] += 1
+        else:
+            members = job_members[j]
+            w = int(next_free[members].max())
+            job_wave[j] = w
+            next_free[members] = w + 1
+    return job_wave, cell_wave[cell_of]

@@ -1,0 +1,255 @@
+"""The ``hdp`` search: candidate families in order, each placed once, the fastest kept.
+
+Note [The candidate families]
+-----------------------------
+A candidate is one degree per sequence (:class:`~.layout.Candidate`). The search places, in
+this order:
+
+1. *Heights*: the relaxation's degrees at a few heights (:func:`candidate_heights`). ``peer``
+   sync: around the relaxation's ``M``. ``wave`` sync: a step is the sum of its waves' heights,
+   so tall jobs must share waves side by side; heights run from a quarter of the shortest the
+   tallest job can be up to ``M``.
+2. *Per wave* (``wave`` sync, several waves): the relaxation over ranks x waves, as if the area
+   spread evenly over the waves.
+3. *The MILP* (:mod:`planner.hdp_ilp`) where it fits the time budget, warm-started from 1.
+4. At the best height (``wave`` sync): *token-capped* degrees, so more sequences split and every
+   cell gets a mix; and *two tiers*, in which the cheapest whole sequences per token get waves
+   of their own, so the dense waves keep token room (a wave costs only its collectives' tail
+   where its compute hides them).
+5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
+
+Every placed candidate where a multi-rank job raised a wave that already held work by more
+than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
+their own), and the faster of the two counts.
+
+Note [Skipping by work]
+-----------------------
+In ``wave`` sync the candidates of 1-3 go least work first. A candidate's work
+(:func:`planner.degrees.work_area`) spread over the ranks is a lower bound of its step, so one
+whose work is not below the best step so far cannot win and is not placed. A height candidate
+is compared only with the best height candidate, so the best height, where 4 starts, is the one
+all heights placed would give.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from hdp import Plan
+
+from .. import hdp_ilp
+from ..common import Context, PlanningError
+from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
+from .layout import Candidate, num_waves_for
+from .options import HdpOptions
+from .place import place
+from .shelves import shelf_candidates
+from .wave import rebalance_wave
+
+NATIVE_SYNC = "peer"
+
+
+class CandidateSearch:
+    """Places candidates, each once, skips those that cannot win (Note [Skipping by work]) and
+    keeps the fastest plan by the cost model."""
+
+    def __init__(self, ctx: Context, options: HdpOptions) -> None:
+        self.ctx, self.options = ctx, options
+        self.num_waves = num_waves_for(ctx)
+        self.skips = ctx.sync == "wave" and options.skip_by_work
+        self.best_s = math.inf
+        self.best_plan: Plan | None = None
+        self._placed: dict[tuple, tuple[float, bool]] = {}  # -> (step s, whether a job stacked)
+        self._work: dict[bytes, float] = {}
+
+    def work_s(self, degree: np.ndarray) -> float:
+        """The candidate's work spread over the ranks (s): a lower bound of its step."""
+        key = degree.tobytes()
+        if key not in self._work:
+            ctx = self.ctx
+            area = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, ctx.capacity)
+            self._work[key] = area / ctx.num_ranks
+        return self._work[key]
+
+    def cannot_win(self, degree: np.ndarray) -> bool:
+        return self.skips and self.work_s(degree) >= self.best_s
+
+    def place_once(self, cand: Candidate, prune_at: float = math.inf) -> tuple[float, bool]:
+        """Step time of ``cand`` and whether a multi-rank job stacked; a repeat returns what the
+        first placement got. Not placed (``inf``) where its work is ``prune_at`` or more."""
+        key = (cand.degree.tobytes(), cand.cheap_share, cand.stack_share)
+        if key in self._placed:
+            return self._placed[key]
+        if self.skips and self.work_s(cand.degree) >= prune_at:
+            self._placed[key] = (math.inf, False)
+            return self._placed[key]
+        placement = place(self.ctx, self.num_waves, cand, self.options)
+        t = self.ctx.cost.evaluate(placement.plan).step_time_s
+        self._placed[key] = (t, placement.stacked_jobs > 0)
+        if self.options.on_place is not None:
+            self.options.on_place(cand, placement)
+        if t < self.best_s:
+            self.best_s, self.best_plan = t, placement.plan
+        return self._placed[key]
+
+    def place(self, cand: Candidate, prune_at: float = math.inf) -> float:
+        """Step time of ``cand``, or of its no-stacking variant where that is faster (Note [The
+        candidate families]); without a stacked job the variant is the same plan, not placed."""
+        t, stacked = self.place_once(cand, prune_at)
+        if stacked:
+            no_stacking = replace(cand, stack_share=self.options.stack_share)
+            t = min(t, self.place_once(no_stacking, self.best_s)[0])
+        return t
+
+    def place_in_work_order(self, cands: list[Candidate]) -> list[float]:
+        """Step time of each of ``cands`` (``inf`` where skipped), least work first where the
+        search skips (Note [Skipping by work])."""
+        times = [math.inf] * len(cands)
+        order = list(range(len(cands)))
+        if self.skips:
+            order.sort(key=lambda k: self.work_s(cands[k].degree))
+        for k in order:
+            heights = [t for t, c in zip(times, cands) if c.height_s is not None]
+            best_height_s = min(heights, default=math.inf)
+            prune_at = best_height_s if cands[k].height_s is not None else self.best_s
+            times[k] = self.place(cands[k], prune_at)
+        return times
+
+    def polish_wave(self) -> None:
+        """Move whole sequences out of the slowest cells of the best plan while that is faster."""
+        for _ in range(3):
+            moved = rebalance_wave(
+                self.ctx, self.best_plan, self.ctx.cost.evaluate(self.best_plan).busy_s
+            )
+            if moved is None:
+                return
+            t = self.ctx.cost.evaluate(moved).step_time_s
+            if t >= self.best_s:
+                return
+            self.best_s, self.best_plan = t, moved
+
+
+def check_fits(ctx: Context) -> None:
+    """Raise PlanningError when the longest sequence cannot be held by all ranks together."""
+    longest = int(ctx.seq_lens.max(initial=0))
+    off_cap = ctx.offload_capacity
+    if longest > off_cap * ctx.num_ranks:
+        raise PlanningError(
+            f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
+            f"{off_cap} tokens each (with activation offload), but the cluster has "
+            f"{ctx.num_ranks}; use more GPUs or a smaller --max-seq"
+        )
+
+
+def plan_hdp(ctx: Context, form: str = "free", options: HdpOptions | None = None) -> Plan:
+    """Plan with the candidate families of Note [The candidate families]; the fastest by the
+    cost model reports its gap to the bound (:func:`planner.degrees.step_bound`) in
+    ``predicted["bound_s"]``. ``form``: ``free``, ``whole`` (every sequence on one rank, for
+    trainers whose attention cannot span ranks) or ``megatron`` (:mod:`.megatron`)."""
+    from .megatron import plan_hdp_megatron
+
+    options = options or HdpOptions()
+    if form == "megatron":
+        return plan_hdp_megatron(ctx, options)
+    if form not in ("free", "whole"):
+        raise ValueError(f"unknown hdp form {form!r}: choose 'free', 'whole' or 'megatron'")
+    check_fits(ctx)
+    bound_s = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity))
+    if form == "whole":
+        plan = _plan_whole(ctx, options)
+        plan.predicted["bound_s"] = bound_s
+        return plan
+    rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks)
+    search = CandidateSearch(ctx, options)
+    heights = candidate_heights(rel, ctx.sync, options)
+    cands, info = degree_candidates(ctx, rel, heights, options)
+    times = search.place_in_work_order(cands)
+    if ctx.sync == "wave":
+        _, h = min((t, c.height_s) for t, c in zip(times, cands) if c.height_s is not None)
+        for cand in best_height_variants(ctx, rel, h, options):
+            search.place(cand, prune_at=search.best_s)
+        if search.best_s > bound_s * (1 + 1e-3):
+            shelves = shelf_candidates(
+                ctx,
+                rel,
+                search.num_waves,
+                heights,
+                shelf_heights=options.shelf_heights,
+                stack_share=options.stack_share,
+                hopeless=search.cannot_win,
+            )
+            for cand in shelves[: options.shelf_placed]:
+                search.place_once(cand, search.best_s)
+        search.polish_wave()
+    plan = search.best_plan
+    plan.predicted.update(info)
+    plan.predicted["bound_s"] = bound_s
+    plan.predicted["relaxation_height_s"] = rel.height_s
+    return plan
+
+
+def _plan_whole(ctx: Context, options: HdpOptions) -> Plan:
+    """Every sequence on one rank: only the placement balances."""
+    longest = int(ctx.seq_lens.max(initial=0))
+    if longest > ctx.capacity:
+        raise PlanningError(
+            f"hdp (whole form): a sequence of {longest} tokens does not fit one rank's "
+            f"{ctx.capacity} tokens; raise the capacity or use a form that splits sequences"
+        )
+    degree = np.ones(ctx.seq_lens.size, dtype=np.int64)
+    return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s), options).plan
+
+
+def candidate_heights(rel: Relaxation, sync: str, options: HdpOptions) -> list[float]:
+    """Job heights to place (family 1 of Note [The candidate families]). ``wave``: from the
+    shortest the tallest job can be (every job on its fastest degree: narrow shelves, more area)
+    up to ``M`` (every job on its smallest area: wide shelves), and below: there the tallest job
+    stays at its fastest while the others get faster too, so they stack under it in fewer,
+    fuller waves."""
+    if sync == "peer" or not rel.menus:
+        return [rel.height_s * f for f in options.height_factors]
+    floor = max(float(mu.height.min()) for mu in rel.menus)
+    top = max(floor, rel.height_s)
+    shelves = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
+    return [floor * 0.25, floor * 0.5] + shelves
+
+
+def degree_candidates(
+    ctx: Context, rel: Relaxation, heights: list[float], options: HdpOptions
+) -> tuple[list[Candidate], dict[str, float]]:
+    """Families 1-3 of Note [The candidate families], and what the MILP reports."""
+    cands = [Candidate(*rel.degrees_at(h, ctx.whole_s), height_s=h) for h in heights]
+    num_waves = num_waves_for(ctx)
+    if ctx.sync == "wave" and num_waves > 1:
+        slots = ctx.num_ranks * num_waves
+        per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, slots)
+        cands += [
+            Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s))
+            for f in options.height_factors
+        ]
+    info: dict[str, float] = {}
+    use_ilp = options.use_ilp
+    if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, ctx.num_ranks)):
+        warm = Jobs(cands[0].degree, cands[0].job_time)
+        choice = hdp_ilp.solve_degrees(
+            rel, ctx.cost, ctx.sync, ctx.num_ranks, warm, time_limit_s=options.ilp_time_limit_s
+        )
+        info.update(choice.info)
+        if choice.degrees is not None:
+            cands.insert(0, Candidate(choice.degrees, choice.job_time))
+    return cands, info
+
+
+def best_height_variants(
+    ctx: Context, rel: Relaxation, height: float, options: HdpOptions
+) -> list[Candidate]:
+    """Family 4 of Note [The candidate families]: token-capped degrees, then two tiers."""
+    cands = [
+        Candidate(*rel.degrees_at(height, ctx.whole_s, int(share * ctx.offload_capacity)))
+        for share in options.token_shares
+    ]
+    cheap = options.cheap_wave_share
+    return cands + [Candidate(*rel.degrees_at(height, ctx.whole_s), cheap_share=cheap)]

@@ -1,0 +1,313 @@
+"""``wave`` sync placement: a step lasts the sum of its waves' slowest cells.
+
+Every job goes where it raises that sum least: multi-rank jobs first (:func:`place_wave_jobs`),
+then whole sequences (:func:`fill_waves`). A cell's shards run together, layer by layer, so a
+wave lasts as long as its largest cell sum, as the cost model prices it; members of a job do
+not wait for the busiest one to start. After the search, :func:`rebalance_wave` moves whole
+sequences out of each wave's slowest cell by the cost model's own cell times.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from hdp import Plan
+
+from ..common import Context, PlanBuilder, hdp_split
+from .layout import Candidate, Layout, pick_members
+
+
+@dataclass
+class JobLayer:
+    """Multi-rank jobs placed in ``wave`` sync: per job (in placement order) its members and
+    wave; per cell ``[waves, ranks]`` the tokens held and the load (s)."""
+
+    members: list[np.ndarray]
+    wave: list[int]
+    tokens: np.ndarray
+    load: np.ndarray
+    stacked: int = 0
+
+    def add_wave(self) -> None:
+        self.tokens = np.vstack([self.tokens, np.zeros((1, self.tokens.shape[1]), dtype=np.int64)])
+        self.load = np.vstack([self.load, np.zeros((1, self.load.shape[1]))])
+
+
+@dataclass(frozen=True)
+class CellChoice:
+    """Where a whole sequence goes: the raise of its wave's height (s), the cell's load after
+    it (s), the wave, and the rank of a cell that offloads (``None``: the least-loaded cell
+    of the wave with token room)."""
+
+    raise_s: float
+    new_load: float
+    wave: int
+    offload_rank: int | None = None
+
+    @property
+    def score(self) -> tuple[float, float]:
+        return (self.raise_s, self.new_load)
+
+
+def place_wave(
+    ctx: Context,
+    num_waves: int,
+    multi: np.ndarray,
+    single: np.ndarray,
+    cand: Candidate,
+    *,
+    stacked_share: float,
+) -> Layout:
+    """Multi-rank jobs, then whole sequences; keys are waves (``stacked_share``: see
+    :func:`place_wave_jobs`)."""
+    layer = place_wave_jobs(ctx, num_waves, multi, cand, stacked_share=stacked_share)
+    single_rank, single_key = fill_waves(ctx, layer, single)
+    return Layout(layer.members, layer.wave, single_rank, single_key, layer.stacked)
+
+
+def place_two_tiers(
+    ctx: Context,
+    num_waves: int,
+    multi: np.ndarray,
+    single: np.ndarray,
+    cand: Candidate,
+    *,
+    stacked_share: float,
+) -> Layout:
+    """The cheapest whole sequences per token (those that fill a cell's tokens long before its
+    time) go to waves of their own after the rest, until the rest fits ``cand.cheap_share`` of
+    the ranks' offload capacity in one wave, so the dense waves keep token room."""
+    lens, whole = ctx.seq_lens, ctx.whole_s
+    by_density = single[np.argsort(whole[single] / lens[single], kind="stable")]
+    excess = int(lens.sum()) - cand.cheap_share * ctx.num_ranks * ctx.offload_capacity
+    n_cheap = int(np.searchsorted(np.cumsum(lens[by_density]), excess)) + 1 if excess > 0 else 0
+    is_cheap = np.zeros(lens.size, dtype=bool)
+    is_cheap[by_density[:n_cheap]] = True
+    cheap_mask = is_cheap[single]  # ``single`` keeps its longest-first order in both tiers
+    layout = place_wave(
+        ctx, num_waves, multi, single[~cheap_mask], cand, stacked_share=stacked_share
+    )
+    cheap = single[cheap_mask]
+    if cheap.size:
+        plain = Candidate(cand.degree, cand.job_time)
+        tier = place_wave(ctx, 1, multi[:0], cheap, plain, stacked_share=stacked_share)
+        after = max(max(layout.job_key, default=-1), int(layout.single_key.max(initial=-1))) + 1
+        layout.single_rank[cheap] = tier.single_rank[cheap]
+        layout.single_key[cheap] = tier.single_key[cheap] + after
+    return layout
+
+
+def place_wave_jobs(
+    ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate, *, stacked_share: float
+) -> JobLayer:
+    """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
+    tall jobs spread over waves and leave token room beside them), on the least-loaded ranks
+    with token room, each member's load growing by the job's time. ``cand.stack_share``: not
+    into a wave that already holds work where that raises it by more than this share of the
+    job's time. Jobs that raise such a wave by more than ``stacked_share`` are counted."""
+    lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
+    off_cap, stack_share = ctx.offload_capacity, cand.stack_share
+    layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
+    for i in multi.tolist():
+        L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
+        per_rank = hdp_split(L, d, off_cap).most_tokens
+        best = None
+        for w in range(layer.load.shape[0] + 1):
+            if w == layer.load.shape[0]:
+                if best is not None:
+                    break
+                layer.add_wave()
+            load = layer.load[w]
+            members = pick_members(load, d, rpn, layer.tokens[w] + per_rank <= off_cap)
+            if members is None:
+                continue
+            height = float(load.max())
+            finish = float(load[members].max()) + t
+            if stack_share is not None and height > 0 and finish - height > stack_share * t:
+                continue
+            score = (max(0.0, finish - height), height)
+            if best is None or score < best[0]:
+                best = (score, w, members)
+        (raise_s, height), w, members = best
+        layer.stacked += height > 0 and raise_s > stacked_share * t
+        layer.tokens[w, members] += per_rank
+        layer.load[w, members] += t
+        layer.members.append(members)
+        layer.wave.append(w)
+    return layer
+
+
+class _Cells:
+    """The cells of a :class:`JobLayer` as whole sequences fill them: each wave's height, a heap
+    of its cells by load (entries go stale as loads change), and its most free tokens."""
+
+    def __init__(self, ctx: Context, layer: JobLayer) -> None:
+        self.ctx, self.layer, self.cap = ctx, layer, ctx.capacity
+        load, tokens = layer.load, layer.tokens
+        self.heights = [float(h) for h in load.max(axis=1)]
+        self.heaps = [
+            [(float(load[w, r]), r) for r in range(ctx.num_ranks)] for w in range(len(load))
+        ]
+        for h in self.heaps:
+            heapq.heapify(h)
+        self.room_max = [int(self.cap - tokens[w].min()) for w in range(len(tokens))]
+        self.new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()
+
+    def least_load(self, w: int, L: int) -> float:
+        """Load of wave ``w``'s least-loaded cell with room for ``L`` tokens: the heap's top
+        unless it is full; after a few full ones, a scan of the wave."""
+        h, load, tokens, cap = self.heaps[w], self.layer.load, self.layer.tokens, self.cap
+        skipped = []
+        while (
+            h and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap) and len(skipped) < 8
+        ):
+            item = heapq.heappop(h)
+            if item[0] == load[w, item[1]]:  # not stale: full for this sequence only
+                skipped.append(item)
+        for item in skipped:
+            heapq.heappush(h, item)
+        if h and h[0][0] == load[w, h[0][1]] and tokens[w, h[0][1]] + L <= cap:
+            return h[0][0]
+        return float(np.where(tokens[w] + L <= cap, load[w], np.inf).min())
+
+    def choose(self, L: int, t: float) -> CellChoice | None:
+        """The cell that raises its wave least (then the least loaded), with offload where that
+        raises it less; ``None`` where a new wave costs less or no cell has room."""
+        best = None
+        for w in range(len(self.heaps)):
+            if self.room_max[w] < L:
+                continue
+            new_load = self.least_load(w, L) + t
+            choice = CellChoice(max(0.0, new_load - self.heights[w]), new_load, w)
+            if best is None or choice.score < best.score:
+                best = choice
+        off_cap = self.ctx.offload_capacity
+        if (best is None or best.raise_s > 0) and off_cap > self.cap:
+            # Every cell with room raises its wave (or none has room): a cell that offloads part
+            # of its activations may raise it less.
+            off = offloaded_cell(self.ctx, self.layer, self.heights, L, t)
+            if off is not None and (best is None or off.raise_s < best.raise_s):
+                best = off
+        if best is not None and best.raise_s >= self.new_wave_s + t:  # a wave of its own is cheaper
+            return None
+        return best
+
+    def new_wave(self, t: float) -> CellChoice:
+        self.layer.add_wave()
+        self.heights.append(0.0)
+        self.heaps.append([(0.0, r) for r in range(self.ctx.num_ranks)])
+        self.room_max.append(self.cap)
+        return CellChoice(t, t, len(self.heights) - 1)
+
+    def put(self, choice: CellChoice, L: int, t: float) -> int:
+        """Add a sequence of ``L`` tokens and ``t`` seconds where ``choice`` says; its rank."""
+        tokens, load, w = self.layer.tokens, self.layer.load, choice.wave
+        if choice.offload_rank is not None:
+            r = choice.offload_rank
+        else:
+            r = int(np.argmin(np.where(tokens[w] + L <= self.cap, load[w], np.inf)))
+        tokens[w, r] += L
+        self.room_max[w] = int(self.cap - tokens[w].min())
+        load[w, r] += t if choice.offload_rank is None else choice.new_load - load[w, r]
+        self.heights[w] = max(self.heights[w], float(load[w, r]))
+        heapq.heappush(self.heaps[w], (float(load[w, r]), r))  # the old entry is now stale
+        return r
+
+
+def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whole sequences, longest first, onto the cells of ``layer`` (updated in place): a cell
+    whose load stays under its wave's height (the least-loaded such), else the cell that raises
+    its wave least (with offload where that raises it less: :func:`offloaded_cell`); a new wave
+    when that costs less than the raise. Returns each sequence's rank and wave (-1: not placed)."""
+    lens = ctx.seq_lens
+    single_rank = np.full(lens.size, -1, dtype=np.int64)
+    single_key = np.full(lens.size, -1, dtype=np.int64)
+    cells = _Cells(ctx, layer)
+    for i in single.tolist():
+        L, t = int(lens[i]), float(ctx.whole_s[i])
+        choice = cells.choose(L, t) or cells.new_wave(t)
+        single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
+    return single_rank, single_key
+
+
+def loads_with(ctx: Context, tokens: np.ndarray, load: np.ndarray, L: int, t: float) -> np.ndarray:
+    """Each cell's busy time once it also takes a sequence of ``L`` tokens and ``t`` seconds,
+    offloading what it then must (its exposed host-copy time added); ``inf`` where even offload
+    leaves no room. ``tokens``, ``load``: per-cell arrays of any shape."""
+    cost = ctx.cost
+    new_tokens = tokens + L
+    ok = new_tokens <= ctx.offload_capacity
+    frac = np.where(ok, cost.offload_needed(np.where(ok, new_tokens, 0), ctx.sync), 0.0)
+    exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load + t))
+    return np.where(ok, load + t + exposed, np.inf)
+
+
+def offloaded_cell(
+    ctx: Context, layer: JobLayer, heights: list[float], L: int, t: float
+) -> CellChoice | None:
+    """The cell that raises its wave least (then the least loaded) when it takes a sequence of
+    ``L`` tokens and ``t`` seconds beyond the capacity (:func:`loads_with`); ``None`` if no cell
+    has room even with offload."""
+    new_load = loads_with(ctx, layer.tokens, layer.load, L, t)
+    if not np.isfinite(new_load).any():
+        return None
+    raise_by = np.maximum(0.0, new_load - np.asarray(heights)[:, None])
+    # Least raise, then least load, then the first cell (a full sort of the cells costs 10x more).
+    best = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
+    w, r = np.unravel_index(best, raise_by.shape)
+    return CellChoice(float(raise_by[w, r]), float(new_load[w, r]), int(w), int(r))
+
+
+def rebalance_wave(
+    ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000
+) -> Plan | None:
+    """Local search on a placed plan by the cost model's own cell times ``busy`` (``[waves,
+    ranks]``; the placer's estimates miss how mixing a cell hides K/V traffic). While a wave's
+    slowest cell holds a whole sequence that another cell can take so that both end below the
+    old maximum (with the offload it then needs, its exposed host copy added), move the one that
+    lowers it most. ``None`` if nothing moved."""
+    n, lens, whole = ctx.num_ranks, ctx.seq_lens, ctx.whole_s
+    holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
+    movable = (holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq])
+    load = np.array(busy, dtype=np.float64)
+    tokens = plan.tokens_per_cell().astype(np.int64)
+    cells: dict[tuple[int, int], list[int]] = {}
+    for k in np.flatnonzero(movable).tolist():
+        cells.setdefault((int(plan.wave[k]), int(plan.rank[k])), []).append(k)
+    rank = plan.rank.copy()
+    moved = False
+    for w in range(plan.num_waves):
+        for _ in range(moves_per_wave):
+            hi = int(np.argmax(load[w]))
+            top = float(load[w, hi])
+            best = None
+            for k in cells.get((w, hi), []):
+                L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
+                target = loads_with(ctx, tokens[w], load[w], L, t)
+                target[hi] = np.inf
+                lo = int(np.argmin(target))
+                new_max = max(top - t, float(target[lo]))
+                if new_max < top - 1e-9 and (best is None or new_max < best[0]):
+                    best = (new_max, k, lo, float(target[lo]))
+            if best is None:
+                break
+            _, k, lo, lo_load = best
+            L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
+            cells[(w, hi)].remove(k)
+            cells.setdefault((w, lo), []).append(k)
+            tokens[w, hi] -= L
+            tokens[w, lo] += L
+            load[w, hi] -= t
+            load[w, lo] = lo_load
+            rank[k] = lo
+            moved = True
+    if not moved:
+        return None
+    builder = PlanBuilder(ctx, plan.strategy)
+    builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
+    builder.offload_where_needed()
+    builder.info = dict(plan.predicted)
+    return builder.build()
