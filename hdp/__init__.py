@@ -1,11 +1,19 @@
 """hdp: hybrid data parallelism for long-context training on variable-length data.
 
-Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with :class:`GPUProfile`),
-:class:`Shard`, :class:`Plan`, and the one :class:`CostModel`.
+Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with
+:class:`GPUProfile`), :class:`Shard`, :class:`Plan`, and the one :class:`CostModel`.
 """
 
 from .cost import CostModel, KVTraffic, StepReport
-from .plan import KVTransfer, Plan, PlanError, Shard, edge_colour_rounds
+from .plan import (
+    BLOCK_TOKENS,
+    DEFAULT_KV_BLOCK_TOKENS,
+    KVTransfer,
+    Plan,
+    PlanError,
+    Shard,
+    edge_colour_rounds,
+)
 from .specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -19,6 +27,8 @@ from .specs import (
 )
 
 __all__ = [
+    "BLOCK_TOKENS",
+    "DEFAULT_KV_BLOCK_TOKENS",
     "ClusterSpec",
     "CostModel",
     "GPUProfile",

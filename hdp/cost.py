@@ -45,7 +45,7 @@ from functools import cached_property
 import numpy as np
 
 from . import traffic
-from .plan import Plan
+from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan
 from .specs import ClusterSpec, ModelSpec
 from .traffic import KVTraffic, wave_components
 
@@ -259,15 +259,15 @@ class CostModel:
             + self.kv_buffer_bytes(max_in_block)
         )
 
-    def activation_budget(self, sync: str, kv_block_tokens: int = 8192) -> float:
+    def activation_budget(self, sync: str, kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS) -> float:
         """Bytes for activations: what ``capacity`` tokens without offload use. (Memory left over
-        by rounding the capacity down to 128 tokens stays unused, so every check agrees.)"""
+        by rounding the capacity down to whole blocks stays unused, so every check agrees.)"""
         return float(self.capacity(sync, kv_block_tokens)) * (
             self.ckpt_bytes_per_token + self.working_bytes_per_token
         )
 
-    def capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
-        """Most tokens a rank holds in one wave without offloading (multiple of 128 tokens)."""
+    def capacity(self, sync: str = "peer", kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS) -> int:
+        """Most tokens a rank holds in one wave without offloading (whole ``BLOCK_TOKENS``)."""
         key = (sync, kv_block_tokens)
         if key not in self._capacities:  # planners ask per candidate cell: computed once
             self._capacities[key] = self._capacity(sync, kv_block_tokens)
@@ -288,21 +288,27 @@ class CostModel:
         )
         if free <= 0:
             return 0
-        return int(free // (self.ckpt_bytes_per_token + self.working_bytes_per_token)) // 128 * 128
+        return (
+            int(free // (self.ckpt_bytes_per_token + self.working_bytes_per_token))
+            // BLOCK_TOKENS
+            * BLOCK_TOKENS
+        )
 
-    def offload_capacity(self, sync: str = "peer", kv_block_tokens: int = 8192) -> int:
+    def offload_capacity(
+        self, sync: str = "peer", kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS
+    ) -> int:
         """Most tokens a rank holds in one wave with all checkpointed activations in host memory."""
         if self.ckpt_bytes_per_token == 0:
             return self.capacity(sync, kv_block_tokens)
         offloaded = (
             int(self.activation_budget(sync, kv_block_tokens) // self.working_bytes_per_token)
-            // 128
-            * 128
+            // BLOCK_TOKENS
+            * BLOCK_TOKENS
         )
         return max(offloaded, self.capacity(sync, kv_block_tokens))
 
     def offload_needed(
-        self, tokens: np.ndarray, sync: str, kv_block_tokens: int = 8192
+        self, tokens: np.ndarray, sync: str, kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS
     ) -> np.ndarray:
         """Smallest offload fraction that lets a rank hold ``tokens`` tokens (0 up to the capacity;
         above 1 means impossible)."""
