@@ -65,8 +65,10 @@ def choose_sync(
     mode, room = best
     if room <= 0:
         raise PlanningError(
-            f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: parameters, gradients and "
-            f"optimizer states leave no room for activations; use more GPUs, --sync wave, or a smaller model"
+            f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: "
+            "parameters, gradients and "
+            "optimizer states leave no room for activations; use more GPUs, --sync wave, or a "
+            "smaller model"
         )
     held = (
         "tokens per rank per wave with activation offload"
@@ -86,7 +88,7 @@ def plan_step(
     strategy: str = "hdp",
     **opts: Any,
 ) -> Plan:
-    """Plan one global batch with ``strategy``; the plan's ``predicted`` holds the cost model's view."""
+    """Plan one global batch with ``strategy``; ``predicted`` holds the cost model's view."""
     return plan_and_evaluate(seq_lens, cluster, model, strategy, **opts)[0]
 
 
@@ -105,7 +107,8 @@ def plan_and_evaluate(
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     if lens.size == 0:
         raise PlanningError(
-            "the batch is empty: there are no sequences to plan (check the dataloader's token budget)"
+            "the batch is empty: there are no sequences to plan (check the dataloader's token "
+            "budget)"
         )
     if (lens < 0).any():
         raise ValueError(f"sequence {int(np.argmax(lens < 0))} has a negative length")

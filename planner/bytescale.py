@@ -27,7 +27,7 @@ NATIVE_SYNC = "peer"
 
 
 def ranks_for(ctx: Context, length: int) -> tuple[int, float]:
-    """(ranks, offload fraction) for a sequence: the fewest ranks whose offload hides under compute."""
+    """(ranks, offload fraction) of a sequence: fewest ranks whose offload hides under compute."""
     cost = ctx.cost
     cap = ctx.capacity
     if length <= cap:
@@ -57,7 +57,7 @@ def plan_bytescale(ctx: Context) -> Plan:
     n, cap = ctx.num_ranks, ctx.capacity
     cost = ctx.cost
     order = np.argsort(-lens, kind="stable")
-    whole_time = cost.seq_time(lens)
+    whole_time = ctx.whole_s
     load = np.zeros(n)
     wave_tokens: list[list[int]] = [
         [] for _ in range(n)
@@ -73,7 +73,8 @@ def plan_bytescale(ctx: Context) -> Plan:
         d, frac = ranks_for(ctx, L)
         if d > n:
             raise PlanningError(
-                f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, more with offload) "
+                f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, "
+                "more with offload) "
                 f"but the cluster has {n}"
             )
         if d > 1 or frac > 0:

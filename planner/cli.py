@@ -53,26 +53,29 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         "--capacity",
         type=_size,
         default=None,
-        help="most tokens one rank holds in one wave (default: derived from GPU memory and the model)",
+        help="most tokens one rank holds in one wave (default: derived from GPU memory and the "
+        "model)",
     )
     g.add_argument(
         "--sync",
         choices=("wave", "peer"),
         default=None,
-        help="synchronisation mode for every strategy (default: each strategy's own where memory allows)",
+        help="synchronisation mode for every strategy (default: each strategy's own where memory "
+        "allows)",
     )
     g.add_argument(
         "--hybridcp-impl",
         choices=("auto", "megatron", "ours"),
         default="auto",
-        help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical re-implementation",
+        help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical "
+        "re-implementation",
     )
     g.add_argument(
         "--hdp-form",
         choices=("free", "whole", "megatron"),
         default="free",
-        help="what hdp plans may do: free (default), whole (every sequence on one rank) or megatron "
-        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
+        help="what hdp plans may do: free (default), whole (every sequence on one rank) or "
+        "megatron (aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
     )
 
 
@@ -87,7 +90,8 @@ def _strategies(text: str) -> list[str]:
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown strategy {', '.join(unknown) or '(none)'}: choose from {', '.join(STRATEGIES)}"
+            f"unknown strategy {', '.join(unknown) or '(none)'}: choose from "
+            f"{', '.join(STRATEGIES)}"
         )
     return names
 
@@ -95,9 +99,11 @@ def _strategies(text: str) -> list[str]:
 def sim_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hdp-sim",
-        description="Predict step time, balance, memory and communication of every planning strategy on sampled "
+        description="Predict step time, balance, memory and communication of every planning "
+        "strategy on sampled "
         "global batches of a workload, with one cost model.",
-        epilog="example: hdp-sim --workload byted-2m --gpus 1024 --max-seq 2M --model llama-7b --plot out.png",
+        epilog="example: hdp-sim --workload byted-2m --gpus 1024 --max-seq 2M --model llama-7b "
+        "--plot out.png",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workload", help=f"standard workload: {', '.join(workload_names())}")
@@ -169,8 +175,10 @@ def sim_main(argv: list[str] | None = None) -> int:
         )
         c = sim.config
         print(
-            f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} ({cluster.ranks_per_node} per node), "
-            f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity {c['capacity_peer']} (peer) / "
+            f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} "
+            f"({cluster.ranks_per_node} per node), "
+            f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity "
+            f"{c['capacity_peer']} (peer) / "
             f"{c['capacity_wave']} (wave) tokens per rank, {c['steps']} steps, seed {c['seed']}"
         )
         print(format_table(sim))
@@ -190,7 +198,8 @@ def sim_main(argv: list[str] | None = None) -> int:
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hdp-plan",
-        description="Plan one global batch (the lengths in a file) and write PLAN.json: for every wave and rank, "
+        description="Plan one global batch (the lengths in a file) and write PLAN.json: for every "
+        "wave and rank, "
         "the [sequence, start, end] shards it holds, plus the cost model's predictions.",
     )
     p.add_argument(
@@ -244,13 +253,16 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 2
     p = plan.predicted
     print(
-        f"{args.strategy}: {lens.size} sequences, {int(lens.sum())} tokens on {cluster.num_ranks} ranks in "
+        f"{args.strategy}: {lens.size} sequences, {int(lens.sum())} tokens on {cluster.num_ranks} "
+        "ranks in "
         f"{plan.num_waves} waves ({plan.sync} sync), {plan.num_shards} shards"
     )
     print(
         f"predicted step {p['step_time_s']:.3f} s, lower bound {p['lower_bound_s']:.3f} s "
-        f"({p['step_time_s'] / p['lower_bound_s']:.2f}x), imbalance {p['imbalance']:.2f}, exposed comm "
-        f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in {p['plan_time_s']:.3f} s"
+        f"({p['step_time_s'] / p['lower_bound_s']:.2f}x), imbalance {p['imbalance']:.2f}, exposed "
+        "comm "
+        f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in "
+        f"{p['plan_time_s']:.3f} s"
     )
     print(f"wrote {args.out}")
     return 0

@@ -22,7 +22,7 @@ class PlanningError(ValueError):
 
 @dataclass
 class Context:
-    """What a strategy gets: the batch, the cost model, the synchronisation mode and its capacity."""
+    """What a strategy gets: the batch, the cost model, the sync mode and its capacity."""
 
     seq_lens: np.ndarray
     cost: CostModel

@@ -7,21 +7,21 @@ busy time ``T(d)`` (the cost model's ``peer`` rule), so it covers an area ``d * 
 compute (``wave`` sync, where a wave lasts as long as its slowest rank anyway and whole sequences
 may share a member's cell).
 
-:func:`split_times` is the closed form of what :meth:`hdp.CostModel.evaluate` computes for such a
-plan (``tests/test_planner_hdp.py`` checks the two agree): for member ``i`` of ``d`` with head ``h_i``
-and tail ``t_i`` tokens, the tail chunks of members ``j > i`` lie before member ``i``'s, so it
-receives every other head and the tails of ``j > i``, and sends its head to all ``d - 1`` others
-and its tail to the ``i`` members ``j < i``. Vectorised over all members of all (length, degree)
-pairs: one call prices a whole degree menu.
+:func:`split_times` is the closed form of what :meth:`hdp.CostModel.evaluate` computes for such
+a plan (``tests/test_planner_hdp.py`` checks the two agree). Take member ``i`` of ``d``, with
+head ``h_i`` and tail ``t_i`` tokens. The tail chunks of members ``j > i`` lie before member
+``i``'s, so it receives every other head and the tails of ``j > i``; it sends its head to all
+``d - 1`` others and its tail to the ``i`` members ``j < i``. The closed form is vectorised over
+all members of all (length, degree) pairs: one call prices a whole degree menu.
 
-:func:`relaxation_bound` is the planner's own lower bound (:func:`step_bound` adds the parameter
-collectives and, in ``wave`` sync, takes the higher of it and :func:`shelf_bound`, which accounts
-for the token room of the longest sequences' waves): choose one degree per sequence so
-that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job -- the rectangles may be
-cut (the area is divisible) but every job keeps its height. It is exact over ``M`` (a sweep
-over every height in the menus), so it is at least the LP relaxation of the malleable-job MILP
+:func:`relaxation_bound` is the planner's own lower bound: choose one degree per sequence so
+that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job. The rectangles may be
+cut (the area is divisible) but every job keeps its height. The sweep over every height in the
+menus is exact over ``M``, so the bound is at least the LP relaxation of the malleable-job MILP
 (:mod:`planner.hdp_ilp`) and at most any plan built from such jobs. Degrees the menu skips are
 covered by the smaller height and smaller area of the two menu degrees around them.
+:func:`step_bound` adds the parameter collectives and, in ``wave`` sync, takes the higher of it
+and :func:`shelf_bound`, which accounts for the token room of the longest sequences' waves.
 """
 
 from __future__ import annotations
@@ -196,9 +196,8 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
-    # (Without them a 231K-token sequence at 1024 ranks got 31 ranks, 8.02 s, where 32 take 7.76 s,
-    # and the sweep's virtual options, which assume heights between two entries lie above the
-    # lower one, were not a bound.)
+    # The sweep's virtual options assume heights between two entries lie above the lower one,
+    # which holds only with those multiples in the menu.
     rpn = c.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
@@ -410,10 +409,10 @@ def shelf_bound(
     lasts at least its work over ``n`` in the other waves: the step's busy part is at least
     ``max(sum H + max(0, F - K) / n, (F + sum A) / n)`` (every other sequence at its least area).
     Minimised exactly over the heights where the giants share one wave, and by its Lagrangian dual
-    (a bound of that minimum) over the other partitions of the giants into waves. A giant of 1.5M
-    tokens on 64 H100s (llama-70b, github-2m) runs 533 s at best; on fewer ranks it would cover
-    less area, but the sequences beside it could not fill its wave's time within their tokens:
-    the bound rises 0.7% above the relaxation's. ``pow2``: as the menus of ``rel``."""
+    (a bound of that minimum) over the other partitions of the giants into waves. It binds where
+    a giant runs fastest on many ranks: on fewer it would cover less area, but the sequences
+    beside it could not fill its wave's time within their tokens. ``pow2``: as the menus of
+    ``rel``."""
     if not rel.menus:
         return 0.0
     lens, n = rel.seq_lens, cost.cluster.num_ranks

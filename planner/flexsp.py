@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,67 +62,89 @@ def length_buckets(lengths: np.ndarray, max_buckets: int = MAX_BUCKETS) -> list[
     return [b for b in reversed(out) if b.size]
 
 
-def plan_flexsp(ctx: Context) -> Plan:
-    import pulp
+@dataclass
+class _Groups:
+    """The MILP's data: length buckets (indices into the batch), the group sizes, and the
+    time of each (bucket, group size) pair allowed (the bucket's longest sequence on it)."""
 
-    lens, cost = ctx.seq_lens, ctx.cost
-    n, cap = ctx.num_ranks, ctx.capacity
+    buckets: list[np.ndarray]
+    sizes: list[int]
+    time: dict[tuple[int, int], float]
+
+    @property
+    def counts(self) -> list[int]:
+        return [b.size for b in self.buckets]
+
+
+def plan_flexsp(ctx: Context) -> Plan:
+    lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
     ids = np.flatnonzero(lens > 0)
     longest = int(lens.max(initial=0))
     if longest and next_pow2(-(-longest // cap)) > n:
         raise PlanningError(
-            f"flexsp: a sequence of {longest} tokens needs a group of {next_pow2(-(-longest // cap))} "
-            f"ranks (a power of two) at {cap} tokens each, but the cluster has {n}"
+            f"flexsp: a sequence of {longest} tokens needs a group of "
+            f"{next_pow2(-(-longest // cap))} ranks (a power of two) at {cap} tokens each, "
+            f"but the cluster has {n}"
         )
     buckets = length_buckets(lens[ids])
-    rep_len = [int(lens[ids[b]].max()) for b in buckets]
     sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
-    t: dict[tuple[int, int], float] = {}
-    for b, L in enumerate(rep_len):
+    time: dict[tuple[int, int], float] = {}
+    for b, L in enumerate(int(lens[ids[b]].max()) for b in buckets):
         for g in sizes:
             if g >= next_pow2(-(-L // cap)):  # a short sequence may run on a larger group
-                t[(b, g)] = float(split_times(cost, np.array([L]), np.array([g]), ctx.sync)[0][0])
-    counts = [b.size for b in buckets]
-    name = solver_name()
+                pair = split_times(ctx.cost, np.array([L]), np.array([g]), ctx.sync)
+                time[(b, g)] = float(pair[0][0])
+    groups = _Groups(buckets, sizes, time)
+    sol = _bisect(groups, n, float(ctx.whole_s[ids].sum()) + 1.0)
+    if sol is None:
+        sol = _smallest_groups(groups, n)
+    _spread_spare_ranks(groups, sol, n)
+    return _place(ctx, buckets, ids, sol, sizes, ctx.whole_s)
 
-    def feasible(M: float) -> dict[tuple[int, int], int] | None:
-        prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
-        m = {g: prob.add_variable(f"m_{g}", 0, n // g, cat="Integer") for g in sizes}
-        x = {
-            k: prob.add_variable(f"x_{k[0]}_{k[1]}", 0, counts[k[0]], cat="Integer")
-            for k, v in t.items()
-            if v <= M
-        }
-        for b in range(len(buckets)):
-            row = [x[k] for k in x if k[0] == b]
-            if not row:
-                return None
-            prob += pulp.lpSum(row) == counts[b]
-        for g in sizes:
-            load = [x[k] * t[k] for k in x if k[1] == g]
-            if load:
-                prob += pulp.lpSum(load) <= M * m[g]
-        prob += pulp.lpSum(g * m[g] for g in sizes) <= n
-        prob += pulp.lpSum([])  # feasibility only: the first schedule found will do
-        status = prob.solve(_make_solver(name, TIME_LIMIT_S))
-        if pulp.LpStatus[status] != "Optimal":
+
+def _feasible(groups: _Groups, n: int, M: float, solver: str) -> dict[tuple[int, int], int] | None:
+    """A schedule within ``M`` seconds: sequences per (bucket, size), and at ``(-1, size)`` the
+    groups of each size; ``None`` if the MILP finds none."""
+    import pulp
+
+    sizes, counts, time = groups.sizes, groups.counts, groups.time
+    prob = pulp.LpProblem("flexsp", pulp.LpMinimize)
+    m = {g: prob.add_variable(f"m_{g}", 0, n // g, cat="Integer") for g in sizes}
+    x = {
+        k: prob.add_variable(f"x_{k[0]}_{k[1]}", 0, counts[k[0]], cat="Integer")
+        for k, v in time.items()
+        if v <= M
+    }
+    for b in range(len(groups.buckets)):
+        row = [x[k] for k in x if k[0] == b]
+        if not row:
             return None
-        sol = {k: int(round(v.value() or 0)) for k, v in x.items()}
-        sol.update({(-1, g): int(round(m[g].value() or 0)) for g in sizes})
-        return sol
+        prob += pulp.lpSum(row) == counts[b]
+    for g in sizes:
+        load = [x[k] * time[k] for k in x if k[1] == g]
+        if load:
+            prob += pulp.lpSum(load) <= M * m[g]
+    prob += pulp.lpSum(g * m[g] for g in sizes) <= n
+    prob += pulp.lpSum([])  # feasibility only: the first schedule found will do
+    status = prob.solve(_make_solver(solver, TIME_LIMIT_S))
+    if pulp.LpStatus[status] != "Optimal":
+        return None
+    sol = {k: int(round(v.value() or 0)) for k, v in x.items()}
+    sol.update({(-1, g): int(round(m[g].value() or 0)) for g in sizes})
+    return sol
 
-    whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
-    lo = (
-        max(min(v for (b, _), v in t.items() if b == bb) for bb in range(len(buckets)))
-        if buckets
-        else 0.0
-    )
-    hi = float(whole[ids].sum()) + 1.0
+
+def _bisect(groups: _Groups, n: int, hi: float) -> dict[tuple[int, int], int] | None:
+    """The fastest feasible schedule found by bisection on the step time, from ``hi`` down."""
+    name = solver_name()
+    times = groups.time
+    buckets = range(len(groups.buckets))
+    lo = max(min(v for (b, _), v in times.items() if b == bb) for bb in buckets) if buckets else 0.0
     sol = None
     try:
-        for _ in range(BISECTION_STEPS if buckets else 0):
+        for _ in range(BISECTION_STEPS if groups.buckets else 0):
             mid = (lo + hi) / 2 if sol is not None else hi
-            found = feasible(mid)
+            found = _feasible(groups, n, mid, name)
             if found is None:
                 lo = mid
             else:
@@ -130,21 +153,31 @@ def plan_flexsp(ctx: Context) -> Plan:
         warnings.warn(
             f"flexsp: the MILP solver ({name}) failed ({e}); using the smallest groups",
             RuntimeWarning,
+            stacklevel=3,
         )
         sol = None
-    if sol is None:
-        sol = {}
-        for b in range(len(buckets)):
-            g = min(g for (bb, g) in t if bb == b)
-            sol[(b, g)] = sol.get((b, g), 0) + counts[b]
-        for g in sizes:
-            sol[(-1, g)] = 1 if any(k[1] == g and v for k, v in sol.items() if k[0] >= 0) else 0
-        if sum(g * sol[(-1, g)] for g in sizes) > n:
-            raise PlanningError(
-                "flexsp: the MILP found no schedule and one group per size does not fit the cluster"
-            )
-    # Spare ranks: one more group at a time to the class with the most work per group.
-    load = {g: sum(v * t[k] for k, v in sol.items() if k[0] >= 0 and k[1] == g) for g in sizes}
+    return sol
+
+
+def _smallest_groups(groups: _Groups, n: int) -> dict[tuple[int, int], int]:
+    """Every bucket on its smallest group, one group of each size used."""
+    sol: dict[tuple[int, int], int] = {}
+    for b in range(len(groups.buckets)):
+        g = min(g for (bb, g) in groups.time if bb == b)
+        sol[(b, g)] = sol.get((b, g), 0) + groups.counts[b]
+    for g in groups.sizes:
+        sol[(-1, g)] = 1 if any(k[1] == g and v for k, v in sol.items() if k[0] >= 0) else 0
+    if sum(g * sol[(-1, g)] for g in groups.sizes) > n:
+        raise PlanningError(
+            "flexsp: the MILP found no schedule and one group per size does not fit the cluster"
+        )
+    return sol
+
+
+def _spread_spare_ranks(groups: _Groups, sol: dict[tuple[int, int], int], n: int) -> None:
+    """Spare ranks: one more group at a time to the size with the most work per group."""
+    sizes, time = groups.sizes, groups.time
+    load = {g: sum(v * time[k] for k, v in sol.items() if k[0] >= 0 and k[1] == g) for g in sizes}
     spare = n - sum(g * sol.get((-1, g), 0) for g in sizes)
     while True:
         fits = [
@@ -159,7 +192,6 @@ def plan_flexsp(ctx: Context) -> Plan:
         g = max(fits, key=lambda g: load[g] / max(sol.get((-1, g), 0), 1))
         sol[(-1, g)] = sol.get((-1, g), 0) + 1
         spare -= g
-    return _place(ctx, buckets, ids, sol, sizes, whole)
 
 
 def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:

@@ -185,7 +185,8 @@ class BalancedCPSchedule:
             pushed_ids = ids_per_gpu[g_last + 1 : empty]
             if g_last + extra + len(pushed_lens) >= n:
                 raise PlanningError(
-                    f"hybridcp: Megatron's scheduler cannot spread work over {n} ranks (not a power of two?)"
+                    f"hybridcp: Megatron's scheduler cannot spread work over {n} ranks (not a "
+                    "power of two?)"
                 )
             new_lens: list[list[int]] = [[] for _ in range(n)]
             new_ids: list[list[int]] = [[] for _ in range(n)]

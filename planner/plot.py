@@ -78,7 +78,8 @@ def plot_simulation(sim: SimResult, path: str | Path) -> None:
     ax.set_ylim(0, max(steps) * 1.25)
     c = sim.config
     ax.set_title(
-        f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} tokens/step, "
+        f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} "
+        "tokens/step, "
         f"mean of {c['steps']} steps",
         fontsize=10,
     )

@@ -4,12 +4,12 @@ One context-parallel size for the whole job: the next power of two of ``max_seq 
 that a packed micro-batch of ``max_seq`` tokens fits), raised until every data-parallel replica
 gets at least one micro-batch of the global batch (a user would not leave replicas idle).
 Sequences are packed first-fit-decreasing into micro-batches of ``max_seq`` tokens (the model's
-sequence length, counting TE's padding of each document to a multiple of ``2 * cp``);
-micro-batches go to the replica with the fewest tokens so far. Inside a
-replica's CP group every sequence of the micro-batch is cut into ``2 * cp`` chunks and rank ``i``
-holds chunks ``i`` and ``2 * cp - 1 - i`` (zigzag load balance, TE's THD layout; TE also pads
-every document to a multiple of ``2 * cp``: packing counts it, compute does not). Megatron's distributed
-optimizer keeps parameters between micro-batches, so replicas run independently (``peer``).
+sequence length, counting TE's padding of each document to a multiple of ``2 * cp``: packing
+counts it, compute does not); micro-batches go to the replica with the fewest tokens so far.
+Inside a replica's CP group every sequence of the micro-batch is cut into ``2 * cp`` chunks and
+rank ``i`` holds chunks ``i`` and ``2 * cp - 1 - i`` (zigzag load balance, TE's THD layout).
+Megatron's distributed optimizer keeps parameters between micro-batches, so replicas run
+independently (``peer``).
 """
 
 from __future__ import annotations
@@ -56,14 +56,16 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 def plan_static(ctx: Context) -> Plan:
     lens = ctx.seq_lens
     n = ctx.num_ranks
-    # TE pads every document to a multiple of 2 * CP: a padded micro-batch of max_seq tokens must fit.
+    # TE pads every document to a multiple of 2 * CP: a padded micro-batch of max_seq must fit.
     cp_mem = next_pow2(ctx.max_seq / ctx.capacity)
     while cp_mem <= n and 2 * -(-ctx.max_seq // (2 * cp_mem)) > ctx.capacity:
         cp_mem *= 2
     if cp_mem > n:
         raise PlanningError(
-            f"static: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs CP = {cp_mem} ranks "
-            f"at {ctx.capacity} tokens per rank, but the cluster has {n}; use more GPUs or a smaller --max-seq"
+            f"static: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs CP = {cp_mem} "
+            "ranks "
+            f"at {ctx.capacity} tokens per rank, but the cluster has {n}; use more GPUs or a "
+            "smaller --max-seq"
         )
     # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch. Packing
     # counts the padding (compute is not charged for it), so a rank never holds more than

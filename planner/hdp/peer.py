@@ -95,7 +95,7 @@ def _fill_gaps(
 
 
 def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
-    """Index of the first wave (tokens used per wave) with room for ``tokens``; opens one if none."""
+    """Index of the first of ``waves`` (tokens used) with room for ``tokens``; opens one if none."""
     k = next((k for k, used in enumerate(waves) if used + tokens <= cap), len(waves))
     if k == len(waves):
         waves.append(0)
