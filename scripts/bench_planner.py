@@ -1,4 +1,4 @@
-"""The planner's targets (issue #3), measured side by side in one run.
+r"""The planner's targets (issue #3), measured side by side in one run.
 
 1. Quality: every strategy on the four standard workloads at several cluster sizes, for each
    model: step / simple lower bound, step / the planner's bound (``predicted["bound_s"]``), and
@@ -6,7 +6,8 @@
 2. Planning time of hdp on one core as the cluster and the batch grow (byted-2m, 32K tokens per
    rank: 1024 ranks = 32M tokens, 16,384 ranks = 512M; plus 16,384 ranks at 256M tokens).
 
-    python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 --out docs/figures
+    python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 \
+        --out docs/figures
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
                 h = row["hdp"]
                 base = {b: row[b]["step_s"] / h["step_s"] for b in BASELINES if "step_s" in row[b]}
                 print(
-                    f"{model_name:9s} {wl:15s} {n:5d}  hdp {h['step_s']:9.2f} s  xLB {h['step_s'] / h['lb_s']:5.2f}  "
+                    f"{model_name:9s} {wl:15s} {n:5d}  hdp {h['step_s']:9.2f} s  xLB "
+                    f"{h['step_s'] / h['lb_s']:5.2f}  "
                     f"xbound {h['step_s'] / h['bound_s']:5.3f}  plan {h['plan_s']:5.2f} s  "
                     + "  ".join(f"vs {b} {v:5.2f}x" for b, v in base.items())
                     + (
-                        f"  megatron-form xbound {row['hdp-megatron']['step_s'] / row['hdp-megatron']['bound_s']:5.3f}"
+                        "  megatron-form xbound "
+                        f"{row['hdp-megatron']['step_s'] / row['hdp-megatron']['bound_s']:5.3f}"
                         if "step_s" in row["hdp-megatron"]
                         else ""
                     ),

@@ -2,8 +2,8 @@
 
 A refactor of the planner must not change a plan: record the hashes before, check them after.
 
-    python scripts/plan_hashes.py --write tests/data/plan_hashes.json   # record
-    python scripts/plan_hashes.py --check tests/data/plan_hashes.json   # compare, exit 1 on a change
+    python scripts/plan_hashes.py --write tests/data/plan_hashes.json  # record
+    python scripts/plan_hashes.py --check tests/data/plan_hashes.json  # compare; 1 on a change
 
 A plan's hash covers everything that decides what runs (shards, waves, offload, barriers, sync,
 K/V block size, capacity); not ``predicted``, which holds timings.

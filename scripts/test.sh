@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Install hdp with its test extras into ./.venv (CPU PyTorch) and run the test suite.
+# Install hdp with its test extras into ./.venv (CPU PyTorch), check style with ruff, run the tests.
 # This is the README's test command and what CI runs (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh dev,megatron
+.venv/bin/ruff format --check --diff .
+.venv/bin/ruff check .
 set +e
 .venv/bin/python -m pytest -q "$@"
 rc=$?

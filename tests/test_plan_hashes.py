@@ -1,0 +1,28 @@
+"""Every plan on the planner benchmark's grid is the one recorded in tests/data/plan_hashes.json.
+
+A change that should not change plans (a refactor) must keep these. A change meant to change
+plans records them again (``python scripts/plan_hashes.py --write tests/data/plan_hashes.json``)
+and says which plans moved, and why, in its commit message.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDED = json.loads((ROOT / "tests" / "data" / "plan_hashes.json").read_text())
+_spec = importlib.util.spec_from_file_location("plan_hashes", ROOT / "scripts" / "plan_hashes.py")
+plan_hashes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_hashes)
+
+CASES = sorted({tuple(key.split("/")[:2]) for key in RECORDED})
+
+
+@pytest.mark.parametrize("model,workload", CASES)
+def test_plans_are_the_recorded_ones(model, workload):
+    gpus = sorted({int(key.split("/")[2]) for key in RECORDED})
+    got = plan_hashes.grid_hashes([model], gpus, [workload], plan_hashes.STRATEGIES)
+    changed = {key: (RECORDED.get(key), h) for key, h in got.items() if RECORDED.get(key) != h}
+    assert not changed, f"plans changed (recorded -> now): {changed}"
