@@ -5,7 +5,8 @@ Trains the same global batches of a wlb-128k-shaped corpus (scaled to fit a CPU)
 strategies on N gloo ranks, one run each, and prints per strategy the measured step time, the
 measured busy-time imbalance (slowest rank / mean), and the cost model's predicted step time.
 
-    python scripts/bench_train.py --ranks 4 --steps 6 --tokens-per-step 16K --max-seq 8K --capacity 4K
+    python scripts/bench_train.py --ranks 4 --steps 6 --tokens-per-step 16K --max-seq 8K \
+        --capacity 4K
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "launch"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 
 def _rank(rank: int, world: int, argv: list[str]) -> None:
-    import pretrain
     import torch
 
+    from launch.pretrain import parse_args
+    from launch.train import train
+
     torch.set_num_threads(1)
-    pretrain.train(pretrain.parse_args(argv), rank, world, world, torch.device("cpu"))
+    train(parse_args(argv), rank=rank, world=world, per_node=world, device=torch.device("cpu"))
 
 
 def main() -> int:
@@ -69,29 +72,22 @@ def main() -> int:
             ]
             run_ranks(_rank, args.ranks, argv, timeout=3600)
             recs = [json.loads(x) for x in out.read_text().splitlines()][1:]  # first step: warm-up
-            mean = lambda k: sum(r[k] for r in recs) / len(recs)  # noqa: E731
-            rows.append(
-                (
-                    s,
-                    mean("step_time_s"),
-                    mean("imbalance"),
-                    mean("predicted_step_s"),
-                    mean("loss"),
-                    mean("waves"),
-                )
-            )
+            keys = ("step_time_s", "imbalance", "predicted_step_s", "waves")
+            rows.append((s, *(sum(r[k] for r in recs) / len(recs) for k in keys)))
     print(
-        f"{args.ranks} gloo ranks (1 thread each) on {os.cpu_count()} cores, tiny model, wlb-128k lengths, "
-        f"{args.tokens_per_step} tokens/step, max_seq {args.max_seq}, capacity {args.capacity}, "
-        f"mean of steps 2-{args.steps}:"
+        f"{args.ranks} gloo ranks (1 thread each) on {os.cpu_count()} cores, tiny model, "
+        f"wlb-128k lengths, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}, "
+        f"capacity {args.capacity}, mean of steps 2-{args.steps}:"
     )
     print(
-        f"  {'strategy':<10} {'step s':>8} {'vs hdp':>7} {'imbalance':>10} {'predicted s':>12} {'measured/pred':>14} {'waves':>6}"
+        f"  {'strategy':<10} {'step s':>8} {'vs hdp':>7} {'imbalance':>10} {'predicted s':>12} "
+        f"{'measured/pred':>14} {'waves':>6}"
     )
     base = next((r[1] for r in rows if r[0] == "hdp"), rows[0][1])
-    for s, t, imb, pred, loss, waves in rows:
+    for s, t, imb, pred, waves in rows:
         print(
-            f"  {s:<10} {t:>8.3f} {t / base:>6.2f}x {imb:>10.2f} {pred:>12.3f} {t / pred:>14.2f} {waves:>6.1f}"
+            f"  {s:<10} {t:>8.3f} {t / base:>6.2f}x {imb:>10.2f} {pred:>12.3f} "
+            f"{t / pred:>14.2f} {waves:>6.1f}"
         )
     return 0
 

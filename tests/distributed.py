@@ -37,7 +37,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    from hdp.runtime import exit_without_teardown
+    from launch.runtime import exit_without_teardown
 
     try:
         fn(rank, world, *args)
@@ -50,7 +50,8 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
-    """``fn(rank, world, *args)`` on ``world`` processes; raises if any fails or the deadline passes."""
+    """``fn(rank, world, *args)`` on ``world`` processes. Raises if any fails or the deadline
+    passes."""
     ctx = mp.start_processes(
         _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
     )

@@ -13,7 +13,6 @@ import torch
 from distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "launch"))
 
 COMMON = [
     "--model",
@@ -36,38 +35,37 @@ COMMON = [
 
 
 def _train(rank, world, argv, out):
-    """One rank of a training run (the process group is already up); rank 0 saves the full weights."""
-    import pretrain
+    """One rank of a training run (the process group is already up). Rank 0 saves the full
+    weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    import hdp.runtime as rt
+    import launch.train as lt
+    from launch.pretrain import parse_args
 
-    args = pretrain.parse_args(argv)
+    args = parse_args(argv)
     captured = {}
-    orig = rt.shard_model
+    orig = lt.build_model
 
-    def keep(model, *a, **k):
-        captured["model"] = model
-        return orig(model, *a, **k)
+    def keep(*a, **k):
+        captured["model"] = model = orig(*a, **k)
+        return model
 
-    rt.shard_model = keep
-    assert pretrain.train(args, rank, world, world, torch.device("cpu")) == 0
-    model = captured.get("model")
-    if model is not None:
-        sd = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if rank == 0:
-            torch.save(sd, out)
+    lt.build_model = keep
+    assert lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 0
+    sd = get_model_state_dict(
+        captured["model"], options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        torch.save(sd, out)
 
 
 def run_single(argv, out, tmp_path):
     """The same run on one process, no process group, no FSDP."""
-    import pretrain
+    from launch.model import Llama
+    from launch.pretrain import parse_args
+    from launch.train import train
 
-    from hdp.model import Llama
-
-    args = pretrain.parse_args(argv)
+    args = parse_args(argv)
     captured = {}
     orig_init = Llama.__init__
 
@@ -77,7 +75,7 @@ def run_single(argv, out, tmp_path):
 
     Llama.__init__ = init
     try:
-        assert pretrain.train(args, 0, 1, 1, torch.device("cpu")) == 0
+        assert train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
     finally:
         Llama.__init__ = orig_init
     torch.save({k: v.detach().clone() for k, v in captured["model"].state_dict().items()}, out)
@@ -111,7 +109,7 @@ def test_four_ranks_equal_one_process(tmp_path, strategy, sync):
 
 
 def test_a_sequence_spread_over_all_ranks(tmp_path):
-    # One global batch holding a 3K-token document on 4 ranks of capacity 1K: it must span >= 3 ranks.
+    # One global batch holding a 3K-token document on 4 ranks of capacity 1K: it spans >= 3 ranks.
     from dataloader import BatchStream, SyntheticSource
 
     argv = [
@@ -274,8 +272,8 @@ def test_selective_offload_keeps_the_math(tmp_path):
     """A plan that offloads half the layers' activations trains exactly as one that does not."""
     from dataloader import BatchStream, HDPDataLoader, SyntheticSource
     from hdp import ClusterSpec, Plan, model_preset
-    from hdp.model import Llama
-    from hdp.runtime import run_waves
+    from launch.model import Llama
+    from launch.runtime import run_waves
 
     src = SyntheticSource("wlb-128k", 30, 512, 0)
     loader = HDPDataLoader(
@@ -313,7 +311,7 @@ def test_chunked_loss_matches_full_logits():
     import torch.nn.functional as F
 
     from hdp import Plan, model_preset
-    from hdp.model import AttentionContext, Llama
+    from launch.model import AttentionContext, Llama
 
     T = 300
     plan = Plan(

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .plan import Plan
-from .specs import ModelSpec
+from attention import dist_attn
+from hdp import ModelSpec, Plan
 
 
 @dataclass
@@ -67,8 +67,6 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        from attention import dist_attn
-
         T = x.shape[0]
         s = self.spec
         q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)

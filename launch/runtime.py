@@ -30,6 +30,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from dataloader.loader import StepData
+
 from .model import AttentionContext, Llama
 
 
@@ -63,10 +65,10 @@ def _is_fsdp(model) -> bool:
 
 
 def run_waves(
-    model: Llama, step, group=None, autocast_dtype: torch.dtype | None = None
+    model: Llama, step: StepData, group=None, autocast_dtype: torch.dtype | None = None
 ) -> StepResult:
-    """Forward and backward of every wave this rank runs in ``step`` (a dataloader ``StepData``).
-    Gradients accumulate in the parameters' ``.grad``; the caller steps the optimizer."""
+    """Forward and backward of every wave this rank runs in ``step``. Gradients accumulate in the
+    parameters' ``.grad``; the caller steps the optimizer."""
     plan = step.plan
     device = next(model.parameters()).device
     distributed = dist.is_initialized()
@@ -133,11 +135,10 @@ def exit_without_teardown(code: int) -> NoReturn:
 
     Why: with ``torch.distributed.fsdp`` imported, torch 2.13 keeps the default gloo group alive
     after ``destroy_process_group`` (its ``pt_gloo_runloop`` and ``gloo_tcp_loop`` threads still
-    run; without the import they stop), so the interpreter's teardown destroys it along with
-    everything else, and now and then a rank that had finished aborted there ("terminate called
-    without an active exception", SIGABRT, after its last step: once in four full runs of the
-    test suite, whose ranks exit ~100 times per run). A launcher then reports a finished run as
-    failed. Files the run wrote are closed by then (metrics; checkpoints are saved synchronously)."""
+    run). The interpreter's teardown then destroys it along with everything else, and now and then
+    a rank that had finished aborts there ("terminate called without an active exception",
+    SIGABRT, after its last step), so a launcher reports a finished run as failed. Files the run
+    wrote are closed by then (metrics; checkpoints are saved synchronously)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -1,0 +1,367 @@
+"""The training loop, read top to bottom in :func:`train`.
+
+Set-up is one function per part: the cost model, the data, the loader, the model with its
+techniques, the optimizer, and the restore of a checkpoint (``build_*`` and :func:`restore`).
+Each step runs :func:`train_step` and gathers what the ranks measured (:func:`gather_stats`).
+Then it writes one metrics record (:func:`metrics_record`) and checkpoints when due.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from attention import COMM
+from dataloader import (
+    BatchStream,
+    DataError,
+    HDPDataLoader,
+    SyntheticSource,
+    load_tokenizer,
+    open_source,
+)
+from dataloader.loader import StepData
+from hdp import ClusterSpec, CostModel, gpu_preset, model_preset
+from planner import OFFLOADING, PlanningError, choose_sync
+
+from . import checkpoint
+from .model import Llama
+from .runtime import StepResult, run_waves, shard_model
+
+
+def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
+    """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0, or 2 for a bad setup."""
+    log = rank0_log(rank)
+    cost = build_cost_model(args, world=world, per_node=per_node, device=device)
+    spec, cluster = cost.model, cost.cluster
+    try:
+        sync, cap = choose_sync(
+            cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING
+        )
+        sources, stream = build_data(args, vocab=spec.vocab)
+    except (PlanningError, DataError, ValueError) as e:
+        log(f"pretrain.py: error: {e}")
+        return 2
+    loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
+    model = build_model(args, cost=cost, sync=sync, device=device)
+    optimizer, scheduler = build_optimizer(args, model=model)
+    start = restore(
+        args, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, log=log
+    )
+    params = sum(p.numel() for p in model.parameters())
+    log(
+        f"{spec.name}: {params / 1e6:.1f}M parameters on {world} x {device.type} "
+        f"({cluster.gpu.name} profile), {sync} sync, capacity {cap} tokens per rank per wave, "
+        f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
+    )
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    kill_at = kill_point()
+    metrics_file = open(args.metrics, "a") if (args.metrics and rank == 0) else None
+    trained = 0
+    t_run = time.perf_counter()
+    for step_idx in range(start, args.steps):
+        t0 = time.perf_counter()
+        data = next(loader)
+        res, grad_norm = train_step(
+            data,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            grad_clip=args.grad_clip,
+            autocast=autocast,
+            kill=kill_at == (rank, step_idx + 1),
+        )
+        step_time = time.perf_counter() - t0
+        busy_s, comm = gather_stats(res, world=world, device=device)
+        trained += data.tokens
+        record = metrics_record(
+            data,
+            res,
+            step=step_idx + 1,
+            step_time=step_time,
+            busy_s=busy_s,
+            comm=comm,
+            lr=scheduler.get_last_lr()[0],
+            grad_norm=float(grad_norm),
+            mfu=cost.model_flops(data.plan.seq_lens) / (step_time * world * cluster.gpu.peak_flops),
+            trained=trained,
+        )
+        write_record(metrics_file, record)
+        if (step_idx + 1) % args.log_every == 0:
+            log(step_line(record, data))
+        if checkpoint_due(args, step_idx + 1):
+            checkpoint.save(
+                args.checkpoint_dir, step_idx + 1, model, optimizer, scheduler, loader.sync_state()
+            )
+    loader.close()
+    skipped = sum(s.skipped_tokens for s in sources)
+    truncated = stream.state_dict()["truncated_tokens"] if rank == 0 else 0
+    log(
+        f"done: {args.steps - start} steps in {time.perf_counter() - t_run:.1f} s; "
+        f"tokens trained {trained:,}, skipped in sources {skipped:,} "
+        f"({sum(s.skipped_documents for s in sources):,} documents), truncated {truncated:,}"
+    )
+    if metrics_file:
+        metrics_file.close()
+    return 0
+
+
+def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -> CostModel:
+    """The cost model of what is trained (``--model``) on what (the ranks, ``--gpu``)."""
+    spec = model_preset(args.model)
+    if device.type == "cpu" and spec.dtype_bytes != 4:
+        spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
+    cluster = ClusterSpec(world, min(per_node, world), gpu_preset(args.gpu or detect_gpu(device)))
+    return CostModel(
+        spec,
+        cluster,
+        activation_checkpointing=args.activation_checkpointing,
+        capacity_override=args.capacity,
+    )
+
+
+def rank0_log(rank: int) -> Callable[[str], None]:
+    """A ``print`` that only rank 0 does, flushed so torchrun's output interleaves in order."""
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    return log
+
+
+def detect_gpu(device: torch.device) -> str:
+    """The GPU preset that prices plans on ``device``: ``cpu`` off the GPU, ``h100`` if unknown."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key, preset in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80g")):
+        if key in name:
+            return (
+                "a100-40g"
+                if preset == "a100-80g"
+                and torch.cuda.get_device_properties(device).total_memory < 50e9
+                else preset
+            )
+    return "h100"
+
+
+def build_sources(args, vocab: int) -> list:
+    """The ``--data`` sources, or one synthetic corpus with a workload's lengths."""
+    if args.data:
+        tok = load_tokenizer(args.tokenizer)
+        return [open_source(p, tok, vocab, args.skip_bad_records) for p in args.data]
+    return [SyntheticSource(args.workload or "wlb-128k", args.synthetic_docs, vocab, args.seed)]
+
+
+def build_data(args, *, vocab: int) -> tuple[list, BatchStream]:
+    """The sources and the stream of global batches drawn from them."""
+    sources = build_sources(args, vocab)
+    weights = [float(x) for x in args.data_weights.split(",")] if args.data_weights else None
+    stream = BatchStream(
+        [s.lengths for s in sources],
+        args.tokens_per_step,
+        args.max_seq,
+        seed=args.seed,
+        weights=weights,
+        truncate=args.truncate,
+    )
+    return sources, stream
+
+
+def build_loader(
+    args, *, sources: list, stream: BatchStream, cost: CostModel, sync: str
+) -> HDPDataLoader:
+    """The loader that plans each global batch and hands this rank its shards' tokens."""
+    return HDPDataLoader(
+        sources,
+        stream,
+        cost.cluster,
+        cost.model,
+        args.strategy,
+        plan_ahead=args.plan_ahead,
+        plan_options={
+            "sync": sync,
+            "capacity": args.capacity,
+            "activation_checkpointing": args.activation_checkpointing,
+        },
+    )
+
+
+def build_model(args, *, cost: CostModel, sync: str, device: torch.device) -> Llama:
+    """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked."""
+    torch.manual_seed(args.seed)  # identical initial weights on every rank, sharded below
+    model = Llama(
+        cost.model,
+        activation_checkpointing=args.activation_checkpointing,
+        loss_chunk_tokens=cost.loss_chunk_tokens,
+    ).to(device)
+    if args.compile:
+        apply_compile(model)
+    if dist.is_initialized():
+        shard_model(model, sync, mixed_precision=device.type == "cuda")
+    return model
+
+
+def apply_compile(model: Llama) -> None:
+    """``torch.compile`` each decoder layer's MLP. Attention runs eager: its P2P exchanges change
+    with every plan."""
+    for layer in model.layers:
+        layer.mlp.compile()
+
+
+def build_optimizer(args, *, model: Llama) -> tuple[Optimizer, LRScheduler]:
+    """AdamW and its schedule: linear warm-up, then cosine decay to 10% of ``--lr``."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
+    return optimizer, scheduler
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def restore(
+    args,
+    *,
+    model: Llama,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+    loader: HDPDataLoader,
+    log: Callable[[str], None],
+) -> int:
+    """With ``--resume``, load the newest checkpoint; returns the step to start from."""
+    if not args.resume:
+        return 0
+    path = checkpoint.latest(args.checkpoint_dir)
+    if path is None:
+        log(f"no checkpoint in {args.checkpoint_dir}: starting from step 0")
+        return 0
+    start, data_state = checkpoint.load(path, model, optimizer, scheduler)
+    loader.load_state_dict(data_state)
+    log(f"resumed from {path} at step {start}")
+    return start
+
+
+def kill_point() -> tuple[int, int]:
+    """(rank, step) from ``HDP_KILL_AT=RANK:STEP``, for resilience tests: that rank SIGKILLs
+    itself in the middle of that step (after its forward/backward, before the optimizer step)."""
+    kill_rank, kill_step = (int(x) for x in os.environ.get("HDP_KILL_AT", "-1:-1").split(":"))
+    return kill_rank, kill_step
+
+
+def train_step(
+    data: StepData,
+    *,
+    model: Llama,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+    grad_clip: float,
+    autocast: torch.dtype | None,
+    kill: bool = False,
+) -> tuple[StepResult, torch.Tensor]:
+    """One optimizer step on ``data``; returns the waves' result and the gradient norm."""
+    COMM.reset()
+    res = run_waves(model, data, autocast_dtype=autocast)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+    )
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return res, grad_norm
+
+
+def gather_stats(res: StepResult, *, world: int, device: torch.device) -> tuple[list[float], float]:
+    """Every rank's busy time and the bytes all ranks sent, gathered on every rank."""
+    # On the training device: NCCL has no CPU tensors.
+    stats = torch.tensor(
+        [res.busy_s, COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
+        dtype=torch.float64,
+        device=device,
+    )
+    if not dist.is_initialized():
+        return [res.busy_s], float(stats[1])
+    busy = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(busy, stats)
+    return [float(b[0]) for b in busy], sum(float(b[1]) for b in busy)
+
+
+def metrics_record(
+    data: StepData,
+    res: StepResult,
+    *,
+    step: int,
+    step_time: float,
+    busy_s: list[float],
+    comm: float,
+    lr: float,
+    grad_norm: float,
+    mfu: float,
+    trained: int,
+) -> dict:
+    """The step's line of the ``--metrics`` file."""
+    return {
+        "step": step,
+        "loss": res.loss,
+        "tokens": data.tokens,
+        "loss_tokens": data.loss_tokens,
+        "step_time_s": step_time,
+        "tokens_per_s": data.tokens / step_time,
+        "imbalance": max(busy_s) / (sum(busy_s) / len(busy_s)) if sum(busy_s) > 0 else 1.0,
+        "plan_time_s": data.plan_time_s,
+        "data_wait_s": data.wait_s,
+        "comm_bytes": comm,
+        "waves": data.plan.num_waves,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "mfu": mfu,
+        "predicted_step_s": data.plan.predicted.get("step_time_s", float("nan")),
+        "trained_tokens": trained,
+        "truncated_tokens": data.truncated_tokens,
+    }
+
+
+def write_record(metrics_file, record: dict) -> None:
+    """Append ``record`` to the metrics file (rank 0's; ``None`` elsewhere), flushed so a killed
+    run keeps the steps it finished."""
+    if metrics_file:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+
+def step_line(record: dict, data: StepData) -> str:
+    """The step's log line."""
+    return (
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  "
+        f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
+        f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
+        f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
+    )
+
+
+def checkpoint_due(args, step: int) -> bool:
+    """Whether to checkpoint after ``step``: every ``--save-every`` steps and at the end."""
+    return bool(args.checkpoint_dir) and (
+        bool(args.save_every and step % args.save_every == 0) or step == args.steps
+    )
