@@ -6,8 +6,8 @@ Compute (per layer, training = forward + backward [+ forward again with activati
 checkpointing]):
 
 * dense layers: ``2 * P_layer`` FLOPs per token forward, x3 for training (x4 with checkpointing),
-  at ``linear_efficiency(tokens in the micro-batch)``; the LM head ``2 * vocab * hidden`` per token
-  forward, x3, once per step (not per layer);
+  at ``linear_efficiency(tokens in the micro-batch)``;
+* the LM head: ``2 * vocab * hidden`` FLOPs per token forward, x3, once per step (not per layer);
 * attention: a query shard ``[a, b)`` of a causal sequence attends to ``(b - a) * (a + b + 1) / 2``
   query-key pairs (all keys up to its own position); ``4 * heads * head_dim`` FLOPs per pair
   forward, backward 2.5x forward (x3.5 training, x4.5 with checkpointing), at
@@ -23,8 +23,8 @@ is exposed.
 
 Parameter traffic (FSDP2 over all ranks): in ``wave`` sync every wave all-gathers the parameters
 forward and backward and reduce-scatters the gradients (ZeRO-3: nothing unsharded survives a
-wave), hidden under the wave's compute but for the first layer; in ``peer`` sync the parameters are
-gathered once per step and kept, gradients accumulate unsharded in fp32 and are reduce-scattered
+wave), hidden under the wave's compute but for the first layer. In ``peer`` sync the parameters are
+gathered once per step and kept; gradients accumulate unsharded in fp32 and are reduce-scattered
 once at the end (ZeRO-1/2, Megatron's distributed optimizer).
 
 Memory per rank per wave: static state (sharded fp32 master weights, gradients and AdamW moments;

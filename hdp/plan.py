@@ -8,12 +8,12 @@ of a sequence are in the same wave.
 
 Attention is causal inside each sequence, so the rank holding queries of sequence ``s`` up to
 position ``E`` needs the keys/values of every token of ``s`` before ``E``. The parts it does not
-hold are *pieces* it receives from their owners; everything one rank sends another in a wave
+hold are *pieces* it receives from their owners. Everything one rank sends another in a wave
 travels together, cut into messages of at most ``kv_block_tokens`` tokens. :meth:`Plan.comm_rounds`
-orders the messages in congestion-free rounds (each rank sends at most one message and receives at
-most one per round), a proper edge colouring of the bipartite sender/receiver multigraph with the
-minimum number of colours (König). Backward sends dK/dV of the same pieces back along the reversed
-edges in the same rounds.
+orders the messages in congestion-free rounds: each rank sends at most one message and receives at
+most one per round. The rounds are a proper edge colouring of the bipartite sender/receiver
+multigraph with the minimum number of colours (König, :mod:`hdp.rounds`). Backward sends dK/dV of
+the same pieces back along the reversed edges in the same rounds.
 
 Shards are stored as parallel int64 numpy arrays (one entry per shard) so that plans with millions
 of shards (a static mesh at 2M context) validate and evaluate quickly.
@@ -91,8 +91,8 @@ class Plan:
         num_ranks: ranks taking part.
         sync: ``"wave"`` (all ranks run every wave in lockstep) or ``"peer"`` (each rank runs its
             own waves; only ranks sharing a sequence wait for each other).
-        offload: ``[num_waves, num_ranks]`` fraction of checkpointed activations offloaded to
-            host memory in each cell (zeros when the plan offloads nothing).
+        offload: ``[num_waves, num_ranks]``: the fraction of checkpointed activations offloaded
+            to host memory in each cell (zeros when the plan offloads nothing).
         barriers: wave indices before which every rank synchronises (Megatron hybrid CP).
         kv_block_tokens: largest KV block moved in one P2P message.
         predicted: the planner's predictions (step time, bound, ...), free-form floats.

@@ -75,7 +75,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
             raise ValueError(
-                f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})"
+                f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads})"
             )
 
     @property

@@ -65,7 +65,7 @@ class Workload:
         tokens_per_step: int | None = None,
         max_seq: int | None = None,
     ) -> np.ndarray:
-        """One global batch: lengths summing to exactly ``tokens_per_step``, none above ``max_seq``."""
+        """One global batch: lengths summing to ``tokens_per_step``, none above ``max_seq``."""
         budget = int(tokens_per_step or self.tokens_per_step)
         cap = int(max_seq or self.max_seq)
         if budget < 1 or cap < 1:
@@ -117,7 +117,8 @@ def get_workload(name: str) -> Workload:
     table = _workload_table()
     if name.startswith("_") or name not in table:
         raise ValueError(
-            f"unknown workload {name!r}: choose one of {', '.join(workload_names())}, or pass --lengths FILE"
+            f"unknown workload {name!r}: choose one of {', '.join(workload_names())}, "
+            "or pass --lengths FILE"
         )
     entry = table[name]
     lengths = None
@@ -136,7 +137,7 @@ def get_workload(name: str) -> Workload:
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
-    """Read one non-negative integer per line (``.gz`` accepted); blank lines and ``#`` comments skipped.
+    """Read one non-negative integer per line (``.gz`` accepted); skip blanks and ``#`` comments.
 
     Raises ``ValueError`` naming the file and line of the first bad entry.
     """
