@@ -7,9 +7,9 @@ other shards of ``s`` that lie before it (full blocks), and the pieces of other 
 lie before it, which arrive by P2P.
 
 Forward: the rank posts the sends and receives of the plan's first round of KV messages
-(:meth:`hdp.Plan.comm_rounds`: each rank sends and receives at most one message per round), computes
-its local blocks while they fly, then for each round waits for it, posts the next round and
-computes against the message it received; partial results merge by log-sum-exp in fp32
+(:meth:`hdp.Plan.comm_rounds`: each rank sends and receives at most one message per round) and
+computes its local blocks while they fly. Then for each round it waits for it, posts the next round
+and computes against the message it received; partial results merge by log-sum-exp in fp32
 (:class:`PartialAttention`). At most two received messages are alive at once.
 
 Backward: with the final ``out`` and ``lse``, local blocks give dq, dk, dv directly; each round's
@@ -377,11 +377,12 @@ def dist_attn(
 ) -> torch.Tensor:
     """Causal attention of this rank's tokens of ``wave`` of ``plan``; differentiable in q, k, v.
 
-    ``q`` ``[T_local, H, d]``, ``k``/``v`` ``[T_local, H_kv, d]``, rows in ``plan.shards(rank, wave)``
-    order, where ``rank`` is this process's rank in ``group`` (default: the world). A collective:
-    every rank of the group calls it with the same plan and wave. ``softmax_scale`` defaults to
-    ``1 / sqrt(d)``; ``backend`` (``reference``, ``torch_flash``, ``flash_attn``) defaults to the
-    fastest for the device and dtype. Returns ``[T_local, H, d]`` in ``q.dtype``.
+    ``q`` ``[T_local, H, d]``, ``k``/``v`` ``[T_local, H_kv, d]``, rows in
+    ``plan.shards(rank, wave)`` order, where ``rank`` is this process's rank in ``group`` (default:
+    the world). A collective: every rank of the group calls it with the same plan and wave.
+    ``softmax_scale`` defaults to ``1 / sqrt(d)``; ``backend`` (``reference``, ``torch_flash``,
+    ``flash_attn``) defaults to the fastest for the device and dtype. Returns ``[T_local, H, d]``
+    in ``q.dtype``.
     """
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -9,8 +9,8 @@ segment's keys:
 * ``causal``: every segment is a diagonal block (``len_q == len_k``, query ``i`` sees keys
   ``<= i``); otherwise every segment is a full block (keys entirely before the queries);
 * returns ``out`` ``[Tq, H, d]`` in ``q.dtype`` and ``lse`` ``[H, Tq]`` (log-sum-exp of the scaled
-  scores of each query row; fp32, or fp64 for fp64 inputs); a row with no keys has ``lse = -inf``
-  and ``out = 0``.
+  scores of each query row; fp32, or fp64 for fp64 inputs). A row with no keys has
+  ``lse = -inf`` and ``out = 0``.
 
 ``backward(dout, q, k, v, out, lse, ...)`` returns ``(dq, dk, dv)`` of the segment given the
 *final* ``out`` and ``lse`` of each query row (over all its key blocks), so partial gradients of a
@@ -218,7 +218,8 @@ class TorchFlashBackend:
             or "scale" not in bwd_args
         ):
             raise RuntimeError(
-                f"unsupported aten flash attention schema in torch {torch.__version__}: {fwd} / {bwd}"
+                f"unsupported aten flash attention schema in torch {torch.__version__}: "
+                f"{fwd} / {bwd}"
             )
         self._bwd_rng_args = bwd_args[
             len(expected_bwd) : bwd_args.index("scale")

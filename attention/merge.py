@@ -1,7 +1,8 @@
 """Merging partial attention results of the same queries with log-sum-exp.
 
 Two partial results ``(o1, lse1)`` and ``(o2, lse2)`` of the same query row over disjoint key sets
-combine exactly as ``lse = logaddexp(lse1, lse2)``, ``o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``.
+combine exactly as ``lse = logaddexp(lse1, lse2)``,
+``o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``.
 :class:`PartialAttention` keeps the running ``(out, lse)`` of all of a rank's query rows in fp32
 (fp64 for fp64 inputs), so precision does not degrade with the number of blocks merged.
 """
@@ -16,7 +17,10 @@ from .kernels import acc_dtype
 
 
 class PartialAttention:
-    """Running attention output of ``tokens`` query rows: ``out`` ``[T, H, d]``, ``lse`` ``[H, T]``."""
+    """Running attention output of ``tokens`` query rows.
+
+    ``out`` is ``[T, H, d]``, ``lse`` ``[H, T]``.
+    """
 
     def __init__(
         self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device

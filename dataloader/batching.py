@@ -74,8 +74,8 @@ class BatchStream:
     ) -> None:
         if max_seq > tokens_per_step:
             raise ValueError(
-                f"max_seq ({max_seq}) exceeds tokens_per_step ({tokens_per_step}): a sequence would not fit "
-                f"a global batch"
+                f"max_seq ({max_seq}) exceeds tokens_per_step ({tokens_per_step}): a sequence "
+                "would not fit a global batch"
             )
         self.lengths = [np.asarray(x, dtype=np.int64) for x in lengths]
         if not any((x > 0).any() for x in self.lengths):

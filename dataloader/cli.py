@@ -75,8 +75,8 @@ def histogram(seqs: np.ndarray, width: int = 50) -> list[str]:
         m = b == k
         share = seqs[m].sum() / total
         lines.append(
-            f"  [{2**k:>9}, {2 ** (k + 1):>9})  {int(m.sum()):>9} seqs  {100 * share:5.1f}% tokens  "
-            + "#" * int(round(share * width))
+            f"  [{2**k:>9}, {2 ** (k + 1):>9})  {int(m.sum()):>9} seqs  "
+            f"{100 * share:5.1f}% tokens  " + "#" * int(round(share * width))
         )
     return lines
 
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res))
         return 0
     print(
-        f"documents {res['documents']:,}  tokens {res['tokens']:,}  skipped {res['skipped_documents']:,} documents / "
-        f"{res['skipped_tokens']:,} tokens  (read {res['read_tokens']:,} = trained {res['tokens']:,} + skipped "
+        f"documents {res['documents']:,}  tokens {res['tokens']:,}  "
+        f"skipped {res['skipped_documents']:,} documents / {res['skipped_tokens']:,} tokens  "
+        f"(read {res['read_tokens']:,} = trained {res['tokens']:,} + skipped "
         f"{res['skipped_tokens']:,})"
     )
     if res["lengths"]:
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"sequences {res['sequences']:,}"
             + (f" after splitting at {args.max_seq}" if args.max_seq else "")
-            + f": min {L['min']}, p50 {L['p50']:.0f}, p90 {L['p90']:.0f}, p99 {L['p99']:.0f}, max {L['max']}, "
-            f"mean {L['mean']:.1f}"
+            + f": min {L['min']}, p50 {L['p50']:.0f}, p90 {L['p90']:.0f}, p99 {L['p99']:.0f}, "
+            f"max {L['max']}, mean {L['mean']:.1f}"
         )
         print("length histogram:")
         print("\n".join(histogram(seqs)))

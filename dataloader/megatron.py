@@ -198,7 +198,7 @@ def sample_id_groups_from_plan(plan: Plan, ids: np.ndarray) -> list[list[list[in
     groups: list[list[list[int]]] = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         lists: list[list[int]] = [[] for _ in range(n)]
-        for w, s, r in pairs[(pairs[:, 0] >= a) & (pairs[:, 0] < b)].tolist():
+        for _, s, r in pairs[(pairs[:, 0] >= a) & (pairs[:, 0] < b)].tolist():
             if not lists[r] or lists[r][-1] != int(ids[s]):
                 lists[r].append(int(ids[s]))
         if any(lists):
@@ -326,7 +326,7 @@ class HDPDataLoaderWrapper:
         return self
 
     def _gather_lengths(self, local: list[int]) -> tuple[list[int], list[int]]:
-        """All sub-sample lengths of the global batch (DP rank order) and each DP rank's first id."""
+        """All sub-sample lengths of the global batch (DP rank order), each DP rank's first id."""
         world = self.dp_group.size()
         count = torch.tensor([len(local)], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(count) for _ in range(world)]
@@ -537,9 +537,9 @@ class PackedBatchIterator:
         if self.num_microbatches is not None:
             if len(batches) > self.num_microbatches:
                 raise PlanningError(
-                    f"PackedBatchIterator: step {step.step} needs {len(batches)} micro-batches on this replica but "
-                    f"Megatron runs {self.num_microbatches}: raise --global-batch-size (more micro-batches) or "
-                    "lower the loader's tokens per step"
+                    f"PackedBatchIterator: step {step.step} needs {len(batches)} micro-batches on "
+                    f"this replica but Megatron runs {self.num_microbatches}: raise "
+                    "--global-batch-size (more micro-batches) or lower the loader's tokens per step"
                 )
             m = self.pad_multiple
             filler = (

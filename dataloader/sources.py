@@ -12,7 +12,7 @@
 
 A bad record (malformed JSON, a missing or mistyped field, a token id outside the vocabulary, a
 document past the end of a truncated ``.bin``) raises :class:`DataError` naming the file, the line
-or document and the problem; with ``skip_bad=True`` it is skipped and counted instead
+or document and the problem. With ``skip_bad=True`` it is skipped and counted instead
 (``skipped_documents``, ``skipped_tokens``; tokens of records that cannot be parsed are unknown
 and not counted). Token ids are int64 numpy arrays.
 """
@@ -164,7 +164,8 @@ class JsonlSource:
                 if problem is not None:
                     if not self.skip_bad:
                         raise DataError(
-                            f"{self.path}, line {line_no}: {problem} (use --skip-bad-records to skip such records)"
+                            f"{self.path}, line {line_no}: {problem} "
+                            "(use --skip-bad-records to skip such records)"
                         )
                     skips.documents += 1
                     skips.tokens += known
@@ -224,7 +225,8 @@ class ParquetSource:
             self.column = "text"
         else:
             raise DataError(
-                f"{self.path}: has neither an 'input_ids' nor a 'text' column (columns: {', '.join(names)})"
+                f"{self.path}: has neither an 'input_ids' nor a 'text' column "
+                f"(columns: {', '.join(names)})"
             )
         self.row_group_starts = np.cumsum(
             [0]
@@ -240,7 +242,8 @@ class ParquetSource:
                 if problem is not None:
                     if not skip_bad:
                         raise DataError(
-                            f"{self.path}, row {row}: {problem} (use --skip-bad-records to skip such records)"
+                            f"{self.path}, row {row}: {problem} "
+                            "(use --skip-bad-records to skip such records)"
                         )
                     skips.documents += 1
                     skips.tokens += known
@@ -288,7 +291,7 @@ _MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 
 
 class MegatronSource:
-    """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; each sequence is a document."""
+    """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; a sequence is a document."""
 
     def __init__(
         self, prefix: str | Path, vocab_size: int | None = None, skip_bad: bool = False
@@ -343,8 +346,9 @@ class MegatronSource:
             first = int(over[0])
             if not skip_bad:
                 raise DataError(
-                    f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} but the file "
-                    f"has {size} (use --skip-bad-records to skip the documents past its end)"
+                    f"{bin_}: truncated: document {first} needs bytes up to {int(ends[first])} "
+                    f"but the file has {size} (use --skip-bad-records to skip the documents past "
+                    "its end)"
                 )
             skip(over)
         self.vocab_size = vocab_size
@@ -362,8 +366,9 @@ class MegatronSource:
                 if docs.size and not skip_bad:
                     pos = int(bad[0])
                     raise DataError(
-                        f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is outside the "
-                        f"vocabulary [0, {vocab_size}) (use --skip-bad-records to skip such documents)"
+                        f"{bin_}: document {int(docs[0])}: token id {int(self._data[pos])} is "
+                        f"outside the vocabulary [0, {vocab_size}) (use --skip-bad-records to skip "
+                        "such documents)"
                     )
                 skip(docs)
         self.skipped_documents += n_empty
@@ -377,7 +382,7 @@ class MegatronSource:
 
 
 class SyntheticSource:
-    """``documents`` documents with lengths drawn from a standard workload and seeded random tokens."""
+    """``documents`` documents, lengths drawn from a standard workload, seeded random tokens."""
 
     def __init__(
         self,
@@ -405,6 +410,10 @@ class SyntheticSource:
         return rng.integers(0, self.vocab_size, size=n, dtype=np.int64)[start:stop]
 
 
+# What open_source reads, as its errors name it.
+_FORMATS = ".jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME"
+
+
 def open_source(
     path: str,
     tokenizer: Tokenizer | None = None,
@@ -426,9 +435,5 @@ def open_source(
     if suffix in (".bin", ".idx") or Path(path + ".idx").exists() or Path(path + ".bin").exists():
         return MegatronSource(path, vocab_size, skip_bad)
     if not p.exists():
-        raise DataError(
-            f"{path}: no such file (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)"
-        )
-    raise DataError(
-        f"{path}: unknown format (expected .jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME)"
-    )
+        raise DataError(f"{path}: no such file (expected {_FORMATS})")
+    raise DataError(f"{path}: unknown format (expected {_FORMATS})")
