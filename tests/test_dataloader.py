@@ -19,7 +19,7 @@ def corpus(seed=0, n=300):
 
 
 def epoch_tokens(stream, lengths, source=0):
-    """Run batches until epoch 0 of ``source`` is fully delivered; return {doc: covered positions}."""
+    """Run batches until epoch 0 of ``source`` is fully delivered; {doc: covered positions}."""
     seen = {}
     for _ in range(10_000):
         b = stream.next_batch()
@@ -132,7 +132,7 @@ def write_corpus(tmp_path, seed=0, n=120):
 def check_wave_data(step, src, world_rank):
     """Labels are the next token of the same sequence; positions restart at each sequence."""
     out = []
-    for w, wd in enumerate(step.waves):
+    for wd in step.waves:
         assert wd.input_ids.shape == wd.labels.shape == wd.position_ids.shape
         assert wd.cu_seqlens.tolist()[-1] == wd.input_ids.numel()
         for i, (s, a, b) in enumerate(wd.shards):

@@ -1,4 +1,4 @@
-"""dist_attn on 2 and 4 gloo ranks against per-sequence SDPA on one process (float64 and float32)."""
+"""dist_attn on 2 and 4 gloo ranks against per-sequence SDPA on one process (float64, float32)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from planner import STRATEGIES, PlanningError, plan_step
 def random_plan(
     rng: np.random.Generator, n: int, waves: int, lens: list[int], max_cuts: int = 6
 ) -> Plan:
-    """Cut every sequence at random points and put each piece on a random rank of one random wave."""
+    """Cut every sequence at random points; put each piece on a random rank of one random wave."""
     cells = [[[] for _ in range(n)] for _ in range(waves)]
     for s, L in enumerate(lens):
         if L == 0:
@@ -109,7 +109,8 @@ def local(plan: Plan, rank: int, wave: int, per_seq: list[torch.Tensor]) -> torc
 
 
 def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) -> None:
-    """For each case: run every wave through dist_attn, compare this rank's rows with the reference."""
+    """For each case: run every wave through dist_attn; compare this rank's rows with the
+    reference."""
     from attention import COMM, dist_attn
 
     dtype = getattr(torch, dtype_name)
@@ -126,7 +127,8 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
             COMM.reset()
             out = dist_attn(q, k, v, plan, w, softmax_scale=scale)
             (out * do).sum().backward()
-            # Bytes: exactly the K/V the plan says this rank sends; backward sends it again plus fp32 dK/dV.
+            # Bytes: exactly the K/V the plan says this rank sends; backward sends it again plus
+            # fp32 dK/dV.
             sent_tokens = int(plan.kv_tokens_sent(w)[rank])
             assert COMM.fwd_bytes_sent == sent_tokens * kvb, (idx, w)
             recv_tokens = sum(m.tokens for rnd in plan.comm_rounds(w) for m in rnd if m.dst == rank)
@@ -141,16 +143,22 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
                 diff = (got.double() - want).abs()
                 err = diff.max().item()
                 bound = tol if dtype == torch.float64 else tol * max(1.0, want.abs().max().item())
-                if (
-                    err > bound
-                ):  # say which rows, to tell a stale message (whole blocks) from rounding
-                    rows = (diff.flatten(1).amax(1) > bound).nonzero().flatten().tolist()
-                    where = [(s, a + i) for s, a, b in plan.shards(rank, w) for i in range(b - a)]
+                if err > bound:
                     raise AssertionError(
-                        f"case {idx} wave {w} rank {rank} tensor {want_idx}: error {err:.3g} > {bound:.3g} in "
-                        f"{len(rows)} of {diff.shape[0]} rows, (sequence, position) {[where[r] for r in rows[:8]]}; "
-                        f"rounds {[[(m.src, m.dst, m.tokens) for m in rnd] for rnd in plan.comm_rounds(w)]}"
+                        f"case {idx} wave {w} rank {rank} tensor {want_idx}: "
+                        + mismatch(plan, rank, w, diff, bound)
                     )
+
+
+def mismatch(plan: Plan, rank: int, w: int, diff: torch.Tensor, bound: float) -> str:
+    """Which rows are off, to tell a stale message (whole blocks) from rounding."""
+    rows = (diff.flatten(1).amax(1) > bound).nonzero().flatten().tolist()
+    where = [(s, a + i) for s, a, b in plan.shards(rank, w) for i in range(b - a)]
+    rounds = [[(m.src, m.dst, m.tokens) for m in rnd] for rnd in plan.comm_rounds(w)]
+    return (
+        f"error {diff.max().item():.3g} > {bound:.3g} in {len(rows)} of {diff.shape[0]} rows, "
+        f"(sequence, position) {[where[r] for r in rows[:8]]}; rounds {rounds}"
+    )
 
 
 def make_cases(n: int, seed: int) -> list:

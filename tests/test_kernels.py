@@ -88,7 +88,7 @@ def test_partial_attention_merge_is_exact():
     acc = PartialAttention(6, 2, 4, torch.float64, q.device)
     rows = torch.arange(6)
     for a, b in ((0, 4), (4, 10)):
-        o, l = be.forward(
+        o, lse = be.forward(
             q,
             k[a:b],
             k[a:b],
@@ -99,7 +99,7 @@ def test_partial_attention_merge_is_exact():
             False,
             1.0,
         )
-        acc.merge(rows, o, l)
+        acc.merge(rows, o, lse)
     assert torch.allclose(acc.out, whole, atol=1e-13) and torch.allclose(
         acc.lse, whole_lse, atol=1e-13
     )

@@ -205,7 +205,8 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
     assert all(g == sample_id_groups for g in all_groups)
     mine = {s for g in sample_id_groups for s in g[rank]}
     assert set(samples) == mine
-    # The sub-samples in global id order: DP replica 0's samples first, each split at position resets.
+    # The sub-samples in global id order: DP replica 0's samples first, each split at position
+    # resets.
     expected = []
     for d in range(dp):
         for i in range(PER_REPLICA):
@@ -291,7 +292,7 @@ def test_megatron_packed_batch_iterator(tmp_path):
             (y - x) % 4 == 0 for x, y in zip(cu[:-1], cu[1:])
         )
         assert p.max_seqlen_q == max(y - x for x, y in zip(cu[:-1], cu[1:]))
-        for x, y in zip(cu[:-1], cu[1:]):  # positions restart with every document
+        for x in cu[:-1]:  # positions restart with every document
             assert b["position_ids"][0, x] == 0
         trained += int(b["loss_mask"].sum())
     assert trained == sum(int((w.labels != -100).sum()) for w in step.waves)

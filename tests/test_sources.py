@@ -1,4 +1,4 @@
-"""Document sources: each format, lengths without tokens, and every bad-input case (fail and skip)."""
+"""Document sources: each format, lengths without tokens, every bad-input case (fail and skip)."""
 
 import json
 import os
