@@ -107,15 +107,18 @@ def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) ->
     predicted = sum(int(plan.kv_tokens_sent(w).sum()) for w in range(plan.num_waves)) * kvb
     print(
         f"CPU, {ranks} gloo ranks x 1 thread, {T} tokens ({plan.seq_lens.size} sequences, longest "
-        f"{int(plan.seq_lens.max())}), H={H} H_kv={Hk} d={d}, fp32, forward+backward, mean of {reps}:"
+        f"{int(plan.seq_lens.max())}), H={H} H_kv={Hk} d={d}, fp32, forward+backward, "
+        f"mean of {reps}:"
     )
     print(f"  one process, all tokens:      {one:8.3f} s")
     print(
-        f"  dist_attn, slowest rank:      {dist_time:8.3f} s   ({dist_time / one:.2f}x the single process, "
-        f"ideal {1 / ranks:.2f}x; {os.cpu_count()} cores for {ranks} processes)"
+        f"  dist_attn, slowest rank:      {dist_time:8.3f} s   "
+        f"({dist_time / one:.2f}x the single process, ideal {1 / ranks:.2f}x; "
+        f"{os.cpu_count()} cores for {ranks} processes)"
     )
     print(
-        f"  K/V bytes sent (forward):     {dist_bytes:,.0f} measured, {predicted:,.0f} predicted by the plan"
+        f"  K/V bytes sent (forward):     {dist_bytes:,.0f} measured, "
+        f"{predicted:,.0f} predicted by the plan"
     )
 
 
@@ -129,7 +132,8 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
     model = model_preset("llama-7b")
     print("K/V tokens moved per layer, forward: our P2P vs ring attention over the same placement")
     print(
-        f"  {'workload':<15} {'GPUs':>5} {'strategy':<10} {'ours':>14} {'ring':>14} {'ours/ring':>9}"
+        f"  {'workload':<15} {'GPUs':>5} {'strategy':<10} {'ours':>14} {'ring':>14} "
+        f"{'ours/ring':>9}"
     )
     for name, n in workloads:
         w = get_workload(name)
@@ -147,7 +151,8 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
             holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
             ring = float(((holders - 1).clip(min=0) * plan.seq_lens).sum())
             print(
-                f"  {name:<15} {n:>5} {s:<10} {ours:>14,.0f} {ring:>14,.0f} {ours / ring if ring else 0:>9.2f}"
+                f"  {name:<15} {n:>5} {s:<10} {ours:>14,.0f} {ring:>14,.0f} "
+                f"{ours / ring if ring else 0:>9.2f}"
             )
 
 
@@ -157,7 +162,8 @@ def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> 
 
     be = select_backend(torch.device("cuda"), torch.bfloat16)
     print(
-        f"GPU {torch.cuda.get_device_name()}, backend {be.name}, bf16, {tokens} query tokens, H={H} H_kv={Hk} d={d}"
+        f"GPU {torch.cuda.get_device_name()}, backend {be.name}, bf16, {tokens} query tokens, "
+        f"H={H} H_kv={Hk} d={d}"
     )
 
     def bench(fn, reps=10):
@@ -177,26 +183,33 @@ def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> 
     flops = 4 * tokens * (tokens + 1) / 2 * H * d
     print(f"  monolithic causal call: {mono * 1e3:.2f} ms, {flops / mono / 1e12:.1f} TFLOP/s")
     for b in block_sizes:
-        # Block-sharded: every query block of b tokens against its diagonal (causal) and all earlier keys (full).
-        n = tokens // b
-        cu_b = torch.arange(0, n + 1, device="cuda", dtype=torch.int32) * b
-        starts = torch.arange(n, device="cuda") * b
-        kv_rows = torch.cat([torch.arange(0, int(s), device="cuda") for s in starts[1:]])
-        q_full = torch.cat([torch.arange(int(s), int(s) + b, device="cuda") for s in starts[1:]])
-        cu_fq = torch.arange(0, n, device="cuda", dtype=torch.int32) * b
-        cu_fk = torch.tensor(
-            [0, *torch.cumsum(starts[1:], 0).tolist()], device="cuda", dtype=torch.int32
-        )
-        qf, kf, vf = q[q_full], k[kv_rows], v[kv_rows]
-
-        def sharded():
-            be.forward(q, k, v, cu_b, cu_b, b, b, True, d**-0.5)
-            be.forward(qf, kf, vf, cu_fq, cu_fk, b, int(starts[-1]), False, d**-0.5)
-
-        t = bench(sharded)
+        t = bench(_block_sharded(be, q, k, v, b))
         print(
-            f"  {b:>6}-token blocks: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s, {mono / t:.2f}x the monolithic throughput"
+            f"  {b:>6}-token blocks: {t * 1e3:.2f} ms, {flops / t / 1e12:.1f} TFLOP/s, "
+            f"{mono / t:.2f}x the monolithic throughput"
         )
+
+
+def _block_sharded(be, q, k, v, b: int):
+    """The calls of a block-sharded rank: every query block of ``b`` tokens against its diagonal
+    block (causal) and all earlier keys (full)."""
+    d = q.shape[-1]
+    n = q.shape[0] // b
+    cu_b = torch.arange(0, n + 1, device="cuda", dtype=torch.int32) * b
+    starts = torch.arange(n, device="cuda") * b
+    kv_rows = torch.cat([torch.arange(0, int(s), device="cuda") for s in starts[1:]])
+    q_full = torch.cat([torch.arange(int(s), int(s) + b, device="cuda") for s in starts[1:]])
+    cu_fq = torch.arange(0, n, device="cuda", dtype=torch.int32) * b
+    cu_fk = torch.tensor(
+        [0, *torch.cumsum(starts[1:], 0).tolist()], device="cuda", dtype=torch.int32
+    )
+    qf, kf, vf = q[q_full], k[kv_rows], v[kv_rows]
+
+    def sharded():
+        be.forward(q, k, v, cu_b, cu_b, b, b, True, d**-0.5)
+        be.forward(qf, kf, vf, cu_fq, cu_fk, b, int(starts[-1]), False, d**-0.5)
+
+    return sharded
 
 
 def main() -> int:

@@ -78,7 +78,8 @@ def plan_ahead(gpus: int, steps: int) -> None:
     model = model_preset("llama-7b")
     print(f"rank 0 planning for {gpus} x h100, byted-2m, llama-7b, 32M tokens/step (hdp strategy):")
     print(
-        f"  {'step':>4} {'form batch s':>12} {'plan s':>8} {'predicted step s':>17} {'step / planning':>17}"
+        f"  {'step':>4} {'form batch s':>12} {'plan s':>8} {'predicted step s':>17} "
+        f"{'step / planning':>17}"
     )
     for k in range(steps):
         t0 = time.perf_counter()
@@ -88,7 +89,8 @@ def plan_ahead(gpus: int, steps: int) -> None:
         t2 = time.perf_counter()
         step_s = plan.predicted["step_time_s"]
         print(
-            f"  {k:>4} {t1 - t0:>12.3f} {t2 - t1:>8.3f} {step_s:>17.2f} {step_s / (t2 - t0):>16.0f}x"
+            f"  {k:>4} {t1 - t0:>12.3f} {t2 - t1:>8.3f} {step_s:>17.2f} "
+            f"{step_s / (t2 - t0):>16.0f}x"
         )
 
 
@@ -113,18 +115,20 @@ def main() -> int:
         cached = time.perf_counter() - t0
         tps = 1 << 20
         print(
-            f"corpus: {int(src.lengths.sum()):,} tokens in {src.lengths.size:,} documents; {tps:,} tokens per step; 1 rank"
+            f"corpus: {int(src.lengths.sum()):,} tokens in {src.lengths.size:,} documents; "
+            f"{tps:,} tokens per step; 1 rank"
         )
         print(
-            f"  jsonl index pass (first open):  {first:7.2f} s ({src.lengths.sum() / first / 1e6:.1f} M tokens/s); "
-            f"cached index: {cached:.3f} s"
+            f"  jsonl index pass (first open):  {first:7.2f} s "
+            f"({src.lengths.sum() / first / 1e6:.1f} M tokens/s); cached index: {cached:.3f} s"
         )
         for name, s in (
             ("jsonl", src),
             ("megatron .bin/.idx", MegatronSource(prefix, vocab_size=32000)),
         ):
             print(
-                f"  {name:<20} {throughput(s, args.steps, tps) / 1e6:8.2f} M tokens/s delivered per rank"
+                f"  {name:<20} {throughput(s, args.steps, tps) / 1e6:8.2f} M tokens/s delivered "
+                "per rank"
             )
     plan_ahead(args.gpus, max(3, args.steps // 2))
     return 0

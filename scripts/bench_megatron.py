@@ -48,7 +48,8 @@ def main() -> None:
 
     rows = []
     print(
-        f"{'workload':15s} {'GPUs':>5s} {'cap':>6s} | {'ours s':>8s} {'xLB':>5s} {'xbound':>6s} {'sched s':>7s} | "
+        f"{'workload':15s} {'GPUs':>5s} {'cap':>6s} | "
+        f"{'ours s':>8s} {'xLB':>5s} {'xbound':>6s} {'sched s':>7s} | "
         f"{'Megatron s':>10s} {'xLB':>5s} {'xbound':>6s} {'sched s':>7s} | {'speed-up':>8s}",
         flush=True,
     )
@@ -93,8 +94,10 @@ def main() -> None:
             rows.append(row)
             o, m = row["ours"], row["megatron"]
             print(
-                f"{wl:15s} {n:5d} {cap:6d} | {o['step_s']:8.2f} {o['step_s'] / o['lb_s']:5.2f} {o['step_s'] / bound:6.3f} "
-                f"{o['schedule_s']:7.2f} | {m['step_s']:10.2f} {m['step_s'] / m['lb_s']:5.2f} {m['step_s'] / bound:6.3f} "
+                f"{wl:15s} {n:5d} {cap:6d} | "
+                f"{o['step_s']:8.2f} {o['step_s'] / o['lb_s']:5.2f} {o['step_s'] / bound:6.3f} "
+                f"{o['schedule_s']:7.2f} | "
+                f"{m['step_s']:10.2f} {m['step_s'] / m['lb_s']:5.2f} {m['step_s'] / bound:6.3f} "
                 f"{m['schedule_s']:7.2f} | {m['step_s'] / o['step_s']:7.2f}x",
                 flush=True,
             )

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The simulator grid of docs/benchmarks.md: every strategy on the four standard workloads at several
-cluster sizes (each workload's own max_seq and tokens_per_step), as a markdown table and a chart.
+"""The simulator grid of docs/benchmarks.md, as a markdown table and a chart.
+
+Every strategy on the four standard workloads at several cluster sizes (each workload's own
+max_seq and tokens_per_step).
 
     python scripts/bench_sim.py --gpus 64,256,1024 --steps 3 --out docs/figures
 """
@@ -17,6 +19,14 @@ from hdp import ClusterSpec, gpu_preset, model_preset
 from hdp.workloads import get_workload, workload_names
 from planner import STRATEGIES
 from planner.sim import simulate
+
+
+def _progress(strategy: str, result: dict) -> str:
+    """One strategy's step time and its ratio to the lower bound, for the progress line."""
+    if "error" in result:
+        return f"{strategy} failed"
+    step, bound = result["step_time_s"], result["lower_bound_s"]
+    return f"{strategy} {step:.2f}s ({step / bound:.2f}x LB)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(
-                f"{wl} {n}: "
-                + ", ".join(
-                    f"{s} {res[s]['step_time_s']:.2f}s ({res[s]['step_time_s'] / res[s]['lower_bound_s']:.2f}x LB)"
-                    if "error" not in res[s]
-                    else f"{s} failed"
-                    for s in names
-                ),
+                f"{wl} {n}: " + ", ".join(_progress(s, res[s]) for s in names),
                 file=sys.stderr,
                 flush=True,
             )
