@@ -26,6 +26,16 @@ from planner import plan_and_evaluate
 BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
 
 
+def bench_strategy(row_name: str) -> tuple[str, dict]:
+    """The strategy and ``plan_step`` options of a benchmark row (``hdp-megatron``: hdp's
+    Megatron form; ``hybridcp``: our re-implementation, with megatron-core's decisions)."""
+    if row_name == "hdp-megatron":
+        return "hdp", {"form": "megatron"}
+    if row_name == "hybridcp":
+        return "hybridcp", {"hybridcp_impl": "ours"}
+    return row_name, {}
+
+
 def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int) -> list[dict]:
     rows = []
     for model_name in models:
@@ -37,15 +47,7 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
                 cost = CostModel(model, cluster)
                 row = {"model": model_name, "workload": wl, "gpus": n}
                 for strategy in BASELINES + ["hdp", "hdp-megatron"]:
-                    name, kw = (
-                        ("hdp", {"form": "megatron"})
-                        if strategy == "hdp-megatron"
-                        else (strategy, {})
-                    )
-                    if name == "hybridcp":
-                        kw = {
-                            "hybridcp_impl": "ours"
-                        }  # identical decisions to megatron-core's, faster
+                    name, kw = bench_strategy(strategy)
                     try:
                         plan, rep = plan_and_evaluate(lens, cluster, model, name, cost=cost, **kw)
                     except Exception as e:  # a baseline that cannot form its groups here

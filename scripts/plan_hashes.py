@@ -18,6 +18,7 @@ import sys
 import time
 
 import numpy as np
+from bench_planner import bench_strategy
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
 from hdp.workloads import get_workload, workload_names
@@ -54,13 +55,7 @@ def grid_hashes(models, gpus, workloads, strategies, seed=0) -> dict[str, str]:
                 cluster = ClusterSpec.preset("h100", n)
                 cost = CostModel(model, cluster)
                 for strategy in strategies:
-                    name, kw = (
-                        ("hdp", {"form": "megatron"})
-                        if strategy == "hdp-megatron"
-                        else (strategy, {})
-                    )
-                    if name == "hybridcp":
-                        kw = {"hybridcp_impl": "ours"}
+                    name, kw = bench_strategy(strategy)
                     key = f"{model_name}/{wl}/{n}/{strategy}"
                     t0 = time.perf_counter()
                     try:

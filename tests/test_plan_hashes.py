@@ -7,11 +7,13 @@ and says which plans moved, and why, in its commit message.
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # plan_hashes imports its sibling bench_planner
 RECORDED = json.loads((ROOT / "tests" / "data" / "plan_hashes.json").read_text())
 _spec = importlib.util.spec_from_file_location("plan_hashes", ROOT / "scripts" / "plan_hashes.py")
 plan_hashes = importlib.util.module_from_spec(_spec)

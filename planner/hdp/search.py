@@ -44,6 +44,7 @@ from .. import hdp_ilp
 from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
 from .layout import Candidate, num_waves_for
+from .megatron import plan_hdp_megatron
 from .options import HdpOptions
 from .place import place
 from .shelves import shelf_candidates
@@ -149,8 +150,6 @@ def plan_hdp(ctx: Context, form: str = "free", options: HdpOptions | None = None
     cost model reports its gap to the bound (:func:`planner.degrees.step_bound`) in
     ``predicted["bound_s"]``. ``form``: ``free``, ``whole`` (every sequence on one rank, for
     trainers whose attention cannot span ranks) or ``megatron`` (:mod:`.megatron`)."""
-    from .megatron import plan_hdp_megatron
-
     options = options or HdpOptions()
     if form == "megatron":
         return plan_hdp_megatron(ctx, options)
