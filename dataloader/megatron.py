@@ -432,11 +432,11 @@ class PackedBatchIterator:
     """Megatron batches for ``--dataloader-type external`` (and Megatron versions without hybrid
     CP): each ``next()`` is one micro-batch of this DP replica, packed in THD form.
 
-    ``loader`` is an :class:`dataloader.HDPDataLoader` over the **data-parallel** group (one loader
-    rank per DP replica; its ``ClusterSpec`` has one rank per replica, capacity = tokens a replica
-    holds at once) planning with ``plan_options={"form": "whole"}``: Megatron's static CP splits
-    every document of a micro-batch over the replica's CP group itself, so sequences must stay
-    whole on one replica, and the planner balances the quadratic work over replicas and
+    ``loader`` is an :class:`dataloader.HDPDataLoader` over the **data-parallel** group: one
+    loader rank per DP replica, its ``ClusterSpec`` one rank per replica, its capacity the tokens
+    a replica holds at once. It plans with ``plan_options={"form": "whole"}``. Megatron's static
+    CP splits every document of a micro-batch over the replica's CP group itself, so sequences
+    must stay whole on one replica; the planner balances the quadratic work over replicas and
     micro-batches. Each step yields the replica's waves in order, each wave one micro-batch::
 
         {"tokens", "labels", "position_ids": int64 [1, T], "loss_mask": float32 [1, T],

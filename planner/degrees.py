@@ -1,11 +1,11 @@
 """How long a sequence takes on ``d`` ranks, for many ``d`` at once, and the relaxation bound.
 
 A sequence zigzag-split over ``d`` ranks (consecutive from a node boundary, ``ranks_per_node``
-per node) is a *malleable job*: its ranks start together and are held for the slowest member's
-busy time ``T(d)`` (the cost model's ``peer`` rule), so it covers an area ``d * T(d)`` of rank-time
-(``peer`` sync; cells holding a multi-rank shard hold nothing else) or at least its members'
-compute (``wave`` sync, where a wave lasts as long as its slowest rank anyway and whole sequences
-may share a member's cell).
+per node) is a *malleable job*. Its ranks start together and are held for the slowest member's
+busy time ``T(d)``, the cost model's ``peer`` rule. In ``peer`` sync it covers an area
+``d * T(d)`` of rank-time: cells holding a multi-rank shard hold nothing else. In ``wave`` sync it
+covers at least its members' compute: a wave lasts as long as its slowest rank anyway, and whole
+sequences may share a member's cell.
 
 :func:`split_times` is the closed form of what :meth:`hdp.CostModel.evaluate` computes for such
 a plan (``tests/test_planner_hdp.py`` checks the two agree). Take member ``i`` of ``d``, with
@@ -363,11 +363,13 @@ def relaxation_bound(
 def _bound_options(
     mu: Menu, packed: float, pow2: bool, any_split: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(height s, area s) of every option a bound may give a sequence with menu ``mu``: its menu
-    entries (hdp's, or with ``any_split`` the bound's: either split, the faster; degree 1 at its
-    ``packed`` time: whole on one rank it may share its cell, as the short ones), plus, for each
-    run of degrees the menu skips, a virtual option with the smaller height and the smaller area
-    of the two entries around it, so that a bound over the options covers every degree."""
+    """(height s, area s) of every option a bound may give a sequence with menu ``mu``.
+
+    The options are its menu entries: hdp's, or with ``any_split`` the bound's (either split,
+    the faster). Degree 1 counts at its ``packed`` time, since whole on one rank it may share its
+    cell as the short ones do. For each run of degrees the menu skips, a virtual option takes the
+    smaller height and the smaller area of the two entries around it, so that a bound over the
+    options covers every degree."""
     if any_split:
         degrees, h, a = mu.bound_degrees, mu.bound_height.copy(), mu.bound_area.copy()
     else:
@@ -400,14 +402,15 @@ def shelf_bound(
     """``wave`` sync: a lower bound of the busy part of the step (s, collectives left out) that
     :func:`relaxation_bound` misses where one sequence dominates the batch.
 
-    Take the ``giants`` sequences of largest least area. In any plan they lie in some waves; a
-    wave holding the set ``S`` of them lasts ``H >= max height`` of their options, covers ``n H``
-    rank-seconds, at least their areas ``A`` plus the work of the other sequences beside them, and
-    holds at most ``n C`` tokens (``C`` the offload capacity). So the work the other sequences can
-    put into the giants' ``k`` waves is at most the fractional knapsack ``K`` of them, densest
-    (seconds per token) first, into ``k n C`` tokens less the giants', and the rest, ``F`` in all,
-    lasts at least its work over ``n`` in the other waves: the step's busy part is at least
-    ``max(sum H + max(0, F - K) / n, (F + sum A) / n)`` (every other sequence at its least area).
+    Take the ``giants`` sequences of largest least area. In any plan they lie in some waves. A
+    wave holding the set ``S`` of them lasts ``H >= max height`` of their options and covers
+    ``n H`` rank-seconds: at least their areas ``A`` plus the work of the other sequences beside
+    them. It holds at most ``n C`` tokens (``C`` the offload capacity). So the work the other
+    sequences can put into the giants' ``k`` waves is at most ``K``, the fractional knapsack of
+    them (densest, in seconds per token, first) into ``k n C`` tokens less the giants'. The rest,
+    ``F`` in all, lasts at least its work over ``n`` in the other waves. With every other sequence
+    at its least area, the step's busy part is at least
+    ``max(sum H + max(0, F - K) / n, (F + sum A) / n)``.
     Minimised exactly over the heights where the giants share one wave, and by its Lagrangian dual
     (a bound of that minimum) over the other partitions of the giants into waves. It binds where
     a giant runs fastest on many ranks: on fewer it would cover less area, but the sequences

@@ -47,10 +47,6 @@ class CellChoice:
     wave: int
     offload_rank: int | None = None
 
-    @property
-    def score(self) -> tuple[float, float]:
-        return (self.raise_s, self.new_load)
-
 
 def place_wave(
     ctx: Context,
@@ -156,10 +152,11 @@ class _Cells:
         self.room_max = [int(self.cap - tokens[w].min()) for w in range(len(tokens))]
         self.new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()
 
-    def least_load(self, w: int, L: int) -> float:
+    def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> float:
         """Load of wave ``w``'s least-loaded cell with room for ``L`` tokens: the heap's top
-        unless it is full; after a few full ones, a scan of the wave."""
-        h, load, tokens, cap = self.heaps[w], self.layer.load, self.layer.tokens, self.cap
+        unless it is full; after a few full ones, a scan of the wave (``load``, ``tokens``: the
+        layer's cell arrays, passed in by the hot loop)."""
+        h, cap = self.heaps[w], self.cap
         skipped = []
         while (
             h and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap) and len(skipped) < 8
@@ -176,14 +173,21 @@ class _Cells:
     def choose(self, L: int, t: float) -> CellChoice | None:
         """The cell that raises its wave least (then the least loaded), with offload where that
         raises it less; ``None`` where a new wave costs less or no cell has room."""
-        best = None
-        for w in range(len(self.heaps)):
-            if self.room_max[w] < L:
+        best = None  # (raise, new load, wave): a tuple, this loop runs per sequence and wave
+        load, tokens, heights, room_max = (
+            self.layer.load,
+            self.layer.tokens,
+            self.heights,
+            self.room_max,
+        )
+        for w in range(len(heights)):
+            if room_max[w] < L:
                 continue
-            new_load = self.least_load(w, L) + t
-            choice = CellChoice(max(0.0, new_load - self.heights[w]), new_load, w)
-            if best is None or choice.score < best.score:
-                best = choice
+            new_load = self.least_load(w, L, load, tokens) + t
+            score = (max(0.0, new_load - heights[w]), new_load, w)
+            if best is None or score[:2] < best[:2]:
+                best = score
+        best = CellChoice(*best) if best is not None else None
         off_cap = self.ctx.offload_capacity
         if (best is None or best.raise_s > 0) and off_cap > self.cap:
             # Every cell with room raises its wave (or none has room): a cell that offloads part
