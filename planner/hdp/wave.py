@@ -259,7 +259,7 @@ def offloaded_cell(
     if not np.isfinite(new_load).any():
         return None
     raise_by = np.maximum(0.0, new_load - np.asarray(heights)[:, None])
-    # Least raise, then least load, then the first cell (a full sort of the cells costs 10x more).
+    # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
     best = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
     w, r = np.unravel_index(best, raise_by.shape)
     return CellChoice(float(raise_by[w, r]), float(new_load[w, r]), int(w), int(r))
