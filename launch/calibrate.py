@@ -1,0 +1,448 @@
+"""``hdp-calibrate``: a GPU profile (``hdp.profile/1`` JSON) calibrated to this machine.
+
+``measure`` times, on the local device and with the kernels the runtime calls, the tables the cost
+model prices compute from (attention calls, GEMMs, memory-bound ops, the optimizer step,
+collectives; :mod:`launch.calibrate_tables`, :mod:`launch.calibrate_comm`) and the scalars around
+them (peak FLOP/s, memory, memory bandwidth, a decoder layer's fixed cost), and copies the links
+from a base preset. ``check`` (:mod:`planner.calibration`) compares a profile's predictions with
+measured step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+import hdp
+from attention.kernels import select_backend
+from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_preset, model_preset
+
+from . import calibrate_tables as tables
+from .calibrate_comm import collective_rows
+
+# hdp.gpu_profile (a preset name or a profile JSON path) where this hdp has it.
+gpu_profile = getattr(hdp, "gpu_profile", None)
+PROG = "hdp-calibrate"
+FORMAT = "hdp.profile/1"
+# Dense bf16 tensor-core peaks by device name (first match wins); others use the best GEMM rate.
+KNOWN_PEAKS = (("H100 PCIE", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+TABLE_COLUMNS = {
+    "attention": ("backend", "kind", "heads", "kv_heads", "head_dim", "a", "b", "seconds"),
+    "gemm": ("tokens", "in", "out", "seconds"),
+    "memory_bound": ("op", "width", "tokens", "seconds"),
+    "optimizer": ("params", "seconds"),
+    "collective": ("op", "ranks", "bytes", "seconds"),
+}
+LINK_FIELDS = ("pcie_bw", "nvlink_bw", "nic_bw", "nvlink_latency", "nic_latency")
+BASE_FIELDS = (*LINK_FIELDS, "usable_memory_fraction", "reserved_bytes")
+# The cpu preset is itself measured by this tool; until it exists, its links come from here (a
+# modest machine: gloo over loopback, memory copies as "PCIe").
+FALLBACK_BASES = {
+    "cpu": dict(
+        pcie_bw=1e12,
+        nvlink_bw=5e9,
+        nic_bw=1e9,
+        nvlink_latency=20e-6,
+        nic_latency=50e-6,
+        usable_memory_fraction=0.92,
+        reserved_bytes=0.5e9,
+    )
+}
+MEASURE_DESCRIPTION = """\
+Measure the kernel tables of an hdp.profile/1 GPU profile on the local device, with
+the kernels the runtime calls: attention calls (causal documents and full blocks),
+GEMMs, memory-bound ops, the AdamW step and, where two local devices (or CPU
+processes) can talk, collectives. Every time is forward + backward, the median of
+a few repeats after warm-up, in bf16 on CUDA and fp32 on CPU. Shapes come from the
+model presets; links and the memory reserve are copied from a base preset.
+Progress goes to stderr, one line per table.
+"""
+MEASURE_EXAMPLES = """examples:
+  hdp-calibrate measure --out h100.json                 # CUDA: llama-1b, -7b, -70b shapes
+  hdp-calibrate measure --device cpu --quick --out cpu.json
+  hdp-calibrate measure --models llama-7b --base h200 --name h200-lab --out h200.json
+"""
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: torch.device
+    dtype: torch.dtype
+    models: tuple[ModelSpec, ...]
+    base: dict[str, float]  # BASE_FIELDS of the base preset
+    name: str
+    out: Path
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_measure_parser(sub) -> None:
+    p = sub.add_parser(
+        "measure",
+        help="measure this machine's kernel tables into a profile JSON",
+        description=MEASURE_DESCRIPTION,
+        epilog=MEASURE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", required=True, metavar="PROFILE.json", help="profile to write")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cuda (bf16) or cpu (fp32) (default: cuda where available, else cpu)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer points per table (CPU: under a minute for the tiny model)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated model presets whose shapes to measure ({', '.join(MODEL_PRESETS)};"
+        " default: tiny on cpu, llama-1b,llama-7b,llama-70b on cuda)",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="PRESET",
+        help="GPU preset (or profile JSON) the links and memory reserve are copied from "
+        f"({', '.join(GPU_PRESETS)}; default: cpu on cpu; on cuda the preset of the device, "
+        "else h100)",
+    )
+    p.add_argument(
+        "--name", default=None, help="profile name (default: from the device, e.g. h100)"
+    )
+    p.add_argument(
+        "--no-collectives",
+        action="store_true",
+        help="skip the collective table (two local processes)",
+    )
+    p.set_defaults(handler=_run_measure)
+
+
+def add_check_parser(sub) -> None:
+    p = sub.add_parser(
+        "check",
+        help="compare a profile's predictions with measured step times",
+        description="Compare the step times a profile predicts with measured ones "
+        "(planner.calibration).",
+    )
+    p.add_argument("profile", metavar="PROFILE", help="a profile JSON path or a GPU preset name")
+    p.add_argument("--table", required=True, metavar="CSV", help="measured step times (CSV)")
+    p.add_argument("--backend", default=None, metavar="NAME", help="attention backend to price")
+    p.set_defaults(handler=_run_check)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Calibrate the cost model to this machine: measure a GPU profile's kernel "
+        "tables (measure), or check a profile against measured step times (check).",
+        epilog="example: hdp-calibrate measure --device cpu --quick --out cpu.json",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_measure_parser(sub)
+    add_check_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args, argv)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_check(args: argparse.Namespace, argv: list[str]) -> int:
+    from planner.calibration import check_main  # the other half of issue #15
+
+    return check_main(args)
+
+
+def _run_measure(args: argparse.Namespace, argv: list[str]) -> int:
+    setup = resolve(args)
+    t0 = time.perf_counter()
+    profile = measure(setup, quick=args.quick, collectives=not args.no_collectives, argv=argv)
+    write_profile(profile, setup.out)
+    rows = sum(len(t["rows"]) for t in profile["tables"].values())
+    print(
+        f"{PROG}: wrote {setup.out} ({rows} rows) in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _device(text: str | None) -> torch.device:
+    text = text or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise UsageError(f"unknown device {text!r}: choose cuda or cpu")
+    device = torch.device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {text}: this machine has {torch.cuda.device_count()} GPUs")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_out(path: Path) -> Path:
+    """``path`` if a profile can be written there, else :class:`UsageError`."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"--out {path}: is a directory")
+    if not parent.is_dir():
+        raise UsageError(f"--out {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--out {path}: not writable")
+    return path
+
+
+def _device_key(device: torch.device) -> str:
+    """A short name for the device: cpu, h100, h200, a100, else its name in lower-case words."""
+    if device.type == "cpu":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    for key in ("H100", "H200", "A100"):
+        if key in name.upper():
+            return key.lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cuda"
+
+
+def _default_base(device: torch.device) -> str:
+    key = _device_key(device)
+    if key == "a100":
+        big = torch.cuda.get_device_properties(device).total_memory > 48 * 2**30
+        return "a100-80g" if big else "a100-40g"
+    if key in GPU_PRESETS:
+        return key
+    return "cpu" if device.type == "cpu" else "h100"
+
+
+def _base_fields(name: str) -> dict[str, float]:
+    """The links and memory reserve of the preset ``name`` (or a profile JSON path)."""
+    try:
+        profile = gpu_profile(name) if gpu_profile is not None else gpu_preset(name)
+    except ValueError as e:
+        if name in FALLBACK_BASES:
+            return dict(FALLBACK_BASES[name])
+        raise UsageError(f"--base: {e}") from None
+    return {f: float(getattr(profile, f)) for f in BASE_FIELDS}
+
+
+def resolve(args: argparse.Namespace) -> Setup:
+    """Every argument checked before anything is measured."""
+    device = _device(args.device)
+    default_models = "tiny" if device.type == "cpu" else "llama-1b,llama-7b,llama-70b"
+    names = [m.strip() for m in (args.models or default_models).split(",") if m.strip()]
+    if not names:
+        raise UsageError("--models: name at least one model preset")
+    try:
+        models = tuple(model_preset(m) for m in dict.fromkeys(names))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    base = _base_fields(args.base or _default_base(device))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = _check_out(Path(args.out))
+    return Setup(device, dtype, models, base, args.name or _device_key(device), out)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class _Progress:
+    """One stderr line per table, with its time and the time since the start."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def done(self, what: str, detail: str) -> None:
+        now = time.perf_counter()
+        tables.note(
+            f"{what}: {detail} in {now - self.last:.1f} s (elapsed {now - self.start:.1f} s)"
+        )
+        self.last = now
+
+
+def _table(columns: tuple[str, ...], rows: list[list]) -> dict:
+    return {"columns": list(columns), "rows": rows}
+
+
+def measure_tables(bench: tables.Bench, models, collectives: bool, progress: _Progress) -> dict:
+    """The five tables of the profile, each timed and reported on stderr."""
+    backend = select_backend(bench.device, bench.dtype)
+    if bench.device.type == "cuda" and backend.name == "reference":
+        tables.note("no flash attention kernel for this device: timing the (slow) reference one")
+    shapes = tables.attention_shapes(models)
+    out = {}
+    steps = (
+        ("attention", lambda: tables.attention_rows(bench, backend, shapes)),
+        ("gemm", lambda: tables.gemm_rows(bench, models)),
+        ("memory_bound", lambda: tables.memory_rows(bench, models)),
+        ("optimizer", lambda: tables.optimizer_rows(bench)),
+    )
+    for name, run in steps:
+        out[name] = _table(TABLE_COLUMNS[name], run())
+        progress.done(name, f"{len(out[name]['rows'])} rows")
+    rows, why = [], "--no-collectives"
+    if collectives:
+        rows, why = collective_rows(bench.device.type, bench.grids.collective_bytes)
+    rows = [[op, ranks, size, tables.sig(s)] for op, ranks, size, s in rows]
+    out["collective"] = _table(TABLE_COLUMNS["collective"], rows)
+    progress.done("collective", f"{len(rows)} rows" if why is None else f"skipped ({why})")
+    return out
+
+
+def measure(setup: Setup, quick: bool, collectives: bool, argv: list[str]) -> dict:
+    """The whole profile: tables, then the scalars."""
+    memory = _memory_bytes(setup.device)
+    # One point may use 60% of a GPU's memory (the rest: the caching allocator's slack), 40% of
+    # the host's.
+    share = 0.6 if setup.device.type == "cuda" else 0.4
+    grids = tables.grids_for(setup.device.type, quick)
+    bench = tables.Bench(setup.device, setup.dtype, grids, share * memory)
+    if setup.device.type == "cuda":
+        torch.cuda.set_device(setup.device)
+    progress = _Progress()
+    names = ", ".join(m.name for m in setup.models)
+    tables.note(f"measuring on {_device_description(setup.device)} ({names})")
+    torch.manual_seed(0)
+    tabs = measure_tables(bench, setup.models, collectives, progress)
+    backend = select_backend(setup.device, setup.dtype).name
+    smallest = min(setup.models, key=lambda m: m.params_per_layer)
+    overhead = tables.layer_overhead(bench, smallest)
+    peak = _known_peak(setup.device) or tables.best_gemm_rate(bench, tabs["gemm"]["rows"])
+    hbm = tables.copy_bandwidth(bench)
+    links = {f: setup.base[f] for f in LINK_FIELDS}
+    if setup.device.type == "cuda":
+        links["pcie_bw"] = tables.pcie_bandwidth(bench)
+    progress.done("scalars", f"peak {peak:.3g} FLOP/s, memory bandwidth {hbm:.3g} B/s")
+    return {
+        "format": FORMAT,
+        "name": setup.name,
+        "source": f"measured by {_command_line(argv)} on {socket.gethostname()}, "
+        f"{datetime.now().astimezone():%Y-%m-%d}",
+        "device": _device_description(setup.device),
+        "peak_flops": tables.sig(peak),
+        "memory_bytes": float(memory),
+        "usable_memory_fraction": setup.base["usable_memory_fraction"],
+        "reserved_bytes": setup.base["reserved_bytes"],
+        "hbm_bw": tables.sig(hbm),
+        **{f: tables.sig(v) for f, v in links.items()},
+        "layer_overhead_s": tables.sig(overhead),
+        "attention_backend": tables.PROFILE_BACKEND.get(backend, backend),
+        "tables": tabs,
+    }
+
+
+def _command_line(argv: list[str]) -> str:
+    """``hdp-calibrate`` and its arguments, less ``--out PATH`` (a local detail)."""
+    kept, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--out="):
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        kept.append(a)
+    return shlex.join([PROG, *kept])
+
+
+def _known_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    return next((peak for key, peak in KNOWN_PEAKS if key in name), None)
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return (
+            f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}"
+            f", CUDA {torch.version.cuda}"
+        )
+    return f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def format_profile(profile: dict) -> str:
+    """The profile as JSON text: one key per line, one table row per line."""
+    lines = []
+    for key, value in profile.items():
+        if key != "tables":
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    parts = []
+    for name, table in profile["tables"].items():
+        rows = ",\n".join(f"        {json.dumps(r)}" for r in table["rows"])
+        body = f"[\n{rows}\n      ]" if rows else "[]"
+        parts.append(
+            f'    {json.dumps(name)}: {{\n      "columns": {json.dumps(table["columns"])},\n'
+            f'      "rows": {body}\n    }}'
+        )
+    lines.append('  "tables": {\n' + ",\n".join(parts) + "\n  }")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_profile(profile: dict, path: Path) -> None:
+    """Write ``profile`` to ``path`` atomically (a temporary file, then a rename)."""
+    text = format_profile(profile)
+    json.loads(text)  # the hand-laid-out text must stay valid JSON
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""``hdp-calibrate measure``: a quick CPU run writes a complete ``hdp.profile/1`` file in time, and
+bad arguments fail with one line and exit status 2 before anything is measured."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hdp
+from launch import calibrate
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALARS = (
+    "peak_flops",
+    "memory_bytes",
+    "usable_memory_fraction",
+    "reserved_bytes",
+    "hbm_bw",
+    "pcie_bw",
+    "nvlink_bw",
+    "nic_bw",
+    "nvlink_latency",
+    "nic_latency",
+    "layer_overhead_s",
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One ``measure --device cpu --quick`` run: (completed process, seconds, profile path)."""
+    out = tmp_path_factory.mktemp("calibrate") / "profile.json"
+    cmd = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu", "--quick"]
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    return done, time.perf_counter() - t0, out
+
+
+def test_quick_cpu_measure_writes_a_complete_profile(quick_run):
+    done, seconds, out = quick_run
+    assert done.returncode == 0, done.stderr
+    assert seconds < 90, f"measure --quick took {seconds:.0f} s"
+    data = json.loads(out.read_text())
+    assert data["format"] == "hdp.profile/1"
+    assert data["name"] == "cpu" and data["attention_backend"] == "reference"
+    assert data["source"].startswith("measured by hdp-calibrate measure --device cpu --quick on ")
+    assert data["device"].startswith("cpu: ")
+    for key in SCALARS:
+        assert isinstance(data[key], float) and math.isfinite(data[key]) and data[key] >= 0, key
+    assert data["peak_flops"] > 0 and data["memory_bytes"] > 0 and data["hbm_bw"] > 0
+    assert set(data["tables"]) == set(calibrate.TABLE_COLUMNS)
+    for name, columns in calibrate.TABLE_COLUMNS.items():
+        table = data["tables"][name]
+        assert table["columns"] == list(columns), name
+        assert table["rows"], f"table {name} has no rows"
+        for row in table["rows"]:
+            assert len(row) == len(columns) and row[-1] > 0, (name, row)
+    kinds = {row[1] for row in data["tables"]["attention"]["rows"]}
+    assert kinds == {"causal", "full"}
+    ops = {row[0] for row in data["tables"]["memory_bound"]["rows"]}
+    assert ops == {"rmsnorm", "swiglu", "residual_add", "rope", "cast"}
+    assert {row[0] for row in data["tables"]["collective"]["rows"]} >= {"all_gather", "p2p"}
+    # the tiny model's linear layers, all of them
+    shapes = {(row[1], row[2]) for row in data["tables"]["gemm"]["rows"]}
+    assert shapes == {(64, 64), (64, 32), (64, 176), (176, 64), (64, 512)}
+
+
+def test_quick_cpu_measure_reports_each_table(quick_run):
+    done, _, _ = quick_run
+    for name in calibrate.TABLE_COLUMNS:
+        assert f"hdp-calibrate: {name}: " in done.stderr, done.stderr
+    assert "elapsed" in done.stderr
+
+
+def test_the_profile_reads_back_where_hdp_has_a_reader(quick_run):
+    _, _, out = quick_run
+    if not hasattr(hdp.GPUProfile, "load"):
+        pytest.skip("this hdp has no profile reader (GPUProfile.load)")
+    profile = hdp.GPUProfile.load(out)
+    assert profile.name == "cpu" and profile.attention_backend == "reference"
+
+
+def test_help(capsys):
+    for argv in (["--help"], ["measure", "--help"], ["check", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            calibrate.main(argv)
+        assert e.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("measure", "check", "--quick", "--models", "--base", "examples:", "--table"):
+        assert word in text
+
+
+def _fails_with_one_line(capsys, argv: list[str], words: str) -> None:
+    assert calibrate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hdp-calibrate: error: "), err
+    assert words in err[0], err
+
+
+def test_bad_out_path(tmp_path, capsys):
+    out = tmp_path / "missing" / "profile.json"
+    _fails_with_one_line(capsys, ["measure", "--device", "cpu", "--out", str(out)], "not exist")
+    assert not out.parent.exists()
+    _fails_with_one_line(capsys, ["measure", "--device", "cpu", "--out", str(tmp_path)], "--out")
+
+
+def test_cuda_without_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "profile.json"
+    _fails_with_one_line(capsys, ["measure", "--device", "cuda", "--out", str(out)], "CUDA")
+    assert not out.exists()
+
+
+def test_unknown_device_model_and_base(tmp_path, capsys):
+    out = str(tmp_path / "profile.json")
+    _fails_with_one_line(capsys, ["measure", "--device", "tpu", "--out", out], "unknown device")
+    argv = ["measure", "--device", "cpu", "--out", out]
+    _fails_with_one_line(capsys, [*argv, "--models", "tiny,nope"], "nope")
+    _fails_with_one_line(capsys, [*argv, "--base", "nope"], "nope")
+
+
+def test_source_line_leaves_out_the_output_path():
+    argv = ["measure", "--out", "/x/p.json", "--device", "cpu", "--out=/y", "--quick"]
+    assert calibrate._command_line(argv) == "hdp-calibrate measure --device cpu --quick"
