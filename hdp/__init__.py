@@ -14,6 +14,7 @@ from .plan import (
     Shard,
     edge_colour_rounds,
 )
+from .profile import KernelTables, ProfileError
 from .specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -22,6 +23,7 @@ from .specs import (
     ModelSpec,
     format_size,
     gpu_preset,
+    gpu_profile,
     model_preset,
     parse_size,
 )
@@ -34,16 +36,19 @@ __all__ = [
     "GPUProfile",
     "GPU_PRESETS",
     "KVTraffic",
+    "KernelTables",
     "KVTransfer",
     "MODEL_PRESETS",
     "ModelSpec",
     "Plan",
     "PlanError",
+    "ProfileError",
     "Shard",
     "StepReport",
     "edge_colour_rounds",
     "format_size",
     "gpu_preset",
+    "gpu_profile",
     "model_preset",
     "parse_size",
 ]

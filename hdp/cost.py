@@ -45,6 +45,7 @@ from functools import cached_property
 import numpy as np
 
 from . import traffic
+from .compute import ComputeModel
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan
 from .specs import ClusterSpec, ModelSpec
 from .traffic import KVTraffic, wave_components
@@ -103,6 +104,7 @@ class CostModel:
         grad_accum_bytes: bytes per parameter of the unsharded gradient accumulators (``peer``).
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
         loss_chunk_tokens: tokens whose logits are materialised at once by the chunked loss.
+        attention_backend: the attention kernel priced (default: the GPU profile's).
     """
 
     model: ModelSpec
@@ -112,37 +114,25 @@ class CostModel:
     grad_accum_bytes: int = 4
     kv_prefetch_blocks: int = 2
     loss_chunk_tokens: int = 4096
+    attention_backend: str | None = None
 
-    # ------------------------------------------------------------------ FLOPs
-    @property
-    def _passes(self) -> float:
-        """Forward-equivalents of the dense layers per training step: 1 + 2 (+ 1 recompute)."""
-        return 4.0 if self.activation_checkpointing else 3.0
-
-    @property
-    def _attn_passes(self) -> float:
-        """Forward-equivalents of attention: 1 + 2.5 (+ 1 recompute)."""
-        return 4.5 if self.activation_checkpointing else 3.5
-
+    # ------------------------------------------------------------------ compute
     @cached_property
-    def linear_flops_per_token(self) -> float:
-        """Dense-layer FLOPs of one token in one layer, training (all passes)."""
-        return 2.0 * self.model.params_per_layer * self._passes
-
-    @cached_property
-    def head_flops_per_token(self) -> float:
-        """LM-head FLOPs of one token, training (forward + backward, not recomputed)."""
-        return 2.0 * self.model.vocab * self.model.hidden * 3.0
-
-    @cached_property
-    def attn_flops_per_pair(self) -> float:
-        """Attention FLOPs of one query-key pair in one layer, training (all passes)."""
-        return 4.0 * self.model.heads * self.model.head_dim * self._attn_passes
+    def compute(self) -> ComputeModel:
+        """Kernel times from the GPU profile's measured tables (Note [What a layer costs])."""
+        return ComputeModel(
+            self.model,
+            self.cluster.gpu,
+            self.activation_checkpointing,
+            self.loss_chunk_tokens,
+            self.attention_backend,
+        )
 
     @property
     def attn_fwd_share(self) -> float:
-        """Part of a layer's attention time spent in the forward pass."""
-        return 1.0 / self._attn_passes
+        """Part of a layer's attention time spent in the forward pass: backward does 2.5x the
+        forward's FLOPs, and with checkpointing also the forward again."""
+        return 1.0 / (4.5 if self.activation_checkpointing else 3.5)
 
     @staticmethod
     def causal_pairs(start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
@@ -153,20 +143,20 @@ class CostModel:
 
     def attn_time(self, start: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Training time of the attention of query shards ``[start, end)``, one layer, seconds."""
-        g = self.cluster.gpu
-        pairs = self.causal_pairs(start, end)
-        eff = g.attn_efficiency(np.asarray(end) - np.asarray(start))
-        return pairs * self.attn_flops_per_pair / (g.peak_flops * eff)
+        return self.compute.attn_time(start, end)
 
     def dense_time(self, tokens: np.ndarray) -> np.ndarray:
         """Training time of all dense layers and the head for micro-batches of ``tokens``."""
-        g = self.cluster.gpu
-        t = np.asarray(tokens, dtype=np.float64)
-        eff = np.where(t > 0, g.linear_efficiency(np.maximum(t, 1.0)), 1.0)
-        flops = t * (self.model.layers * self.linear_flops_per_token + self.head_flops_per_token)
-        return flops / (g.peak_flops * eff) + np.where(
-            t > 0, self.model.layers * g.layer_overhead_s, 0.0
-        )
+        return self.compute.dense_time(tokens)
+
+    def dense_s_per_token(self, tokens: np.ndarray | float) -> np.ndarray:
+        """Dense time per token in micro-batches of ``tokens`` (no fixed overhead), seconds."""
+        return self.compute.dense_s_per_token(tokens)
+
+    @cached_property
+    def optimizer_s(self) -> float:
+        """The optimizer step over one rank's shard of the parameters, seconds."""
+        return self.compute.optimizer_time(self.model.total_params / self.cluster.num_ranks)
 
     def seq_time(self, length: np.ndarray | int) -> np.ndarray:
         """Training time of whole sequences alone on one rank (the unsplit reference), seconds."""
@@ -182,17 +172,14 @@ class CostModel:
         return float(dense + attn)
 
     def lower_bound(self, seq_lens: np.ndarray) -> float:
-        """All work, every sequence at the efficiency it reaches unsplit and dense layers at their
-        best efficiency, spread evenly over the ranks, with no communication. Seconds."""
-        g = self.cluster.gpu
+        """All work, every sequence at the speed it reaches unsplit and dense layers at their
+        best speed per token, spread evenly over the ranks, with no communication; plus the
+        optimizer step. Seconds."""
         L = np.asarray(seq_lens, dtype=np.float64)
         L = L[L > 0]
         attn = self.model.layers * self.attn_time(np.zeros_like(L), L).sum()
-        dense = L.sum() * (
-            self.model.layers * self.linear_flops_per_token + self.head_flops_per_token
-        )
-        dense /= g.peak_flops * g.linear_max_efficiency
-        return float((attn + dense) / self.cluster.num_ranks)
+        dense = L.sum() * self.compute.best_dense_s_per_token
+        return float((attn + dense) / self.cluster.num_ranks) + self.optimizer_s
 
     # ------------------------------------------------------------------ memory
     @property
@@ -341,19 +328,31 @@ class CostModel:
 
     def allgather_time(self) -> float:
         """All-gather of the full parameters (compute dtype) over all ranks, seconds."""
-        n = self.cluster.num_ranks
-        if n == 1:
-            return 0.0
-        return (
-            self.model.total_params * self.model.dtype_bytes * (n - 1) / n / self._collective_bw()
-        )
+        return self._collective("all_gather", self.model.total_params * self.model.dtype_bytes)
 
     def reduce_scatter_time(self) -> float:
         """Reduce-scatter of the full fp32 gradients over all ranks, seconds."""
+        return self._collective("reduce_scatter", self.model.total_params * 4.0)
+
+    def _collective(self, op: str, nbytes: float) -> float:
+        """One FSDP collective over all ranks, moving ``(n - 1) / n`` of ``nbytes`` per rank.
+
+        Where the profile measured it (``reduce_scatter`` may stand in as ``all_reduce``), each
+        FSDP unit (a layer, and the root) pays the measured latency and the bytes the measured
+        per-byte time, rescaled from the measured rank count; else the bytes cross the slowest
+        link at its bandwidth."""
         n = self.cluster.num_ranks
         if n == 1:
             return 0.0
-        return self.model.total_params * 4.0 * (n - 1) / n / self._collective_bw()
+        tables = self.cluster.gpu.tables
+        measured = tables.collective_fit(op) or (
+            tables.collective_fit("all_reduce") if op == "reduce_scatter" else None
+        )
+        if measured is None:
+            return nbytes * (n - 1) / n / self._collective_bw()
+        fit, ranks = measured
+        share = ((n - 1) / n) / ((ranks - 1) / ranks) if ranks > 1 else 1.0
+        return (self.model.layers + 1) * fit.fixed + fit.per_unit * nbytes * share
 
     # ------------------------------------------------------------------ KV traffic
     def kv_traffic(self, plan: Plan, labels: np.ndarray | None = None) -> KVTraffic:
@@ -429,6 +428,7 @@ class CostModel:
         busy_no_comm = compute + exposed_off
         step, start = self._step_time(plan, busy, labels, with_collectives=True)
         step_nc, _ = self._step_time(plan, busy_no_comm, labels, with_collectives=False)
+        step, step_nc = step + self.optimizer_s, step_nc + self.optimizer_s
         mem = self.memory(tokens, plan.offload, traffic.max_in_block, plan.sync)
         mem = np.where(tokens > 0, mem, self.static_bytes(plan.sync))
         per_rank = compute.sum(axis=0)

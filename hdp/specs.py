@@ -7,13 +7,17 @@ FLOP/s (dense bf16 tensor-core peak unless the profile says otherwise).
 
 from __future__ import annotations
 
-import csv
+import dataclasses
+import json
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from importlib import resources
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from .profile import FORMAT, KernelTables, ProfileError, read_profile_json
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -173,31 +177,14 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def _load_attention_curve() -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Relative causal-attention efficiency versus document length, from the measured H100 table.
-
-    Efficiency is proportional to work / time = L^2 / duration (cp = tp = 1 rows), normalised to 1
-    at the longest measured length. Only the *shape* is used (see hdp/data/README in docs).
-    """
-    rows = []
-    with resources.files("hdp").joinpath("data/attention_h100_distca.csv").open() as f:
-        for row in csv.DictReader(f):
-            if row["cp"] == "1" and row["tp"] == "1":
-                length = float(row["L"])
-                rows.append((length, length * length / float(row["duration_per_doc"])))
-    rows.sort()
-    top = rows[-1][1]
-    return tuple(r[0] for r in rows), tuple(r[1] / top for r in rows)
-
-
 @dataclass(frozen=True)
 class GPUProfile:
-    """One accelerator model and its links.
+    """One accelerator model and its links; its compute comes from measured kernel tables.
 
-    ``attn_max_efficiency`` is the fraction of ``peak_flops`` the attention kernel reaches on
-    long blocks (forward + backward); ``attn_curve`` scales it down for short blocks.
-    ``linear_max_efficiency`` is the GEMM fraction of peak; it falls for small micro-batches as
-    ``n / (n + linear_half_tokens)``.
+    A profile is data: a ``hdp.profile/1`` JSON file (:meth:`load`, :meth:`to_json`). The presets
+    live in ``hdp/data/profiles/``: ``h100`` holds tables measured on an H100, ``h200`` and the
+    A100s are scaled from it (each file's ``source`` says how), ``cpu`` was measured on this
+    project's CI machine by ``hdp-calibrate measure --device cpu``. ``peak_flops`` serves MFU.
     """
 
     name: str
@@ -208,98 +195,70 @@ class GPUProfile:
     nvlink_latency: float
     nic_latency: float
     pcie_bw: float
-    attn_max_efficiency: float = 0.45
-    linear_max_efficiency: float = 0.70
-    linear_half_tokens: float = 128.0
+    hbm_bw: float = 2.0e12
     usable_memory_fraction: float = 0.92
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
-    attn_curve: tuple[tuple[float, ...], tuple[float, ...]] = field(
-        default_factory=_load_attention_curve
-    )
+    attention_backend: str = "flash"
+    tables: KernelTables = field(default_factory=KernelTables)
+    source: str = ""
+    device: str = ""
 
-    @cached_property
-    def _log_curve(self) -> tuple[np.ndarray, np.ndarray]:
-        lengths, rel = self.attn_curve
-        return np.log2(np.asarray(lengths, dtype=np.float64)), np.asarray(rel, dtype=np.float64)
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "profile") -> GPUProfile:
+        """A profile from its JSON object (``where`` names it in errors)."""
+        if data.get("format") != FORMAT:
+            raise ProfileError(f'{where}: not a GPU profile (expected "format": "{FORMAT}")')
+        fields = {f.name for f in dataclasses.fields(cls)} - {"tables"}
+        missing = [k for k in _REQUIRED if k not in data]
+        if missing:
+            raise ProfileError(f"{where}: lacks {', '.join(missing)}")
+        kw = {k: v for k, v in data.items() if k in fields}
+        for k, v in kw.items():
+            if k not in ("name", "attention_backend", "source", "device") and not (
+                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+            ):
+                raise ProfileError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
+        tables = KernelTables.from_json(data.get("tables", {}), where)
+        profile = cls(**kw, tables=tables)
+        if profile.attention_backend not in tables.attention_backends:
+            raise ProfileError(
+                f"{where}: attention_backend {profile.attention_backend!r} has no attention rows "
+                f"(the tables have {', '.join(tables.attention_backends) or 'none'})"
+            )
+        if not tables.gemm:
+            raise ProfileError(f"{where}: the profile has no gemm rows")
+        return profile
 
-    def attn_efficiency(self, block_tokens: np.ndarray | float) -> np.ndarray | float:
-        """Fraction of peak reached by attention on query blocks of ``block_tokens`` tokens."""
-        xs, ys = self._log_curve
-        x = np.log2(np.maximum(np.asarray(block_tokens, dtype=np.float64), 1.0))
-        return self.attn_max_efficiency * np.interp(x, xs, ys)
+    @classmethod
+    def load(cls, path: str | Path) -> GPUProfile:
+        """The profile in a ``hdp.profile/1`` JSON file."""
+        return cls.from_json(read_profile_json(path), str(path))
 
-    def linear_efficiency(self, tokens: np.ndarray | float) -> np.ndarray | float:
-        """Fraction of peak reached by the dense layers on a micro-batch of ``tokens`` tokens."""
-        n = np.asarray(tokens, dtype=np.float64)
-        return self.linear_max_efficiency * n / (n + self.linear_half_tokens)
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": FORMAT}
+        for f in dataclasses.fields(self):
+            if f.name != "tables":
+                out[f.name] = getattr(self, f.name)
+        out["tables"] = self.tables.to_json()
+        return out
 
 
-# Achievable (not marketing) per-GPU, per-direction figures. NVLink: H100/H200 NVLink 4 (450 GB/s
-# per direction nominal, ~360 achievable), A100 NVLink 3 (300 nominal, ~240). NIC: one 400 Gb/s
-# (H100/H200) or 200 Gb/s (A100) adapter per GPU, ~90% achievable. PCIe Gen5 / Gen4 host copies.
-GPU_PRESETS: dict[str, GPUProfile] = {
-    g.name: g
-    for g in [
-        GPUProfile(
-            "h100",
-            peak_flops=989e12,
-            memory_bytes=80e9,
-            nvlink_bw=360e9,
-            nic_bw=45e9,
-            nvlink_latency=5e-6,
-            nic_latency=12e-6,
-            pcie_bw=40e9,
-        ),
-        GPUProfile(
-            "h200",
-            peak_flops=989e12,
-            memory_bytes=141e9,
-            nvlink_bw=360e9,
-            nic_bw=45e9,
-            nvlink_latency=5e-6,
-            nic_latency=12e-6,
-            pcie_bw=40e9,
-        ),
-        GPUProfile(
-            "a100-80g",
-            peak_flops=312e12,
-            memory_bytes=80e9,
-            nvlink_bw=240e9,
-            nic_bw=22.5e9,
-            nvlink_latency=6e-6,
-            nic_latency=15e-6,
-            pcie_bw=20e9,
-            attn_max_efficiency=0.55,
-        ),
-        GPUProfile(
-            "a100-40g",
-            peak_flops=312e12,
-            memory_bytes=40e9,
-            nvlink_bw=240e9,
-            nic_bw=22.5e9,
-            nvlink_latency=6e-6,
-            nic_latency=15e-6,
-            pcie_bw=20e9,
-            attn_max_efficiency=0.55,
-        ),
-        # A CPU "device" for the gloo tests: modest, and memory large enough for the tiny model.
-        GPUProfile(
-            "cpu",
-            peak_flops=2e11,
-            memory_bytes=16e9,
-            nvlink_bw=5e9,
-            nic_bw=1e9,
-            nvlink_latency=20e-6,
-            nic_latency=50e-6,
-            pcie_bw=1e12,
-            attn_max_efficiency=0.5,
-            linear_max_efficiency=0.5,
-            reserved_bytes=0.5e9,
-            layer_overhead_s=20e-6,
-        ),
-    ]
-}
+_REQUIRED = ("name", "peak_flops", "memory_bytes", "nvlink_bw", "nic_bw", "nvlink_latency")
+_REQUIRED += ("nic_latency", "pcie_bw", "tables")
+
+
+def _load_presets() -> dict[str, GPUProfile]:
+    folder = resources.files("hdp").joinpath("data/profiles")
+    presets = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text())
+            presets[data["name"]] = GPUProfile.from_json(data, f"hdp/data/profiles/{entry.name}")
+    return presets
+
+
+GPU_PRESETS: dict[str, GPUProfile] = _load_presets()
 
 
 @dataclass(frozen=True)
@@ -356,3 +315,15 @@ def model_preset(name: str) -> ModelSpec:
 def gpu_preset(name: str) -> GPUProfile:
     """The named GPU profile; ``ValueError`` listing the valid names otherwise."""
     return _lookup("GPU preset", name, GPU_PRESETS)
+
+
+def gpu_profile(name_or_path: str | Path) -> GPUProfile:
+    """A preset by name, or the profile JSON file at a path (``--gpu-profile``)."""
+    if str(name_or_path) in GPU_PRESETS:
+        return GPU_PRESETS[str(name_or_path)]
+    if Path(name_or_path).suffix == ".json" or Path(name_or_path).exists():
+        return GPUProfile.load(name_or_path)
+    raise ValueError(
+        f"unknown GPU profile {str(name_or_path)!r}: give a profile JSON file or one of "
+        f"{', '.join(sorted(GPU_PRESETS))}"
+    )

@@ -103,13 +103,10 @@ def split_times(
         area = parts * height  # the members start together and wait for the slowest
     else:
         # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
-        # member's cell (their dense layers then run at the packed efficiency, and their attention
-        # may hide under its K/V traffic): count only compute, dense at the best efficiency.
-        g = cost.cluster.gpu
-        dense = held * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
-        packed = m.layers * attn_layer + dense / (
-            g.peak_flops * g.linear_efficiency(max(cost.offload_capacity(sync), 1))
-        )
+        # member's cell (their dense layers then run at the packed speed, and their attention
+        # may hide under its K/V traffic): count only compute, dense at the best speed.
+        per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
+        packed = m.layers * attn_layer + held * per_token
         area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
     return height, area, most
 
@@ -225,14 +222,12 @@ def _until_lowest(mu: Menu) -> Menu:
 
 def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
     """Least time whole sequences can take on one rank: their attention, and dense layers at the
-    efficiency of a micro-batch of ``cell_tokens`` tokens (sharing a cell with other sequences
-    raises the dense efficiency; the per-layer overhead is shared too, so it is left out)."""
-    g, m = cost.cluster.gpu, cost.model
+    best speed per token of a micro-batch of at most ``cell_tokens`` tokens (sharing a cell with
+    other sequences raises the dense speed; the per-layer overhead is shared too, so it is left
+    out)."""
     L = np.asarray(lengths, dtype=np.float64)
-    dense = L * (m.layers * cost.linear_flops_per_token + cost.head_flops_per_token)
-    return m.layers * cost.attn_time(np.zeros_like(L), L) + dense / (
-        g.peak_flops * g.linear_efficiency(max(cell_tokens, 1))
-    )
+    per_token = cost.compute.least_dense_s_per_token(cell_tokens)
+    return cost.model.layers * cost.attn_time(np.zeros_like(L), L) + L * per_token
 
 
 def work_area(
@@ -475,7 +470,7 @@ def step_bound(
     splits: :func:`relaxation_bound` over all
     ranks (``wave``: or :func:`shelf_bound`, whichever is higher) plus what the synchronisation
     mode adds for parameter collectives (``wave``: at least as many waves as the tokens need with
-    offload, each gathering and scattering parameters)."""
+    offload, each gathering and scattering parameters), plus the optimizer step."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     n, layers = cost.cluster.num_ranks, cost.model.layers
     if sync == "wave":
@@ -492,8 +487,9 @@ def step_bound(
             pow2=pow2,
             any_split=True,
         )
-        return max(rel.bound_s, shelf_bound(cost, rel, sync, pow2=pow2) + waves * coll / layers)
-    return relaxation_bound(
+        shelf = shelf_bound(cost, rel, sync, pow2=pow2) + waves * coll / layers
+        return max(rel.bound_s, shelf) + cost.optimizer_s
+    rel = relaxation_bound(
         cost,
         lens,
         sync,
@@ -502,4 +498,5 @@ def step_bound(
         pow2=pow2,
         any_split=True,
         fixed_s=(cost.allgather_time() + cost.reduce_scatter_time()) / layers,
-    ).bound_s
+    )
+    return rel.bound_s + cost.optimizer_s

@@ -1,6 +1,6 @@
 """The cost model against values computed by hand for llama-7b (FLOPs, bytes, memory, times)."""
 
-import csv
+import json
 import math
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 from hdp import ClusterSpec, CostModel, Plan, model_preset, parse_size
 from hdp.specs import GPU_PRESETS, MODEL_PRESETS, gpu_preset
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
 
 # Llama 2 7B: hidden 4096, 32 heads of 128 (MHA), SwiGLU 11008, vocab 32000, 32 layers.
 P_LAYER = 4096 * 4096 + 4096 * 2 * 4096 + 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
@@ -33,11 +33,7 @@ def test_parameter_counts():
     assert model_preset("tiny").vocab >= 256
 
 
-def test_flops_per_layer(cm):
-    # Dense: 2 FLOPs per parameter per token forward; x3 train; +1 forward recompute.
-    assert cm.linear_flops_per_token == 2 * P_LAYER * 4
-    # Attention: 4 * heads * head_dim per pair forward; backward 2.5x; +1 recompute.
-    assert cm.attn_flops_per_pair == 4 * 32 * 128 * 4.5
+def test_causal_pairs(cm):
     assert cm.causal_pairs(0, 4096) == 4096 * 4097 / 2
     # A head/tail zigzag pair of q tokens in a sequence of L covers q * (L + 1) / 2 query-key
     # pairs (key <= query), whatever the pair's position: balanced by construction.
@@ -46,50 +42,84 @@ def test_flops_per_layer(cm):
         head = cm.causal_pairs(k, k + q // 2)
         tail = cm.causal_pairs(L - k - q // 2, L - k)
         assert head + tail == q * (L + 1) / 2
-    no_ckpt = CostModel(
-        model_preset("llama-7b"), ClusterSpec.preset("h100", 8), activation_checkpointing=False
+
+
+def _h100_rows(table: str) -> list[list]:
+    """Rows of the shipped h100 profile, read as plain JSON (not through the code under test)."""
+    data = json.loads((ROOT / "hdp" / "data" / "profiles" / "h100.json").read_text())
+    return data["tables"][table]["rows"]
+
+
+def test_measured_calls_are_priced_at_their_measured_time():
+    tables = gpu_preset("h100").tables
+    for backend, kind, heads, _, hd, a, b, seconds in _h100_rows("attention"):
+        if kind == "causal":
+            got = tables.causal_time(a, heads, hd, backend) * b
+        else:
+            got = tables.full_time(a, b, heads, hd, backend)
+        assert got == pytest.approx(seconds, rel=1e-9), (backend, kind, hd, a, b)
+    for tokens, n_in, n_out, seconds in _h100_rows("gemm"):
+        assert tables.gemm_time(tokens, n_in, n_out) == pytest.approx(seconds, rel=1e-9)
+
+
+def test_unmeasured_calls_lie_between_their_neighbours():
+    tables = gpu_preset("h100").tables
+    # Between two measured document lengths the rate (pairs per second) lies between theirs.
+    rate = lambda L: L * (L + 1) / 2 / tables.causal_time(L, 32, 128, "flash")  # noqa: E731
+    assert rate(2048) < rate(4096) < rate(8192)
+    # 64 heads give the kernel the parallel tiles of twice the queries at 32 heads.
+    assert tables.full_time(512, 65536, 64, 128, "flash") == pytest.approx(
+        tables.full_time(1024, 65536, 32, 128, "flash"), rel=1e-12
     )
-    assert no_ckpt.linear_flops_per_token == 2 * P_LAYER * 3
-    assert no_ckpt.attn_flops_per_pair == 4 * 32 * 128 * 3.5
+    # A head dimension between two measured ones runs at a rate between theirs.
+    per_dim = [
+        4096 * 65536 * d / tables.full_time(4096, 65536, 32, d, "flash") for d in (64, 96, 128)
+    ]
+    assert per_dim[0] < per_dim[1] < per_dim[2]
+    # A GEMM shape that was not measured runs at a rate within the measured shapes' range.
+    rates = [6 * 4096 * i * o / s for t, i, o, s in _h100_rows("gemm") if t == 4096]
+    t = tables.gemm_time(4096, 4096, 11008)
+    assert min(rates) <= 6 * 4096 * 4096 * 11008 / t <= max(rates)
+    # Fewer tokens than measured take as long as the fewest measured.
+    assert tables.gemm_time(100, 4096, 4096) == tables.gemm_time(1024, 4096, 4096)
 
 
-def _reference_curve():
-    """Relative attention efficiency by length, straight from the shared CSV."""
-    rows = []
-    with open(SHARED / "profiles" / "attention_h100_distca.csv") as f:
-        for r in csv.DictReader(f):
-            if r["cp"] == "1" and r["tp"] == "1":
-                L = float(r["L"])
-                rows.append((L, L * L / float(r["duration_per_doc"])))
-    top = max(rows)[1]
-    return {L: e / top for L, e in rows}
-
-
-@pytest.mark.skipif(
-    not (SHARED / "profiles").exists(), reason="../shared/data not beside the checkout"
-)
-def test_attention_efficiency_curve_matches_measurement():
-    ref = _reference_curve()
-    g = gpu_preset("h100")
-    for L, rel in ref.items():
-        assert g.attn_efficiency(L) == pytest.approx(g.attn_max_efficiency * rel)
-    # DESIGN: a 512-token block reaches about 25% of the 4K-block rate.
-    assert 0.2 < g.attn_efficiency(512) / g.attn_efficiency(4096) < 0.32
+def test_memory_bound_and_optimizer_fits_follow_the_rows():
+    tables = gpu_preset("h100").tables
+    ops = {"rmsnorm": [], "swiglu": [], "residual_add": []}
+    for op, width, tokens, seconds in _h100_rows("memory_bound"):
+        if op in ops:
+            ops[op].append(tables.memory_bound_time(op, width, tokens) / seconds - 1)
+    for op, errors in ops.items():
+        assert np.median(np.abs(errors)) < 0.35, op
+    for params, seconds in _h100_rows("optimizer"):
+        assert tables.optimizer_time(params) == pytest.approx(seconds, rel=0.05)
 
 
 def test_single_sequence_time(cm):
-    g = cm.cluster.gpu
-    pairs = 4096 * 4097 / 2
-    attn = 32 * pairs * 4 * 32 * 128 * 4.5 / (g.peak_flops * g.attn_efficiency(4096))
-    lin_eff = g.linear_max_efficiency * 4096 / (4096 + g.linear_half_tokens)
-    dense = (
-        4096 * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3) / (g.peak_flops * lin_eff)
-        + 32 * g.layer_overhead_s
+    # A whole sequence on one rank: its causal call, recomputed forward included, in every layer,
+    # and the dense work of a micro-batch of its tokens.
+    tables, L = cm.cluster.gpu.tables, 8192
+    per_doc = next(s / b for bk, k, h, _, d, a, b, s in _h100_rows("attention")
+                   if (bk, k, d, a) == ("flash", "causal", 128, L))  # fmt: skip
+    attn = 32 * per_doc * 4.5 / 3.5
+    assert cm.seq_time(L) == pytest.approx(attn + cm.dense_time(L), rel=1e-12)
+    m = cm.model
+    layer = sum(tables.gemm_time(L, i, o) for i, o in cm.compute.linears) + (
+        2 * tables.memory_bound_time("rmsnorm", m.hidden, L)
+        + 2 * tables.memory_bound_time("residual_add", m.hidden, L)
+        + tables.memory_bound_time("swiglu", m.ffn, L)
+        + tables.memory_bound_time("rope", (m.heads + m.kv_heads) * m.head_dim, L)
     )
-    assert cm.seq_time(4096) == pytest.approx(attn + dense, rel=1e-12)
-    plan = Plan.from_shards([4096], 8, [[[(0, 0, 4096)]] + [[]] * 7])
+    chunk = tables.gemm_time(4096, m.hidden, m.vocab) + tables.memory_bound_time(
+        "cross_entropy", m.vocab, 4096
+    )
+    head = 2 * chunk * 4 / 3  # two 4K-token loss chunks, recomputed in backward
+    expected = 32 * (layer * 4 / 3 + cm.cluster.gpu.layer_overhead_s) + head
+    assert cm.dense_time(L) == pytest.approx(expected, rel=2e-3)  # a log grid interpolates it
+    plan = Plan.from_shards([L], 8, [[[(0, 0, L)]] + [[]] * 7])
     rep = cm.evaluate(plan)
-    assert rep.compute_s[0, 0] == pytest.approx(attn + dense, rel=1e-12)
+    assert rep.compute_s[0, 0] == pytest.approx(cm.seq_time(L), rel=1e-12)
     assert rep.comm_bytes == 0
     # Wave sync (the default): only the first layer's share of the per-wave parameter all-gathers
     # (forward and backward) and gradient reduce-scatter is exposed.
@@ -97,6 +127,9 @@ def test_single_sequence_time(cm):
     assert rep.exposed_comm_s == pytest.approx(expected)
     assert cm.allgather_time() == pytest.approx(P_TOTAL * 2 * 7 / 8 / cm.cluster.gpu.nvlink_bw)
     assert cm.reduce_scatter_time() == pytest.approx(P_TOTAL * 4 * 7 / 8 / cm.cluster.gpu.nvlink_bw)
+    # The optimizer steps over the rank's shard once, after the waves.
+    assert cm.optimizer_s == pytest.approx(tables.optimizer_time(P_TOTAL / 8))
+    assert rep.step_time_s == pytest.approx(rep.busy_s.max() + expected + cm.optimizer_s)
 
 
 def test_memory_terms(cm):
@@ -155,17 +188,11 @@ def test_kv_traffic_across_nodes():
 
 def test_lower_bound_and_mfu(cm):
     lens = np.array([4096, 100_000])
-    g = cm.cluster.gpu
-    attn = sum(
-        32 * (L * (L + 1) / 2) * 4 * 32 * 128 * 4.5 / (g.peak_flops * g.attn_efficiency(L))
-        for L in lens
-    )
-    dense = (
-        lens.sum()
-        * (32 * 2 * P_LAYER * 4 + 2 * 32000 * 4096 * 3)
-        / (g.peak_flops * g.linear_max_efficiency)
-    )
-    assert cm.lower_bound(lens) == pytest.approx((attn + dense) / 8)
+    attn = sum(32 * cm.attn_time(np.array([0]), np.array([L]))[0] for L in lens)
+    per_token = min(cm.dense_s_per_token(t) for t in 2.0 ** np.arange(0, 25, 1 / 16))
+    assert cm.compute.best_dense_s_per_token == pytest.approx(per_token, rel=1e-6)
+    dense = lens.sum() * per_token
+    assert cm.lower_bound(lens) == pytest.approx((attn + dense) / 8 + cm.optimizer_s)
     flops = (
         lens.sum() * (32 * 2 * P_LAYER + 2 * 32000 * 4096) * 3
         + sum(L * (L + 1) / 2 for L in lens) * 4 * 32 * 128 * 3 * 32
@@ -185,9 +212,9 @@ def test_wave_and_peer_step_time():
     # hidden under compute but the first layer's share.
     coll = 2 * cm.allgather_time() + cm.reduce_scatter_time()
     per_wave = max(t_long, coll) + coll / 2
-    assert wave.step_time_s == pytest.approx(2 * per_wave, rel=1e-9)
+    assert wave.step_time_s == pytest.approx(2 * per_wave + cm.optimizer_s, rel=1e-9)
     tail = (cm.allgather_time() + cm.reduce_scatter_time()) / 2
-    assert peer.step_time_s == pytest.approx(t_long + t_short + tail, rel=1e-9)
+    assert peer.step_time_s == pytest.approx(t_long + t_short + tail + cm.optimizer_s, rel=1e-9)
     # Peer: ranks sharing a sequence start together, when the later of them is free.
     shards = [[[(0, 0, 4000)], []], [[(1, 0, 500)], [(1, 500, 1000)]]]
     rep = cm.evaluate(Plan.from_shards([4000, 1000], 2, shards, sync="peer"))

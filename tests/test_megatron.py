@@ -85,8 +85,15 @@ def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
 def test_megatron_scheduler_errors():
     from dataloader.megatron import HDPScheduler
 
+    # Two short sub-samples on 8 ranks: each is split over a CP group, so every rank runs one
+    # (the cost model prices the split as cheaper than ranks waiting with nothing to run).
+    id_len = {0: 100, 1: 200}
+    groups, sample_id_groups = HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples(
+        list(id_len.items()), None
+    )
+    check_megatron_can_run(sample_id_groups, groups, id_len, 8, 1024)
     with pytest.raises(PlanningError, match="cannot give each of 8 ranks one"):
-        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 100), (1, 200)], None)
+        HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 3), (1, 2)], None)
     with pytest.raises(PlanningError, match="no sub-sample"):
         HDPScheduler(1024, GroupOfSize(8)).get_groups_and_subsamples([(0, 0)], None)
     with pytest.raises(PlanningError, match="cannot hold a 9000-token sequence"):

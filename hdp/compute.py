@@ -1,0 +1,150 @@
+"""Compute time of one model on one device, from the device's measured kernel tables.
+
+Note [What a layer costs]
+-------------------------
+The runtime (launch/model.py) runs, per decoder layer and micro-batch of ``T`` tokens:
+
+- seven GEMMs (q, k, v, o projections; gate, up, down of the SwiGLU MLP), each priced by the
+  profile's GEMM table at ``T`` tokens;
+- attention calls, priced per call by the attention table (:meth:`ComputeModel.attn_time`);
+- memory-bound ops: two RMSNorms and two residual adds over ``hidden``, SwiGLU over ``ffn``,
+  RoPE over the query and key widths;
+- a fixed overhead (``layer_overhead_s``: launches and Python, not proportional to tokens).
+
+Once per micro-batch: the LM head and the cross-entropy over ``vocab`` in chunks of
+``loss_chunk_tokens`` (recomputed in backward when there is more than one chunk); once per step:
+the optimizer over the rank's parameter shard. The tables hold forward + backward times.
+Activation checkpointing recomputes each layer's forward in backward: the forward is taken as
+1/3 of a GEMM's or memory-bound op's forward + backward time and 1/3.5 of attention's (its
+backward does 2.5x the forward's FLOPs). Those shares are assumed, not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .specs import GPUProfile, ModelSpec
+
+_GRID_PER_OCTAVE = 16
+_GRID_MAX_TOKENS = 1 << 25
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Training compute time of ``model`` on ``gpu`` (Note [What a layer costs])."""
+
+    model: ModelSpec
+    gpu: GPUProfile
+    activation_checkpointing: bool = True
+    loss_chunk_tokens: int = 4096
+    attention_backend: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.attention_backend or self.gpu.attention_backend
+
+    @property
+    def attn_recompute(self) -> float:
+        """Attention time with recompute over its forward + backward time."""
+        return 4.5 / 3.5 if self.activation_checkpointing else 1.0
+
+    @property
+    def dense_recompute(self) -> float:
+        return 4.0 / 3.0 if self.activation_checkpointing else 1.0
+
+    # ------------------------------------------------------------------ attention
+    def attn_time(self, start, end) -> np.ndarray:
+        """Training time of the attention of causal query shards ``[start, end)``, one layer (s):
+        the diagonal block as a causal call, the keys before ``start`` as one full block."""
+        m, t = self.model, self.gpu.tables
+        a = np.asarray(start, dtype=np.float64)
+        q = np.asarray(end, dtype=np.float64) - a
+        diag = t.causal_time(q, m.heads, m.head_dim, self.backend)
+        earlier = t.full_time(q, a, m.heads, m.head_dim, self.backend)
+        total = diag + np.where(a > 0, earlier, 0.0)
+        return np.where(q > 0, total, 0.0) * self.attn_recompute
+
+    # ------------------------------------------------------------------ dense work
+    @property
+    def linears(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of the seven GEMMs of a decoder layer."""
+        m = self.model
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        h, f = m.hidden, m.ffn
+        return ((h, q), (h, kv), (h, kv), (q, h), (h, f), (h, f), (f, h))
+
+    def layer_time(self, tokens) -> np.ndarray:
+        """Dense and memory-bound training time of one decoder layer on ``tokens`` (no
+        attention, no fixed overhead), seconds."""
+        m, t = self.model, self.gpu.tables
+        T = np.asarray(tokens, dtype=np.float64)
+        gemm = sum(t.gemm_time(T, n_in, n_out) for n_in, n_out in self.linears)
+        mem = (
+            2 * t.memory_bound_time("rmsnorm", m.hidden, T)
+            + 2 * t.memory_bound_time("residual_add", m.hidden, T)
+            + t.memory_bound_time("swiglu", m.ffn, T)
+            + t.memory_bound_time("rope", (m.heads + m.kv_heads) * m.head_dim, T)
+        )
+        return (gemm + mem) * self.dense_recompute
+
+    def head_time(self, tokens) -> np.ndarray:
+        """LM head and cross-entropy of ``tokens`` in chunks of ``loss_chunk_tokens``, seconds."""
+        m, t, c = self.model, self.gpu.tables, self.loss_chunk_tokens
+        T = np.asarray(tokens, dtype=np.float64)
+
+        def chunk(n):
+            gemm = t.gemm_time(n, m.hidden, m.vocab)
+            return np.where(n > 0, gemm + t.memory_bound_time("cross_entropy", m.vocab, n), 0.0)
+
+        full, rest = np.floor(T / c), T - np.floor(T / c) * c
+        recompute = np.where(T > c, 4.0 / 3.0, 1.0)  # the chunks run under checkpoint
+        return (full * chunk(np.full_like(T, c)) + chunk(rest)) * recompute
+
+    @cached_property
+    def _dense_grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """(log tokens, log seconds) of :meth:`dense_work` on a fine grid, for fast lookups."""
+        octaves = int(np.log2(_GRID_MAX_TOKENS))
+        T = 2.0 ** np.linspace(0, octaves, octaves * _GRID_PER_OCTAVE + 1)
+        work = self.model.layers * self.layer_time(T) + self.head_time(T)
+        return np.log(T), np.log(work)
+
+    def dense_work(self, tokens) -> np.ndarray:
+        """Dense, memory-bound and head time of a micro-batch of ``tokens``, without the fixed
+        per-layer overhead, seconds (interpolated on a fine log grid)."""
+        T = np.asarray(tokens, dtype=np.float64)
+        xs, ys = self._dense_grid
+        out = np.exp(np.interp(np.log(np.maximum(T, 1.0)), xs, ys))
+        return np.where(T > 0, out, 0.0)
+
+    def dense_time(self, tokens) -> np.ndarray:
+        """:meth:`dense_work` plus the fixed overhead of every layer, seconds."""
+        T = np.asarray(tokens, dtype=np.float64)
+        overhead = self.model.layers * self.gpu.layer_overhead_s
+        return self.dense_work(T) + np.where(T > 0, overhead, 0.0)
+
+    def dense_s_per_token(self, tokens) -> np.ndarray:
+        """Dense time per token in a micro-batch of ``tokens`` tokens, seconds."""
+        T = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
+        return self.dense_work(T) / T
+
+    @cached_property
+    def best_dense_s_per_token(self) -> float:
+        """The least dense time per token over every micro-batch size."""
+        xs, ys = self._dense_grid
+        return float(np.exp(ys - xs).min())
+
+    def least_dense_s_per_token(self, up_to: float) -> float:
+        """The least dense time per token of micro-batches of at most ``up_to`` tokens: a bound
+        for any token that shares such a micro-batch."""
+        xs, ys = self._dense_grid
+        x = np.log(max(float(up_to), 1.0))
+        at = float(np.interp(x, xs, ys)) - x
+        below = ys[xs <= x] - xs[xs <= x]
+        return float(np.exp(min(at, below.min(initial=np.inf))))
+
+    def optimizer_time(self, params: float) -> float:
+        """One optimizer step over ``params`` parameters (a rank's shard), seconds."""
+        return self.gpu.tables.optimizer_time(params)
