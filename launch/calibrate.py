@@ -4,8 +4,8 @@
 model prices compute from (attention calls, GEMMs, memory-bound ops, the optimizer step,
 collectives; :mod:`launch.calibrate_tables`, :mod:`launch.calibrate_comm`) and the scalars around
 them (peak FLOP/s, memory, memory bandwidth, a decoder layer's fixed cost), and copies the links
-from a base preset. ``check`` (:mod:`planner.calibration`) compares a profile's predictions with
-measured step times.
+from a base preset. ``check`` (:mod:`planner.calibration`) prices a table of measured kernel times
+with a profile and reports the errors.
 """
 
 from __future__ import annotations
@@ -134,18 +134,27 @@ def add_measure_parser(sub) -> None:
         action="store_true",
         help="skip the collective table (two local processes)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU: threads to measure with, the threads each rank gets in training (default: "
+        "$OMP_NUM_THREADS, else 1, as torchrun gives each of several ranks on a node)",
+    )
     p.set_defaults(handler=_run_measure)
 
 
 def add_check_parser(sub) -> None:
     p = sub.add_parser(
         "check",
-        help="compare a profile's predictions with measured step times",
-        description="Compare the step times a profile predicts with measured ones "
-        "(planner.calibration).",
+        help="price a table of measured kernel times with a profile; report the errors",
+        description="Price every row of a table of measured kernel times (the columns of "
+        "h100_measured.csv, an optional backend column) with a profile. The last line printed "
+        'is one JSON object: {"rows": N, "median_rel_err": x, "max_rel_err": y} over the '
+        "step-relevant rows, with leave-one-out errors where the profile holds the rows.",
     )
     p.add_argument("profile", metavar="PROFILE", help="a profile JSON path or a GPU preset name")
-    p.add_argument("--table", required=True, metavar="CSV", help="measured step times (CSV)")
+    p.add_argument("--table", required=True, metavar="CSV", help="measured kernel times (CSV)")
     p.add_argument("--backend", default=None, metavar="NAME", help="attention backend to price")
     p.set_defaults(handler=_run_check)
 
@@ -154,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Calibrate the cost model to this machine: measure a GPU profile's kernel "
-        "tables (measure), or check a profile against measured step times (check).",
+        "tables (measure), or price measured kernel times with a profile (check).",
         epilog="example: hdp-calibrate measure --device cpu --quick --out cpu.json",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -181,6 +190,11 @@ def _run_check(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_measure(args: argparse.Namespace, argv: list[str]) -> int:
     setup = resolve(args)
+    if setup.device.type == "cpu":
+        threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     profile = measure(setup, quick=args.quick, collectives=not args.no_collectives, argv=argv)
     write_profile(profile, setup.out)

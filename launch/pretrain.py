@@ -30,7 +30,8 @@ sys.path.insert(0, str(_HERE.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hdp import GPU_PRESETS, MODEL_PRESETS, parse_size  # noqa: E402
+from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, parse_size  # noqa: E402
+from hdp.profile import ProfileError  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
 from launch.train import train  # noqa: E402
 
@@ -56,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.steps < 1 or args.plan_ahead < 1 or args.log_every < 1:
         p.error("--steps, --plan-ahead and --log-every must be >= 1")
+    if args.gpu_profile:
+        try:
+            GPUProfile.load(args.gpu_profile)
+        except ProfileError as e:
+            p.error(str(e))
     return args
 
 
@@ -140,10 +146,17 @@ def add_planning_args(pl) -> None:
         default="auto",
         help="auto: one CUDA GPU per local rank where there are enough, else CPU (gloo)",
     )
-    pl.add_argument(
+    gpu = pl.add_mutually_exclusive_group()
+    gpu.add_argument(
         "--gpu",
         default=None,
-        help=f"GPU profile for planning: {', '.join(GPU_PRESETS)} (default: detected)",
+        help=f"GPU preset for planning: {', '.join(GPU_PRESETS)} (default: detected)",
+    )
+    gpu.add_argument(
+        "--gpu-profile",
+        metavar="PROFILE.json",
+        default=None,
+        help="GPU profile file for planning (from hdp-calibrate measure) instead of a preset",
     )
     pl.add_argument("--plan-ahead", type=int, default=2)
 

@@ -31,7 +31,7 @@ from dataloader import (
     open_source,
 )
 from dataloader.loader import StepData
-from hdp import ClusterSpec, CostModel, gpu_preset, model_preset
+from hdp import ClusterSpec, CostModel, GPUProfile, gpu_preset, model_preset
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
@@ -95,6 +95,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
             grad_norm=float(grad_norm),
             mfu=cost.model_flops(data.plan.seq_lens) / (step_time * world * cluster.gpu.peak_flops),
             trained=trained,
+            predicted_rank_s=predicted_rank_s(cost, data) if rank == 0 else [],
         )
         write_record(metrics_file, record)
         if (step_idx + 1) % args.log_every == 0:
@@ -117,11 +118,16 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
 
 
 def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -> CostModel:
-    """The cost model of what is trained (``--model``) on what (the ranks, ``--gpu``)."""
+    """The cost model of what is trained (``--model``) on what (the ranks; ``--gpu-profile``,
+    ``--gpu``, or the preset of the detected device)."""
     spec = model_preset(args.model)
     if device.type == "cpu" and spec.dtype_bytes != 4:
         spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
-    cluster = ClusterSpec(world, min(per_node, world), gpu_preset(args.gpu or detect_gpu(device)))
+    if args.gpu_profile:
+        gpu = GPUProfile.load(args.gpu_profile)
+    else:
+        gpu = gpu_preset(args.gpu or detect_gpu(device))
+    cluster = ClusterSpec(world, min(per_node, world), gpu)
     return CostModel(
         spec,
         cluster,
@@ -319,8 +325,11 @@ def metrics_record(
     grad_norm: float,
     mfu: float,
     trained: int,
+    predicted_rank_s: list[float],
 ) -> dict:
-    """The step's line of the ``--metrics`` file."""
+    """The step's line of the ``--metrics`` file: measured figures and, beside them, what the
+    cost model predicted (``predicted_step_s`` and ``predicted_rank_s``, each rank's busy time,
+    to compare with ``busy_s``)."""
     return {
         "step": step,
         "loss": res.loss,
@@ -337,9 +346,17 @@ def metrics_record(
         "grad_norm": grad_norm,
         "mfu": mfu,
         "predicted_step_s": data.plan.predicted.get("step_time_s", float("nan")),
+        "busy_s": busy_s,
+        "predicted_rank_s": predicted_rank_s,
         "trained_tokens": trained,
         "truncated_tokens": data.truncated_tokens,
     }
+
+
+def predicted_rank_s(cost: CostModel, data: StepData) -> list[float]:
+    """Each rank's busy time in the step (compute, exposed communication and offload) as the
+    cost model prices the step's plan, seconds."""
+    return cost.evaluate(data.plan).busy_s.sum(axis=0).tolist()
 
 
 def write_record(metrics_file, record: dict) -> None:

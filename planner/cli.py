@@ -9,7 +9,15 @@ import sys
 import time
 from pathlib import Path
 
-from hdp import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, gpu_preset, model_preset, parse_size
+from hdp import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    ClusterSpec,
+    GPUProfile,
+    gpu_preset,
+    model_preset,
+    parse_size,
+)
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
@@ -41,8 +49,15 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         default=8,
         help="GPUs per node sharing NVLink (default 8)",
     )
-    g.add_argument(
-        "--gpu", default="h100", help=f"GPU profile: {', '.join(GPU_PRESETS)} (default h100)"
+    gpu = g.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu", default="h100", help=f"GPU preset: {', '.join(GPU_PRESETS)} (default h100)"
+    )
+    gpu.add_argument(
+        "--gpu-profile",
+        metavar="PROFILE.json",
+        default=None,
+        help="GPU profile file (from hdp-calibrate measure) instead of a preset",
     )
     g.add_argument(
         "--model",
@@ -80,9 +95,8 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
-    return ClusterSpec(args.gpus, args.gpus_per_node, gpu_preset(args.gpu)), model_preset(
-        args.model
-    )
+    gpu = GPUProfile.load(args.gpu_profile) if args.gpu_profile else gpu_preset(args.gpu)
+    return ClusterSpec(args.gpus, args.gpus_per_node, gpu), model_preset(args.model)
 
 
 def _strategies(text: str) -> list[str]:

@@ -34,10 +34,29 @@ run() {  # run NAME COMMAND...: record pass/fail, keep the log
 }
 run "GPU kernel and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_dist_attn.py -k "gpu or cuda"
 run "block-size benchmark" $PY scripts/bench_attention.py --gpu
-# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the flash backend in dist_attn.
-run "llama-1b training on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
-  launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K --tokens-per-step 64K --steps 8 \
-  --warmup 2 --activation-checkpointing --metrics "$OUT_DIR/train_metrics.jsonl"
+# The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
+# the measured one checked against the shared H100 tables (when ../shared is beside the checkout).
+run "hdp-calibrate measure (CUDA)" $PY -m launch.calibrate measure --out "$OUT_DIR/profile.json"
+for table in ../shared/data/profiles/h100_measured.csv ../shared/data/profiles/h100_cudnn_measured.csv; do
+  [ -f "$table" ] || continue
+  run "hdp-calibrate check h100 $(basename "$table")" $PY -m launch.calibrate check h100 --table "$table"
+  run "hdp-calibrate check measured $(basename "$table")" \
+    $PY -m launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
+done
+# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the flash backend in dist_attn;
+# then measured / predicted of every step (the target: 0.85-1.15 after the first two).
+for seq in 32K 128K; do
+  tokens=$([ "$seq" = 32K ] && echo 64K || echo 128K)
+  workload=$([ "$seq" = 32K ] && echo wlb-128k || echo byted-2m)
+  run "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run --standalone \
+    --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload "$workload" --max-seq "$seq" \
+    --tokens-per-step "$tokens" --steps 8 --warmup 2 --activation-checkpointing \
+    --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
+  run "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics "$OUT_DIR/train_metrics_$seq.jsonl"
+done
+# One rank's attention from real 1024-rank plans, run with the project's kernels (target: 0.9-1.1).
+run "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention --gpus 1024 \
+  --backends flash --device cuda
 # The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
 # One test at a time, as CI runs it: the multi-rank tests pick free TCP ports, which tests running
 # in parallel (pytest -n) can take from each other.

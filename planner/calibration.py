@@ -1,0 +1,148 @@
+"""``hdp-calibrate check``: how well a GPU profile prices a table of measured kernel times.
+
+The table has the columns of ``../shared/data/profiles/h100_measured.csv``: ``kind`` (``attn_doc``:
+``b`` causal documents of ``a`` tokens in one call; ``attn_shard``: ``a`` queries against ``b``
+earlier keys; ``gemm``: ``[a x b] @ [b x c]``), ``heads``, ``kv_heads``, ``head_dim``, ``a``,
+``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend`` (``flash`` where absent).
+Each row is priced by the profile; the errors are reported over the step-relevant rows
+(attention calls of at least 512 query tokens, GEMMs of at least 1K tokens). Where the profile
+holds the row itself, the row is also priced by the profile without it (leave-one-out): how well
+the tables generalise to calls between their measurements.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hdp.profile import KernelTables, ProfileError
+from hdp.specs import GPUProfile, gpu_profile
+
+STEP_RELEVANT_QUERIES = 512
+STEP_RELEVANT_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured call: its kind, shape, backend and forward + backward seconds."""
+
+    kind: str
+    heads: int
+    head_dim: int
+    a: int
+    b: int
+    c: int
+    backend: str
+    seconds: float
+
+    @property
+    def step_relevant(self) -> bool:
+        limit = STEP_RELEVANT_TOKENS if self.kind == "gemm" else STEP_RELEVANT_QUERIES
+        return self.a >= limit
+
+    def price(self, tables: KernelTables) -> float:
+        if self.kind == "gemm":
+            return float(tables.gemm_time(self.a, self.b, self.c))
+        if self.kind == "attn_doc":
+            per_doc = tables.causal_time(self.a, self.heads, self.head_dim, self.backend)
+            return float(per_doc) * self.b
+        return float(tables.full_time(self.a, self.b, self.heads, self.head_dim, self.backend))
+
+    def profile_index(self, tables: KernelTables) -> tuple[str, int] | None:
+        """(table, index) of this very measurement in ``tables``, if they hold it."""
+        if self.kind == "gemm":
+            rows, key = tables.gemm, (self.a, self.b, self.c)
+            found = [i for i, r in enumerate(rows) if tuple(r[:3]) == key]
+            return ("gemm", found[0]) if found else None
+        kind = "causal" if self.kind == "attn_doc" else "full"
+        key = (self.backend, kind, self.heads, self.head_dim, self.a, self.b)
+        for i, r in enumerate(tables.attention):
+            if (r[0], r[1], r[2], r[4], r[5], r[6]) == key:
+                return ("attention", i)
+        return None
+
+
+def read_table(path: str | Path) -> list[Row]:
+    """The rows of a measured table; one clear error naming the file, line and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the table: {e.strerror}") from None
+    rows = []
+    for line, r in enumerate(csv.DictReader(text.splitlines()), start=2):
+        try:
+            rows.append(
+                Row(
+                    kind=r["kind"],
+                    heads=int(r["heads"]),
+                    head_dim=int(r["head_dim"]),
+                    a=int(r["a"]),
+                    b=int(r["b"]),
+                    c=int(r["c"]),
+                    backend=r.get("backend") or "flash",
+                    seconds=float(r["ms"]) / 1e3,
+                )
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"{path}, line {line}: unreadable row ({e})") from None
+        if rows[-1].kind not in ("attn_doc", "attn_shard", "gemm"):
+            raise ProfileError(f"{path}, line {line}: kind {rows[-1].kind!r} is not priced")
+    return rows
+
+
+def _summary(errors: list[float]) -> tuple[float, float]:
+    e = np.abs(np.asarray(errors, dtype=np.float64))
+    return (float(np.median(e)), float(e.max())) if e.size else (float("nan"), float("nan"))
+
+
+def check(profile: GPUProfile, rows: list[Row], out=sys.stdout) -> dict[str, float]:
+    """Print every row's predicted / measured time and return the summary of the errors."""
+    tables = profile.tables
+    errors, loo = [], []
+    for row in rows:
+        try:
+            predicted = row.price(tables)
+        except ProfileError as e:
+            print(f"{row.kind} {row.backend}: {e}", file=out)
+            continue
+        err = predicted / row.seconds - 1.0
+        where = row.profile_index(tables)
+        loo_err = row.price(tables.without(*where)) / row.seconds - 1.0 if where else None
+        if row.step_relevant:
+            errors.append(err)
+            if loo_err is not None:
+                loo.append(loo_err)
+        print(
+            f"{row.kind:10s} {row.backend:9s} heads {row.heads:3d} hd {row.head_dim:3d} "
+            f"{row.a:7d} {row.b:7d} {row.c:6d}  measured {row.seconds * 1e3:9.3f} ms  "
+            f"predicted {predicted * 1e3:9.3f} ms  err {err:+7.1%}"
+            + (f"  leave-one-out {loo_err:+7.1%}" if loo_err is not None else ""),
+            file=out,
+        )
+    median, worst = _summary(errors)
+    summary = {"rows": len(errors), "median_rel_err": median, "max_rel_err": worst}
+    if loo:
+        summary["loo_median_rel_err"], summary["loo_max_rel_err"] = _summary(loo)
+    return summary
+
+
+def check_main(args) -> int:
+    """``hdp-calibrate check PROFILE --table CSV [--backend NAME]``; the last line printed is
+    the JSON summary."""
+    try:
+        profile = gpu_profile(args.profile)
+        rows = read_table(args.table)
+    except (ProfileError, ValueError) as e:
+        print(f"hdp-calibrate: error: {e}", file=sys.stderr)
+        return 2
+    if args.backend:
+        rows = [r for r in rows if r.kind == "gemm" or r.backend == args.backend]
+    summary = check(profile, rows)
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,172 @@
+r"""Predicted against measured: training steps, and one rank's attention in real plans.
+
+``metrics``: a ``launch/pretrain.py --metrics`` file; per step the measured step time over the
+cost model's ``predicted_step_s`` and each rank's measured busy time over ``predicted_rank_s``,
+then one JSON line summarising the steps after ``--skip``.
+
+``attention``: plans real batches with hdp (``--gpus`` ranks), takes ranks with long shards,
+short shards and whole documents, runs each rank's attention calls with the project's kernels
+(``attention.kernels``: one causal varlen call over the rank's shards, one full call per shard
+against the keys before it, forward + backward) on every backend asked for, and prints measured
+over what the cost model prices for those calls.
+
+    python scripts/bench_fidelity.py metrics /tmp/hdp-gpu-check/train_metrics.jsonl
+    python scripts/bench_fidelity.py attention --gpus 1024 --workloads byted-2m,wlb-128k \
+        --backends flash,cudnn --device cuda
+    python scripts/bench_fidelity.py attention --gpus 16 --tokens 64K --model tiny \
+        --profile cpu --backends reference --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hdp import ClusterSpec, CostModel, Plan, gpu_profile, model_preset, parse_size  # noqa: E402
+from hdp.workloads import get_workload  # noqa: E402
+from planner import plan_step  # noqa: E402
+
+BACKEND_NAMES = {"flash": "torch_flash", "reference": "reference", "cudnn": "cudnn"}
+
+
+def metrics_report(path: Path, skip: int) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for r in rows:
+        ranks = " ".join(
+            f"{m / p:.2f}" for m, p in zip(r.get("busy_s", []), r.get("predicted_rank_s", []))
+        )
+        ratio = r["step_time_s"] / r["predicted_step_s"]
+        print(
+            f"step {r['step']:3d}  measured {r['step_time_s']:8.3f} s  predicted "
+            f"{r['predicted_step_s']:8.3f} s  ratio {ratio:5.2f}  per rank busy ratio {ranks}"
+        )
+    kept = [r["step_time_s"] / r["predicted_step_s"] for r in rows[skip:]]
+    return {
+        "steps": len(kept),
+        "median_ratio": statistics.median(kept) if kept else float("nan"),
+        "min_ratio": min(kept, default=float("nan")),
+        "max_ratio": max(kept, default=float("nan")),
+    }
+
+
+def pick_ranks(plan: Plan) -> dict[str, tuple[int, int]]:
+    """(rank, wave) of three kinds of work: the longest multi-rank shards, the shortest ones,
+    and the most tokens of whole documents."""
+    split = np.bincount(plan.seq, minlength=plan.seq_lens.size)[plan.seq] > 1
+    whole = ~split & (plan.start == 0) & (plan.end == plan.seq_lens[plan.seq])
+    sizes = plan.end - plan.start
+    out = {}
+    if split.any():
+        k = np.flatnonzero(split)
+        longest, shortest = k[np.argmax(sizes[k])], k[np.argmin(sizes[k])]
+        out["long shards"] = (int(plan.rank[longest]), int(plan.wave[longest]))
+        out["short shards"] = (int(plan.rank[shortest]), int(plan.wave[shortest]))
+    if whole.any():
+        cell = plan.wave * plan.num_ranks + plan.rank
+        tokens = np.bincount(cell[whole], weights=sizes[whole])
+        c = int(np.argmax(tokens))
+        out["whole documents"] = (c % plan.num_ranks, c // plan.num_ranks)
+    return out
+
+
+def time_rank(plan: Plan, rank: int, wave: int, model, backend, device, dtype) -> float:
+    """Forward + backward of the rank's attention calls in ``wave``, seconds (median of 3)."""
+    import torch
+
+    shards = plan.shards(rank, wave)
+    q_lens = [b - a for _, a, b in shards]
+    H, Hk, d = model.heads, model.kv_heads, model.head_dim
+    scale = d**-0.5
+
+    def call(nq, nk, causal, cu_q, cu_k):
+        q = torch.randn(nq, H, d, device=device, dtype=dtype)
+        k = torch.randn(nk, Hk, d, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        out, lse = backend.forward(q, k, v, cu_q, cu_k, max(q_lens), nk, causal, scale)
+        backend.backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k,
+                         max(q_lens), nk, causal, scale)  # fmt: skip
+
+    def once() -> float:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32,
+                          device=device)  # fmt: skip
+        call(int(sum(q_lens)), int(sum(q_lens)), True, cu, cu)
+        for _, a, b in shards:
+            if a > 0:
+                cu_q = torch.tensor([0, b - a], dtype=torch.int32, device=device)
+                cu_k = torch.tensor([0, a], dtype=torch.int32, device=device)
+                call(b - a, a, False, cu_q, cu_k)
+        sync()
+        return time.perf_counter() - t0
+
+    once()  # warm-up
+    return statistics.median(once() for _ in range(3))
+
+
+def attention_report(args) -> None:
+    import torch
+
+    from attention.kernels import get_backend
+
+    model = model_preset(args.model)
+    gpu = gpu_profile(args.profile)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for wl in args.workloads.split(","):
+        w = get_workload(wl)
+        lens = w.sample_batch(np.random.default_rng(args.seed), tokens_per_step=args.tokens)
+        cluster = ClusterSpec(args.gpus, 8, gpu)
+        plan = plan_step(lens, cluster, model, "hdp", max_seq=w.max_seq)
+        for kind, (rank, wave) in pick_ranks(plan).items():
+            for name in args.backends.split(","):
+                cost = CostModel(model, cluster, activation_checkpointing=False,
+                                 attention_backend=name)  # fmt: skip
+                sl = plan.shard_slice(rank, wave)
+                predicted = float(cost.attn_time(plan.start[sl], plan.end[sl]).sum())
+                measured = time_rank(plan, rank, wave, model, get_backend(BACKEND_NAMES[name]),
+                                     device, dtype)  # fmt: skip
+                print(
+                    f"{wl:15s} {kind:16s} rank {rank:5d} wave {wave:2d} "
+                    f"{sl.stop - sl.start:4d} shards  {name:9s} measured {measured * 1e3:9.2f} ms"
+                    f"  predicted {predicted * 1e3:9.2f} ms  ratio {measured / predicted:5.2f}",
+                    flush=True,
+                )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("metrics", help="measured / predicted of a training run's steps")
+    m.add_argument("path", type=Path)
+    m.add_argument("--skip", type=int, default=2, help="first steps left out of the summary")
+    a = sub.add_parser("attention", help="one rank's attention in real plans, run and priced")
+    a.add_argument("--gpus", type=int, default=1024)
+    a.add_argument("--tokens", type=parse_size, default=None, help="tokens per step")
+    a.add_argument("--workloads", default="byted-2m,github-2m,wlb-128k")
+    a.add_argument("--model", default="llama-7b")
+    a.add_argument("--profile", default="h100", help="GPU preset or profile JSON")
+    a.add_argument("--backends", default="flash")
+    a.add_argument("--device", default="cuda")
+    a.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.command == "metrics":
+        print(json.dumps(metrics_report(args.path, args.skip)))
+    else:
+        attention_report(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
