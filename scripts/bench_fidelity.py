@@ -122,6 +122,8 @@ def attention_report(args) -> None:
     gpu = gpu_profile(args.profile)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the cpu profile was measured: one thread per rank
     for wl in args.workloads.split(","):
         w = get_workload(wl)
         lens = w.sample_batch(np.random.default_rng(args.seed), tokens_per_step=args.tokens)
