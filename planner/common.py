@@ -46,6 +46,15 @@ class Context:
         return np.asarray(self.cost.seq_time(self.seq_lens), dtype=np.float64)
 
     @cached_property
+    def packed_s(self) -> np.ndarray:
+        """Busy time (s) each sequence adds to a rank's cell that also holds others: its
+        attention, and its dense work at the speed of a full cell. Whole sequences placed beside
+        each other share a micro-batch's fixed costs, which :attr:`whole_s` charges each."""
+        lens = self.seq_lens
+        attn = self.cost.model.layers * self.cost.attn_time(np.zeros(lens.size), lens)
+        return attn + lens * self.cost.dense_s_per_token(max(self.capacity, 1))
+
+    @cached_property
     def offload_capacity(self) -> int:
         """Most tokens a rank holds in one wave with activation offload (at least the capacity)."""
         return max(self.cost.offload_capacity(self.sync), self.capacity)

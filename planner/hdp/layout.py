@@ -66,7 +66,7 @@ def jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     multi = np.flatnonzero(job)
     multi = multi[np.argsort(-job_time[multi], kind="stable")]
     single = np.flatnonzero(~job & (lens > 0))
-    return multi, single[np.argsort(-ctx.whole_s[single], kind="stable")]
+    return multi, single[np.argsort(-ctx.packed_s[single], kind="stable")]
 
 
 def pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:

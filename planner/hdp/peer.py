@@ -60,7 +60,7 @@ def place_peer(
     for i in rest:
         _, r = heapq.heappop(heap)
         layout.single_rank[i] = r
-        rank_load[r] += ctx.whole_s[i]
+        rank_load[r] += ctx.packed_s[i]
         layout.single_key[i] = tail.key + _first_fit(tail.waves[r], int(lens[i]), ctx.capacity)
         heapq.heappush(heap, (float(rank_load[r]), r))
     if polish_moves and rest:
@@ -80,7 +80,7 @@ def _fill_gaps(
     gap_waves: dict[tuple[int, int], list[int]] = {}
     rest = []
     for i in single.tolist():
-        t = float(ctx.whole_s[i])
+        t = float(ctx.packed_s[i])
         j = bisect.bisect_left(room, (t, -1, -1))
         if j == len(room):
             rest.append(i)
@@ -105,7 +105,7 @@ def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
 
 def _polish(ctx: Context, layout: Layout, tail: _Tail, ids: np.ndarray, moves: int) -> None:
     """Move tail sequences from the most to the least loaded rank while the maximum falls."""
-    whole, load = ctx.whole_s, tail.rank_load
+    whole, load = ctx.packed_s, tail.rank_load
     by_rank: dict[int, list[int]] = {}
     for i in ids.tolist():
         by_rank.setdefault(int(layout.single_rank[i]), []).append(i)

@@ -99,7 +99,7 @@ def estimate_wave_step(
     multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
     layer = place_wave_jobs(ctx, num_waves, multi, cand, stacked_share=stacked_share)
     height = layer.load.max(axis=1)
-    fill_s = float(ctx.whole_s[single].sum())
+    fill_s = float(ctx.packed_s[single].sum())
     per_token = fill_s / max(int(ctx.seq_lens[single].sum()), 1)
     room = np.minimum(
         height[:, None] - layer.load, per_token * np.maximum(0, off_cap - layer.tokens)

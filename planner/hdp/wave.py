@@ -76,7 +76,7 @@ def place_two_tiers(
     """The cheapest whole sequences per token (those that fill a cell's tokens long before its
     time) go to waves of their own after the rest, until the rest fits ``cand.cheap_share`` of
     the ranks' offload capacity in one wave, so the dense waves keep token room."""
-    lens, whole = ctx.seq_lens, ctx.whole_s
+    lens, whole = ctx.seq_lens, ctx.packed_s
     by_density = single[np.argsort(whole[single] / lens[single], kind="stable")]
     excess = int(lens.sum()) - cand.cheap_share * ctx.num_ranks * ctx.offload_capacity
     n_cheap = int(np.searchsorted(np.cumsum(lens[by_density]), excess)) + 1 if excess > 0 else 0
@@ -231,7 +231,7 @@ def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.nd
     single_key = np.full(lens.size, -1, dtype=np.int64)
     cells = _Cells(ctx, layer)
     for i in single.tolist():
-        L, t = int(lens[i]), float(ctx.whole_s[i])
+        L, t = int(lens[i]), float(ctx.packed_s[i])
         choice = cells.choose(L, t) or cells.new_wave(t)
         single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
     return single_rank, single_key
@@ -273,7 +273,7 @@ def rebalance_wave(
     slowest cell holds a whole sequence that another cell can take so that both end below the
     old maximum (with the offload it then needs, its exposed host copy added), move the one that
     lowers it most. ``None`` if nothing moved."""
-    n, lens, whole = ctx.num_ranks, ctx.seq_lens, ctx.whole_s
+    n, lens, whole = ctx.num_ranks, ctx.seq_lens, ctx.packed_s
     holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
     movable = (holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq])
     load = np.array(busy, dtype=np.float64)
