@@ -15,7 +15,10 @@ measured range, so a call between two measured sizes runs at a rate between thei
   than the table's give the kernel more parallel tiles, as more query tokens would, so a full
   block of ``q`` queries and ``H`` heads is looked up at ``q H / H_table`` queries. Other head
   dimensions interpolate between the measured ones. Documents shorter than the shortest
-  measured take as long as it (one tile).
+  measured take as long as it (one tile). Below the smallest measured block the rate falls
+  along the slope of the two smallest (in log space, between flat and proportional to the
+  size), and a block of fewer queries than one tile takes as long as a tile: a small block
+  leaves the kernel's tiles idle, it does not run at a long block's rate.
 - A GEMM's work is ``6 tokens x in x out`` (forward and both backward products). A measured
   shape's rate is interpolated over tokens; fewer tokens than measured take as long as the
   fewest. Other shapes average the measured shapes' rates, weighted by inverse squared distance
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "hdp.profile/1"
+TILE_TOKENS = 128  # query rows of one attention kernel tile: fewer run as long as a tile
 TABLE_COLUMNS = {
     "attention": ("backend", "kind", "heads", "kv_heads", "head_dim", "a", "b", "seconds"),
     "gemm": ("tokens", "in", "out", "seconds"),
@@ -80,21 +84,35 @@ class Linear:
         return cls(float(fixed), float(per))
 
 
+def _low_slope(at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The slope of ``values`` (along axis 0) over their two lowest points, within [0, 1]."""
+    if at.size < 2:
+        return np.zeros(values.shape[1:])
+    return np.clip((values[1] - values[0]) / (at[1] - at[0]), 0.0, 1.0)
+
+
 def _grid_interp(xs: np.ndarray, ys: np.ndarray, grid: np.ndarray, x, y) -> np.ndarray:
-    """Bilinear interpolation of ``grid[len(xs), len(ys)]`` at ``(x, y)``, clamped to the grid."""
-    x = np.clip(np.asarray(x, np.float64), xs[0], xs[-1])
-    y = np.clip(np.asarray(y, np.float64), ys[0], ys[-1])
+    """Bilinear interpolation of ``grid[len(xs), len(ys)]`` at ``(x, y)``; flat above the grid,
+    and below it along the slope of its two lowest rows or columns (Note [Interpolating
+    measured kernels])."""
+    x0, y0 = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    below_x, below_y = np.minimum(x0 - xs[0], 0.0), np.minimum(y0 - ys[0], 0.0)
+    x = np.clip(x0, xs[0], xs[-1])
+    y = np.clip(y0, ys[0], ys[-1])
     i = np.clip(np.searchsorted(xs, x, side="right") - 1, 0, max(xs.size - 2, 0))
     j = np.clip(np.searchsorted(ys, y, side="right") - 1, 0, max(ys.size - 2, 0))
     i1, j1 = np.minimum(i + 1, xs.size - 1), np.minimum(j + 1, ys.size - 1)
     tx = np.where(xs[i1] > xs[i], (x - xs[i]) / np.where(xs[i1] > xs[i], xs[i1] - xs[i], 1), 0.0)
     ty = np.where(ys[j1] > ys[j], (y - ys[j]) / np.where(ys[j1] > ys[j], ys[j1] - ys[j], 1), 0.0)
-    return (
+    inside = (
         grid[i, j] * (1 - tx) * (1 - ty)
         + grid[i1, j] * tx * (1 - ty)
         + grid[i, j1] * (1 - tx) * ty
         + grid[i1, j1] * tx * ty
     )
+    slope_x = np.interp(y, ys, _low_slope(xs, grid))  # along x, at this y
+    slope_y = np.interp(x, xs, _low_slope(ys, grid.T))
+    return inside + slope_x * below_x + slope_y * below_y
 
 
 def _filled_grid(q: np.ndarray, k: np.ndarray, v: np.ndarray):
@@ -207,11 +225,11 @@ class KernelTables:
         return causal_pairs(L) * heads * head_dim / np.exp(rate)
 
     def full_time(self, q, k, heads: int, head_dim: int, backend: str) -> np.ndarray:
-        """Forward + backward of ``q`` queries against ``k`` earlier keys (no mask), seconds."""
-        q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
-        rate = self._log_rate(
-            backend, head_dim, lambda f: f.full_log_rate(q, np.maximum(k, 1.0), heads)
-        )
+        """Forward + backward of ``q`` queries against ``k`` earlier keys (no mask), seconds.
+        Fewer queries than one tile take as long as a tile."""
+        q = np.maximum(np.asarray(q, np.float64), TILE_TOKENS)
+        k = np.maximum(np.asarray(k, np.float64), 1.0)
+        rate = self._log_rate(backend, head_dim, lambda f: f.full_log_rate(q, k, heads))
         return q * k * heads * head_dim / np.exp(rate)
 
     # ------------------------------------------------------------------ GEMMs
