@@ -84,6 +84,27 @@ class Linear:
         return cls(float(fixed), float(per))
 
 
+_MESH_PER_OCTAVE = 8
+_MESH_AXIS = np.arange(0, 26 * _MESH_PER_OCTAVE + 1) / _MESH_PER_OCTAVE  # log2 sizes, 1 to 2^26
+
+
+def _mesh_interp(mesh: np.ndarray, x, y) -> np.ndarray:
+    """Bilinear interpolation of ``mesh`` (both axes :data:`_MESH_AXIS`) at log2 sizes ``x``,
+    ``y``, flat beyond the mesh."""
+    last = _MESH_AXIS.size - 1
+    fx = np.clip(np.asarray(x) * _MESH_PER_OCTAVE, 0, last)
+    fy = np.clip(np.asarray(y) * _MESH_PER_OCTAVE, 0, last)
+    i = np.minimum(fx.astype(np.int64), last - 1)
+    j = np.minimum(fy.astype(np.int64), last - 1)
+    tx, ty = fx - i, fy - j
+    return (
+        mesh[i, j] * (1 - tx) * (1 - ty)
+        + mesh[i + 1, j] * tx * (1 - ty)
+        + mesh[i, j + 1] * (1 - tx) * ty
+        + mesh[i + 1, j + 1] * tx * ty
+    )
+
+
 def _low_slope(at: np.ndarray, values: np.ndarray) -> np.ndarray:
     """The slope of ``values`` (along axis 0) over their two lowest points, within [0, 1]."""
     if at.size < 2:
@@ -218,10 +239,10 @@ class KernelTables:
 
     def causal_time(self, length, heads: int, head_dim: int, backend: str) -> np.ndarray:
         """Forward + backward of causal documents of ``length`` tokens (each), seconds."""
-        fits = self._attention.get(backend, {})
-        shortest = min((np.exp(f.causal_len[0]) for f in fits.values()), default=1.0)
-        L = np.maximum(np.asarray(length, np.float64), shortest)
-        rate = self._log_rate(backend, head_dim, lambda f: f.causal_log_rate(L))
+        L = np.maximum(np.asarray(length, np.float64), 1.0)
+        shortest, mesh = self._causal_mesh(backend, head_dim)
+        L = np.maximum(L, shortest)
+        rate = np.interp(np.log2(L), _MESH_AXIS, mesh)
         return causal_pairs(L) * heads * head_dim / np.exp(rate)
 
     def full_time(self, q, k, heads: int, head_dim: int, backend: str) -> np.ndarray:
@@ -229,8 +250,36 @@ class KernelTables:
         Fewer queries than one tile take as long as a tile."""
         q = np.maximum(np.asarray(q, np.float64), TILE_TOKENS)
         k = np.maximum(np.asarray(k, np.float64), 1.0)
-        rate = self._log_rate(backend, head_dim, lambda f: f.full_log_rate(q, k, heads))
+        mesh = self._full_mesh(backend, head_dim, heads)
+        rate = _mesh_interp(mesh, np.log2(q), np.log2(k))
         return q * k * heads * head_dim / np.exp(rate)
+
+    # The planner prices millions of shards: rates are tabulated once per (backend, head_dim,
+    # heads) on a mesh of 1/8 octaves, where the measured sizes (powers of two) are mesh points.
+    @cached_property
+    def _meshes(self) -> dict[tuple, Any]:
+        return {}
+
+    def _causal_mesh(self, backend: str, head_dim: int) -> tuple[float, np.ndarray]:
+        key = ("causal", backend, head_dim)
+        if key not in self._meshes:
+            fits = self._attention.get(backend, {})
+            shortest = min((np.exp(f.causal_len[0]) for f in fits.values()), default=1.0)
+            L = np.maximum(2.0**_MESH_AXIS, shortest)
+            self._meshes[key] = (
+                shortest,
+                self._log_rate(backend, head_dim, lambda f: f.causal_log_rate(L)),
+            )
+        return self._meshes[key]
+
+    def _full_mesh(self, backend: str, head_dim: int, heads: int) -> np.ndarray:
+        key = ("full", backend, head_dim, heads)
+        if key not in self._meshes:
+            q, k = np.meshgrid(2.0**_MESH_AXIS, 2.0**_MESH_AXIS, indexing="ij")
+            self._meshes[key] = self._log_rate(
+                backend, head_dim, lambda f: f.full_log_rate(q, k, heads)
+            )
+        return self._meshes[key]
 
     # ------------------------------------------------------------------ GEMMs
     @cached_property

@@ -59,9 +59,11 @@ def split_times(
     rep, member, head, tail = zigzag_shares(lengths, parts, align)
     head_start, tail_end = zigzag_positions(rep, head, tail)
     held = head + tail
-    attn_layer = cost.attn_time(head_start, head_start + head) * (head > 0) + cost.attn_time(
-        tail_end - tail, tail_end
-    ) * (tail > 0)
+    # Heads and tails priced in one call (attn_time prices an empty chunk at 0).
+    chunks = cost.attn_time(
+        np.concatenate([head_start, tail_end - tail]), np.concatenate([head_start + head, tail_end])
+    )
+    attn_layer = chunks[: head.size] + chunks[head.size :]
     compute = m.layers * attn_layer + cost.dense_time(held)
     d = parts[rep]
     # Node of each member (groups start at a node boundary) and per-node sums.
