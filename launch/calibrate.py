@@ -25,26 +25,16 @@ from pathlib import Path
 
 import torch
 
-import hdp
 from attention.kernels import select_backend
-from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_preset, model_preset
+from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_profile, model_preset
+from hdp.profile import FORMAT, TABLE_COLUMNS
 
 from . import calibrate_tables as tables
 from .calibrate_comm import collective_rows
 
-# hdp.gpu_profile (a preset name or a profile JSON path) where this hdp has it.
-gpu_profile = getattr(hdp, "gpu_profile", None)
 PROG = "hdp-calibrate"
-FORMAT = "hdp.profile/1"
 # Dense bf16 tensor-core peaks by device name (first match wins); others use the best GEMM rate.
 KNOWN_PEAKS = (("H100 PCIE", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
-TABLE_COLUMNS = {
-    "attention": ("backend", "kind", "heads", "kv_heads", "head_dim", "a", "b", "seconds"),
-    "gemm": ("tokens", "in", "out", "seconds"),
-    "memory_bound": ("op", "width", "tokens", "seconds"),
-    "optimizer": ("params", "seconds"),
-    "collective": ("op", "ranks", "bytes", "seconds"),
-}
 LINK_FIELDS = ("pcie_bw", "nvlink_bw", "nic_bw", "nvlink_latency", "nic_latency")
 BASE_FIELDS = (*LINK_FIELDS, "usable_memory_fraction", "reserved_bytes")
 # The cpu preset is itself measured by this tool; until it exists, its links come from here (a
@@ -260,7 +250,7 @@ def _default_base(device: torch.device) -> str:
 def _base_fields(name: str) -> dict[str, float]:
     """The links and memory reserve of the preset ``name`` (or a profile JSON path)."""
     try:
-        profile = gpu_profile(name) if gpu_profile is not None else gpu_preset(name)
+        profile = gpu_profile(name)
     except ValueError as e:
         if name in FALLBACK_BASES:
             return dict(FALLBACK_BASES[name])
