@@ -1,61 +1,149 @@
 """``hdp`` restricted to what Megatron's hybrid context parallelism executes (``form="megatron"``).
 
-Each sequence lies whole on one rank or zigzag-split over an aligned power-of-two group of
-consecutive ranks (size ``2^i`` starting at a multiple of ``2^i``), with no offload. Degrees
-come from the relaxation over power-of-two menus. Two placements are tried for each choice of
-degrees: barrier-separated groups (:func:`_place_groups`), and one group of start-time-ordered
-lists (:func:`_place_one_group`); Megatron's own ``BalancedCPScheduler`` schedule is a
-candidate too where it keeps to the form.
+Each sequence lies whole on one rank or zigzag-split over one of the CP groups Megatron builds
+for a DPxCP group of ``n`` ranks (:func:`megatron_group_sizes`): a block of ``2^i`` consecutive
+ranks starting at a multiple of ``2^i`` for ``2^i < 2^floor(log2 n)``, or all ``n`` ranks; with
+no offload. On ``k > 1`` ranks Megatron needs the sub-sample's length to be a multiple of
+``2k`` (times the tensor-parallel size with sequence parallelism), so sub-samples are padded and
+every candidate is priced with its padding (:func:`padded_plan`). Degrees come from the
+relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Two
+placements are tried for each choice of degrees: barrier-separated groups (:func:`_place_groups`),
+and one group of start-time-ordered lists (:func:`_place_one_group`); Megatron's own
+``BalancedCPScheduler`` schedule is a candidate too where it keeps to the form.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
+import math
 
 import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanBuilder, PlanningError, next_pow2
-from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
+from ..common import Context, PlanBuilder, PlanningError
+from ..degrees import Jobs, Relaxation, relaxation_bound, split_times, step_bound
 from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
 from .options import HdpOptions
 
 
-def plan_hdp_megatron(ctx: Context, options: HdpOptions | None = None) -> Plan:
-    """The fastest Megatron-form plan by the cost model, with its bound in ``predicted``."""
+def megatron_group_sizes(n: int) -> list[int]:
+    """The CP sizes Megatron's hybrid context parallelism can run on a DPxCP group of ``n``
+    ranks, ascending: 1, the powers of two ``2^i`` with ``1 <= i < floor(log2 n)`` (it builds a
+    group of each such size over every aligned block of ranks), and ``n`` (the DPxCP group
+    itself). For 6 ranks: 1, 2, 6; for 12: 1, 2, 4, 12; for 8: 1, 2, 4, 8."""
+    top = int(math.floor(math.log2(n))) if n >= 1 else 0
+    return sorted({1, n, *(1 << i for i in range(1, top))})
+
+
+def megatron_blocks(n: int, size: int) -> list[range]:
+    """The rank blocks of one CP size Megatron builds: all ranks for ``size == n``, else the
+    aligned blocks of ``size`` consecutive ranks that lie wholly inside the group."""
+    if size == n:
+        return [range(n)]
+    return [range(a, a + size) for a in range(0, n - size + 1, size)]
+
+
+def padded_length(length: int, cp: int, token_multiple: int = 1) -> int:
+    """The length Megatron runs a sub-sample of ``length`` tokens at on ``cp`` ranks: a multiple
+    of ``2 * cp`` (the zigzag split's chunks) where ``cp > 1``, and of ``token_multiple`` (the
+    tensor-parallel size under sequence parallelism)."""
+    unit = (2 * cp if cp > 1 else 1) * max(1, token_multiple)
+    return -(-int(length) // unit) * unit
+
+
+def padded_plan(ctx: Context, plan: Plan, token_multiple: int = 1) -> Plan:
+    """``plan`` as Megatron runs it: every sequence on ``k > 1`` ranks lengthened to
+    :func:`padded_length` (trailing padding tokens, zigzag-split with the rest), same waves, ranks
+    and barriers. Its cost is the plan's cost with the padding priced."""
+    pairs = np.unique(np.stack([plan.seq, plan.rank], axis=1), axis=0)
+    seqs, first = np.unique(pairs[:, 0], return_index=True)
+    members = np.split(pairs[:, 1], first[1:])
+    waves = np.full(plan.seq_lens.size, -1, dtype=np.int64)
+    np.maximum.at(waves, plan.seq, plan.wave)
+    lens = plan.seq_lens.copy()
+    for s, m in zip(seqs.tolist(), members):
+        lens[s] = padded_length(int(lens[s]), m.size, token_multiple)
+    if np.array_equal(lens, plan.seq_lens):
+        return plan
+    builder = PlanBuilder(dataclasses.replace(ctx, seq_lens=lens), plan.strategy)
+    builder.add_zigzag(seqs, waves[seqs], members)
+    builder.barriers = sorted(plan.barriers)
+    return builder.build()
+
+
+def plan_hdp_megatron(
+    ctx: Context, options: HdpOptions | None = None, token_multiple: int = 1
+) -> Plan:
+    """The fastest Megatron-form plan by the cost model with its padding priced
+    (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted`` where the
+    bound applies (every sequence fits a power-of-two group)."""
     options = options or HdpOptions()
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
+    sizes = megatron_group_sizes(n)
     longest = int(lens.max(initial=0))
-    if longest > 0 and next_pow2(-(-longest // cap)) > n:
+    if longest > 0 and -(-longest // cap) > n:
         raise PlanningError(
             f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
-            f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but the cluster has {n}"
+            f"{-(-longest // cap)} ranks at {cap} tokens each, but the DPxCP group has {n}: "
+            "raise --max-seqlen-per-dp-cp-rank or use more GPUs"
         )
-    rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True)
+    # The power-of-two menus stop at 2^floor(log2 n): a sequence only all n ranks hold is
+    # relaxed at that size (and raised to n below), which leaves the relaxation no bound.
+    widest_pow2 = 1 << int(math.floor(math.log2(n)))
+    relaxed = np.minimum(lens, widest_pow2 * cap)
+    rel = relaxation_bound(cost, relaxed, ctx.sync, cap, n, pow2=True)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
-    for degree, job_time in _degree_choices(ctx, rel, options):
+    for jobs in _degree_choices(ctx, rel, options):
+        degree, job_time = _megatron_sizes(ctx, jobs, sizes)
         if any(np.array_equal(degree, d) for d in seen):
             continue
         seen.append(degree)
         for place in (_place_groups, _place_one_group):
             plan = place(ctx, degree, job_time)
-            t = cost.evaluate(plan).step_time_s
+            t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
             if best is None or t < best[0]:
                 best = (t, plan)
-    theirs = plan_hybridcp(ctx, implementation="ours")
-    t = cost.evaluate(theirs).step_time_s
-    if t < best[0] and aligned_groups(theirs):  # its empty-rank filling can break alignment
-        theirs.strategy = "hdp"
-        theirs.predicted["from_balanced_cp_scheduler"] = 1.0
-        best = (t, theirs)
+    theirs = _balanced_cp_candidate(ctx) if widest_pow2 == n else None
+    if theirs is not None:
+        t = cost.evaluate(padded_plan(ctx, theirs, token_multiple)).step_time_s
+        if t < best[0]:
+            best = (t, theirs)
     plan = best[1]
-    plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
+    plan.predicted["padded_step_time_s"] = best[0]
+    if np.array_equal(relaxed, lens):
+        plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
+
+
+def _balanced_cp_candidate(ctx: Context) -> Plan | None:
+    """Megatron's own ``BalancedCPScheduler`` schedule as an hdp candidate, where it keeps to
+    the groups Megatron builds (its empty-rank filling can break alignment)."""
+    theirs = plan_hybridcp(ctx, implementation="ours")
+    if not aligned_groups(theirs):
+        return None
+    theirs.strategy = "hdp"
+    theirs.predicted["from_balanced_cp_scheduler"] = 1.0
+    return theirs
+
+
+def _megatron_sizes(ctx: Context, jobs: Jobs, sizes: list[int]) -> Jobs:
+    """Each degree raised to the smallest CP size Megatron builds that is at least as large,
+    with the busy time re-priced where it changed."""
+    table = np.asarray(sizes, dtype=np.int64)
+    degree = table[np.searchsorted(table, jobs.degree)]
+    job_time = np.array(jobs.job_time, dtype=np.float64)
+    changed = np.flatnonzero(degree != jobs.degree)
+    if changed.size:
+        job_time[changed] = split_times(ctx.cost, ctx.seq_lens[changed], degree[changed], ctx.sync)[
+            0
+        ]
+    return Jobs(degree, job_time)
 
 
 def _degree_choices(ctx: Context, rel: Relaxation, options: HdpOptions) -> list[Jobs]:
@@ -78,16 +166,19 @@ def _degree_choices(ctx: Context, rel: Relaxation, options: HdpOptions) -> list[
 
 
 def aligned_groups(plan: Plan) -> bool:
-    """Whether every sequence lies on one rank or on an aligned power-of-two group of consecutive
-    ranks (size ``2^i`` starting at a multiple of ``2^i``)."""
-    pairs = np.unique(plan.seq * plan.num_ranks + plan.rank)
-    seq, rank = pairs // plan.num_ranks, pairs % plan.num_ranks
+    """Whether every sequence lies on one rank or on a CP group Megatron builds
+    (:func:`megatron_group_sizes`, :func:`megatron_blocks`): all ranks, or an aligned block of
+    ``2^i`` consecutive ranks of an allowed size."""
+    n = plan.num_ranks
+    pairs = np.unique(plan.seq * n + plan.rank)
+    seq, rank = pairs // n, pairs % n
     first = np.searchsorted(seq, seq)  # index of each sequence's first (lowest) rank
     size = np.bincount(seq, minlength=plan.seq_lens.size)[seq]
     lowest = rank[first]
+    allowed = np.isin(size, megatron_group_sizes(n))
     return bool(
-        ((size & (size - 1)) == 0).all()
-        and (lowest % size == 0).all()
+        allowed.all()
+        and ((size == n) | ((lowest % size == 0) & (lowest + size <= n))).all()
         and (rank - lowest == np.arange(seq.size) - first).all()
     )
 
@@ -176,11 +267,11 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
     by_time = np.argsort(-job_time, kind="stable").tolist()
     for i in [i for i in by_time if degree[i] > 1 and lens[i] > 0]:
-        d = int(degree[i])
-        starts = load.reshape(-1, d).max(axis=1) if n % d == 0 else np.array([load.max()])
+        blocks = megatron_blocks(n, int(degree[i]))
+        starts = [float(load[blk.start : blk.stop].max()) for blk in blocks]
         b = int(np.argmin(starts))
-        members = range(b * d, (b + 1) * d) if n % d == 0 else range(n)
-        t0 = float(starts[b])
+        members = blocks[b]
+        t0 = starts[b]
         for r in members:
             if t0 - load[r] > 0:
                 bisect.insort(gaps, (t0 - float(load[r]), float(load[r]), r))
