@@ -2,8 +2,9 @@
 
 Documents of each source are visited in a seeded shuffled order, a new order every epoch; several
 sources are mixed by token weights (the next document comes from the source furthest below its
-share). A document longer than ``max_seq`` becomes ``max_seq`` chunks (or is truncated, the rest
-counted as skipped). Each chunk is a training *sequence* (:class:`SeqRef`).
+share). A document longer than ``max_seq`` becomes ``max_seq`` chunks (or is truncated). Each chunk
+is a training *sequence* (:class:`SeqRef`). A truncated document's lost tokens are counted in the
+batch that trains it (``truncated_tokens``): one definition, what the trained documents lost.
 
 Sequences wait in a lookahead window of about ``lookahead_steps`` global batches. A batch takes at
 most ``tokens_per_step`` tokens: first from the *outlier queue* (sequences of at least
@@ -42,7 +43,7 @@ class SeqRef(NamedTuple):
 class GlobalBatch:
     step: int
     seqs: list[SeqRef]
-    truncated_tokens: int  # tokens dropped by --truncate while forming this batch
+    truncated_tokens: int  # tokens --truncate cut from the documents this batch trains
 
     @property
     def lengths(self) -> np.ndarray:
@@ -97,7 +98,6 @@ class BatchStream:
             outlier_tokens if outlier_tokens is not None else max(1, max_seq // 4)
         )
         self._orders: dict[tuple[int, int], np.ndarray] = {}
-        self._pending_truncated = 0
         self.state = {
             "step": 0,
             "cursors": [[0, 0] for _ in self.lengths],  # (epoch, position in that epoch's order)
@@ -139,10 +139,8 @@ class BatchStream:
         while have < want:
             s, epoch, doc = self._next_document()
             L = int(self.lengths[s][doc])
-            if self.truncate and L > self.max_seq:
-                st["truncated_tokens"] += L - self.max_seq
-                self._pending_truncated += L - self.max_seq
-                L = self.max_seq
+            if self.truncate:
+                L = min(L, self.max_seq)  # the cut is counted when the batch trains it
             for off in range(0, L, self.max_seq):
                 ref = [s, epoch, doc, off, min(self.max_seq, L - off)]
                 (st["outliers"] if ref[4] >= self.outlier_tokens else st["pending"]).append(ref)
@@ -151,7 +149,6 @@ class BatchStream:
     # ------------------------------------------------------------------ batches
     def next_batch(self) -> GlobalBatch:
         st = self.state
-        self._pending_truncated = 0
         self._fill()
         budget = self.tokens_per_step
         take: list[list[int]] = []
@@ -174,9 +171,12 @@ class BatchStream:
             else:
                 rest.append(ref)
         st["pending"] = rest
-        batch = GlobalBatch(st["step"], [SeqRef(*r) for r in take], self._pending_truncated)
+        # With --truncate a document is one sequence from its start: what it lost is the rest.
+        lost = sum(int(self.lengths[r[0]][r[2]]) - r[4] for r in take) if self.truncate else 0
+        batch = GlobalBatch(st["step"], [SeqRef(*r) for r in take], lost)
         st["step"] += 1
         st["trained_tokens"] += batch.tokens
+        st["truncated_tokens"] += lost
         return batch
 
     def state_dict(self) -> dict:

@@ -8,7 +8,8 @@ import sys
 
 import numpy as np
 
-from hdp import parse_size
+from hdp import MODEL_PRESETS, model_preset
+from hdp.argtypes import choice, input_file, integer, size
 from hdp.workloads import split_long
 
 from .sources import DataError, open_source
@@ -103,19 +104,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument(
         "--max-seq",
-        type=parse_size,
+        type=size(1),
         default=None,
         help="split documents longer than this, as training does",
     )
     s.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json for 'text' records (default: UTF-8 bytes)"
+        "--tokenizer",
+        type=input_file,
+        default=None,
+        help="tokenizer.json for 'text' records (default: UTF-8 bytes)",
     )
-    s.add_argument("--vocab-size", type=int, default=None, help="reject token ids at or above this")
+    vocab = s.add_mutually_exclusive_group()
+    vocab.add_argument(
+        "--vocab-size",
+        type=integer(1),
+        default=None,
+        help="reject token ids at or above this (default: any non-negative id)",
+    )
+    vocab.add_argument(
+        "--model",
+        type=choice(list(MODEL_PRESETS), "model preset"),
+        default=None,
+        help="check token ids against this model preset's vocabulary, as pretrain.py --model does",
+    )
     args = p.parse_args(argv)
+    vocab_size = model_preset(args.model).vocab if args.model else args.vocab_size
     try:
-        res = stats(
-            args.paths, args.max_seq, args.skip_bad_records, args.tokenizer, args.vocab_size
-        )
+        res = stats(args.paths, args.max_seq, args.skip_bad_records, args.tokenizer, vocab_size)
     except (DataError, ValueError) as e:
         print(f"hdp-data: error: {e}", file=sys.stderr)
         return 2

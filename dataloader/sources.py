@@ -58,11 +58,31 @@ def _check_ids(ids: object, vocab_size: int | None) -> tuple[np.ndarray | None, 
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
         bad = next(x for x in ids if not isinstance(x, int) or isinstance(x, bool))
         return None, f"field 'input_ids' must hold integers, found {bad!r}", len(ids)
-    arr = np.asarray(ids, dtype=np.int64)
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id beyond int64 (2**70): no vocabulary holds it
+        bad = next(x for x in ids if not -(2**63) <= x < 2**63)
+        limit = vocab_size if vocab_size is not None else "2**63"
+        return None, f"token id {bad} is outside the vocabulary [0, {limit})", len(ids)
     if arr.size and (arr.min() < 0 or (vocab_size is not None and arr.max() >= vocab_size)):
         bad = int(arr[(arr < 0) | ((arr >= vocab_size) if vocab_size is not None else False)][0])
-        return None, f"token id {bad} is outside the vocabulary [0, {vocab_size})", int(arr.size)
+        limit = vocab_size if vocab_size is not None else "2**63"
+        return None, f"token id {bad} is outside the vocabulary [0, {limit})", int(arr.size)
     return arr, None, int(arr.size)
+
+
+def _encode_text(
+    tokenizer: Tokenizer, text: str, vocab_size: int | None
+) -> tuple[np.ndarray | None, str | None, int]:
+    """(ids, problem, known token count) for a ``text`` value."""
+    try:
+        ids = tokenizer.encode(text)
+    except UnicodeEncodeError as e:  # valid JSON ("\ud800") but not Unicode text
+        bad = text[e.start : e.end].encode("unicode_escape").decode("ascii")
+        return None, f"field 'text' holds a lone surrogate ({bad}) at character {e.start}", 0
+    if vocab_size is None:
+        return ids, None, int(ids.size)
+    return _check_ids(ids.tolist(), vocab_size)
 
 
 class JsonlSource:
@@ -81,7 +101,9 @@ class JsonlSource:
         self.path = Path(path)
         self.name = str(self.path)
         self.tokenizer = tokenizer or load_tokenizer(None)
-        self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.vocab_size
+        # input_ids are bounded by the vocabulary given (the model's in training, --vocab-size in
+        # hdp-data), never by the text tokenizer's: a tokenized corpus need not be bytes.
+        self.vocab_size = vocab_size
         self.skip_bad = skip_bad
         try:
             st = self.path.stat()
@@ -140,12 +162,7 @@ class JsonlSource:
         if "text" in obj:
             if not isinstance(obj["text"], str):
                 return None, f"field 'text' must be a string, got {type(obj['text']).__name__}", 0
-            ids = self.tokenizer.encode(obj["text"])
-            return (
-                _check_ids(ids.tolist(), self.vocab_size)
-                if self.vocab_size
-                else (ids, None, ids.size)
-            )
+            return _encode_text(self.tokenizer, obj["text"], self.vocab_size)
         return None, "has neither 'input_ids' nor 'text'", 0
 
     def _index(self) -> tuple[np.ndarray, np.ndarray, _Skips]:
@@ -210,7 +227,7 @@ class ParquetSource:
         self.path = Path(path)
         self.name = str(self.path)
         self.tokenizer = tokenizer or load_tokenizer(None)
-        self.vocab_size = vocab_size if vocab_size is not None else self.tokenizer.vocab_size
+        self.vocab_size = vocab_size  # as JsonlSource's: the tokenizer's bounds only its own ids
         try:
             self.file = pq.ParquetFile(self.path)
         except (
@@ -262,8 +279,7 @@ class ParquetSource:
             return _check_ids(val, self.vocab_size)
         if not isinstance(val, str):
             return None, f"column 'text' must hold strings, got {type(val).__name__}", 0
-        ids = self.tokenizer.encode(val)
-        return ids, None, int(ids.size)
+        return _encode_text(self.tokenizer, val, self.vocab_size)
 
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         row = int(self.rows[doc])
@@ -410,6 +426,29 @@ class SyntheticSource:
         return rng.integers(0, self.vocab_size, size=n, dtype=np.int64)[start:stop]
 
 
+def _synthetic(path: str, vocab_size: int | None) -> SyntheticSource:
+    """``synthetic:WORKLOAD[:DOCUMENTS]``, each part checked."""
+    from hdp.workloads import workload_names
+
+    parts = path.split(":")
+    form = "expected synthetic:WORKLOAD[:DOCUMENTS]"
+    if len(parts) > 3 or not parts[1]:
+        raise DataError(f"{path}: {form}, e.g. synthetic:wlb-128k:1000")
+    if parts[1] not in workload_names():
+        raise DataError(
+            f"{path}: unknown workload {parts[1]!r}: choose from {', '.join(workload_names())}"
+        )
+    docs = 10000
+    if len(parts) == 3:
+        try:
+            docs = int(parts[2])
+        except ValueError:
+            docs = 0
+        if docs < 1:
+            raise DataError(f"{path}: DOCUMENTS must be a whole number >= 1, got {parts[2]!r}")
+    return SyntheticSource(parts[1], docs, vocab_size or 512)
+
+
 # What open_source reads, as its errors name it.
 _FORMATS = ".jsonl, .parquet, a Megatron .bin/.idx prefix, or synthetic:NAME"
 
@@ -423,9 +462,7 @@ def open_source(
     """A source for ``path``: ``*.jsonl``/``*.json``, ``*.parquet``/``*.arrow``, a Megatron prefix
     (or its ``.bin``/``.idx``), or ``synthetic:WORKLOAD[:DOCUMENTS]``."""
     if path.startswith("synthetic:"):
-        parts = path.split(":")
-        docs = int(parts[2]) if len(parts) > 2 else 10000
-        return SyntheticSource(parts[1], docs, vocab_size or 512)
+        return _synthetic(path, vocab_size)
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json"):

@@ -43,6 +43,9 @@ def parse_size(text: str | int) -> int:
             f"invalid size {text!r}: expected a number with an optional K/M/G suffix (e.g. 2M, 64K)"
         ) from None
     result = value * mult
+    # float() accepts 'inf', 'nan' and '1e400' (inf): name them here, as int() would not.
+    if not math.isfinite(result):
+        raise ValueError(f"invalid size {text!r}: must be a finite number such as 2M or 4096")
     if result < 0 or result != int(result):
         raise ValueError(f"invalid size {text!r}: must be a non-negative whole number of units")
     return int(result)

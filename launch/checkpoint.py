@@ -1,16 +1,23 @@
 """Checkpoints with ``torch.distributed.checkpoint``: sharded model and optimizer states, plus the
-step, the LR schedule, the dataloader position and each rank's RNG state, so a resumed run trains
-on exactly the tokens the uninterrupted run would have.
+step, the LR schedule, the dataloader position, the run's token accounting, its setup fingerprint
+and each rank's RNG state, so a resumed run trains on exactly the tokens the uninterrupted run
+would have.
 
-Layout: ``DIR/step_00000042/`` (DCP shards and ``train_state.json``) and ``DIR/latest`` (the name of
-the newest complete checkpoint, written last, so a run killed while saving resumes from the
-previous one).
+Layout: ``DIR/step_00000042/`` holds the DCP shards, ``train_state.json``, ``rng_rank*.pt`` and,
+written last and atomically, ``manifest.json``: the size and SHA-256 of every other file. A
+checkpoint is valid when its manifest is there and every file it lists has its size and checksum;
+anything else (a save killed half-way, a missing or truncated shard, a flipped byte) is damaged.
+``DIR/latest`` names the newest checkpoint for people and tools; resuming does not trust it: it
+takes the newest valid ``step_*`` and warns about each damaged newer one and a stale ``latest``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,9 +25,31 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+FORMAT = "hdp.checkpoint/1"
+MANIFEST = "manifest.json"
+STATE = "train_state.json"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be used as asked: one line saying what to change."""
+
+
+@dataclass
+class Selection:
+    """What :func:`select` found: the checkpoint to resume from (``None``: none in the folder)
+    and one warning line per thing passed over."""
+
+    path: Path | None
+    warnings: list[str] = field(default_factory=list)
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -28,10 +57,100 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(folder: str | Path, step: int, model, optimizer, scheduler, data_state: dict) -> Path:
-    """Save everything needed to continue after ``step`` optimizer steps (a collective)."""
+def agree(obj):
+    """Rank 0's ``obj`` on every rank (decisions about files are taken once, on rank 0)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj if _rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` under a temporary name, synced, then renamed: readers see the old
+    file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_shared(path: Path, names: list[str]) -> dict[str, str | None]:
+    """SHA-256 of each of ``names`` in ``path`` (``None``: unreadable), each rank hashing every
+    ``world``-th file so that a large checkpoint costs one rank's share of the reading."""
+    mine = {}
+    for name in names[_rank() :: _world()]:
+        try:
+            mine[name] = _sha256(path / name)
+        except OSError:
+            mine[name] = None
+    if not dist.is_initialized():
+        return mine
+    parts = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def step_dirs(folder: Path) -> list[Path]:
+    """The ``step_*`` directories of ``folder``, newest first. Raises CheckpointError when the
+    folder cannot be listed."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise CheckpointError(f"cannot read --checkpoint-dir {folder}: {e.strerror}") from None
+    steps = [n for n in names if _STEP_DIR.fullmatch(n) and (folder / n).is_dir()]
+    return [folder / n for n in sorted(steps, reverse=True)]
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged2``, ...), keeping it."""
+    k = 1
+    while True:
+        aside = path.with_name(path.name + (".damaged" if k == 1 else f".damaged{k}"))
+        if not aside.exists():
+            path.rename(aside)
+            return aside
+        k += 1
+
+
+def _prepare_target(path: Path) -> str | None:
+    """Make room for a new checkpoint at ``path`` (rank 0): a damaged one there is moved aside;
+    a valid one is never written over. Returns the refusal, or ``None``."""
+    if not path.exists():
+        return None
+    manifest, problem = check_listing(path)
+    if problem is None and not hash_problem(path, manifest, shared=False):
+        return f"{path} is a valid checkpoint; hdp never writes over one"
+    aside = _move_aside(path)
+    print(f"warning: moved the damaged checkpoint {path} to {aside} ({problem})", flush=True)
+    return None
+
+
+def save(folder: str | Path, step: int, model, optimizer, scheduler, state: dict) -> Path:
+    """Save everything needed to continue after ``step`` optimizer steps (a collective).
+    ``state`` (JSON) holds the schedule-independent rest: data position, accounting,
+    fingerprint."""
     folder = Path(folder)
     path = folder / f"step_{step:08d}"
+    refusal = None
+    if _rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        refusal = _prepare_target(path)
+    refusal = agree(refusal)
+    if refusal:
+        raise CheckpointError(refusal)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     rng = {"cpu": torch.get_rng_state()}
@@ -39,30 +158,121 @@ def save(folder: str | Path, step: int, model, optimizer, scheduler, data_state:
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, path / f"rng_rank{_rank()}.pt")
     if _rank() == 0:
-        meta = {"step": step, "scheduler": scheduler.state_dict(), "data": data_state}
-        tmp = path / "train_state.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, path / "train_state.json")
+        meta = {"step": step, "scheduler": scheduler.state_dict(), **state}
+        _write_atomic(path / STATE, json.dumps(meta))
     _barrier()
+    names = agree(sorted(n for n in os.listdir(path) if n != MANIFEST and not n.endswith(".tmp")))
+    sums = _hash_shared(path, names)
     if _rank() == 0:
-        tmp = folder / "latest.tmp"
-        tmp.write_text(path.name + "\n")
-        os.replace(tmp, folder / "latest")
+        files = {n: {"size": (path / n).stat().st_size, "sha256": sums[n]} for n in names}
+        _write_atomic(path / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}))
+        _write_atomic(folder / "latest", path.name + "\n")
     _barrier()
     return path
 
 
-def latest(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``folder``, or ``None``."""
-    marker = Path(folder) / "latest"
-    if not marker.exists():
-        return None
-    path = Path(folder) / marker.read_text().strip()
-    return path if (path / "train_state.json").exists() else None
+def check_listing(path: Path) -> tuple[dict | None, str | None]:
+    """(manifest, problem) from what can be checked without reading the shards: the manifest,
+    and every file it lists being there with its size."""
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None, f"no {MANIFEST}: its save did not finish"
+    except OSError as e:
+        return None, f"cannot read {MANIFEST}: {e.strerror}"
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        step = int(manifest["step"])
+    except (ValueError, KeyError, TypeError):
+        return None, f"{MANIFEST} is not a manifest of format {FORMAT}"
+    if manifest.get("format") != FORMAT or path.name != f"step_{step:08d}" or STATE not in files:
+        return None, f"{MANIFEST} is not a manifest of format {FORMAT} for {path.name}"
+    for name, entry in sorted(files.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return None, f"file {name} is missing"
+        if size != entry.get("size"):
+            return None, f"file {name} has {size} bytes, the manifest says {entry.get('size')}"
+    return manifest, None
 
 
-def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
-    """Restore a checkpoint saved by :func:`save`; returns (step, dataloader state)."""
+def hash_problem(path: Path, manifest: dict, *, shared: bool = True) -> str | None:
+    """The first file of ``manifest`` whose checksum differs, as a problem, or ``None``.
+    ``shared``: a collective, the ranks hashing a share each."""
+    names = sorted(manifest["files"])
+    sums = _hash_shared(path, names) if shared else {n: _sha256(path / n) for n in names}
+    for name in names:
+        if sums.get(name) != manifest["files"][name].get("sha256"):
+            return f"file {name} does not match its checksum (corrupted)"
+    return None
+
+
+def _read_latest(folder: Path) -> tuple[str | None, str | None]:
+    """(name in ``latest``, problem reading it); (None, None) when there is no ``latest``."""
+    try:
+        text = (folder / "latest").read_bytes().decode("utf-8").strip()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"cannot read {folder / 'latest'}: {e.strerror}"
+    except UnicodeDecodeError:
+        return None, f"{folder / 'latest'} is not text"
+    if not _STEP_DIR.fullmatch(text):
+        return None, f"{folder / 'latest'} holds {text[:40]!r}, not a step_NNNNNNNN name"
+    return text, None
+
+
+def select(folder: str | Path) -> Selection:
+    """The newest valid checkpoint in ``folder`` (a collective; every rank gets rank 0's view of
+    the folder and hashes a share). Raises CheckpointError when the folder cannot be read, or
+    holds checkpoints of which none is valid."""
+    folder = Path(folder)
+    found = None
+    if _rank() == 0:
+        try:
+            dirs = step_dirs(folder)
+            found = ([(d, *check_listing(d)) for d in dirs], _read_latest(folder))
+        except CheckpointError as e:
+            found = str(e)
+    found = agree(found)
+    if isinstance(found, str):
+        raise CheckpointError(found)
+    candidates, (latest_name, latest_problem) = found
+    warnings, passed = [], []
+    chosen = None
+    for path, manifest, problem in candidates:
+        problem = problem or hash_problem(path, manifest)
+        if problem is None:
+            chosen = path
+            break
+        passed.append(f"{path.name}: {problem}")
+    if candidates and chosen is None:
+        raise CheckpointError(
+            f"no valid checkpoint in {folder} ({'; '.join(passed)}): move the damaged "
+            "step_* directories away to start from step 0"
+        )
+    for line in passed:
+        warnings.append(f"warning: skipped the damaged checkpoint {folder}/{line}")
+    if latest_problem:
+        warnings.append(f"warning: {latest_problem}; ignored")
+    elif chosen is not None and latest_name not in (None, chosen.name):
+        warnings.append(
+            f"warning: {folder / 'latest'} names {latest_name}, but the newest valid checkpoint "
+            f"is {chosen.name}; using {chosen.name}"
+        )
+    return Selection(chosen, warnings)
+
+
+def read_state(path: str | Path) -> dict:
+    """``train_state.json`` of a checkpoint :func:`select` found valid."""
+    return json.loads((Path(path) / STATE).read_text())
+
+
+def load(path: str | Path, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, schedule and RNG from a checkpoint saved by :func:`save`;
+    returns its ``train_state.json``."""
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -70,7 +280,7 @@ def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    meta = json.loads((path / "train_state.json").read_text())
+    meta = read_state(path)
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():  # absent when resuming on more ranks than saved
@@ -78,7 +288,7 @@ def load(path: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return int(meta["step"]), meta["data"]
+    return meta
 
 
-__all__ = ["latest", "load", "save"]
+__all__ = ["CheckpointError", "Selection", "load", "read_state", "save", "select", "step_dirs"]

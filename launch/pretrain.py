@@ -30,10 +30,25 @@ sys.path.insert(0, str(_HERE.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, parse_size  # noqa: E402
+from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, format_size  # noqa: E402
+from hdp.argtypes import (  # noqa: E402
+    choice,
+    input_file,
+    integer,
+    number,
+    number_list,
+    output_dir,
+    output_file,
+    size,
+)
 from hdp.profile import ProfileError  # noqa: E402
+from hdp.workloads import workload_names  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
-from launch.train import train  # noqa: E402
+from launch.train import kill_point, train  # noqa: E402
+from planner import STRATEGIES  # noqa: E402
+
+# Without --tokens-per-step a step holds this many tokens, or one --max-seq sequence if longer.
+DEFAULT_TOKENS_PER_STEP = 64 << 10
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,21 +63,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_planning_args(p.add_argument_group("planning"))
     add_output_args(p.add_argument_group("output"))
     args = p.parse_args(argv)
+    check_combinations(p, args)
+    return args
+
+
+def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What no single flag's type can check: flags against each other and the environment."""
     if args.resume and args.checkpoint_dir is None:
         p.error("--resume needs --checkpoint-dir")
-    if args.max_seq > args.tokens_per_step:
+    if args.allow_changed_setup and not args.resume:
+        p.error("--allow-changed-setup only applies with --resume")
+    if args.tokens_per_step is None:
+        args.tokens_per_step = max(DEFAULT_TOKENS_PER_STEP, args.max_seq)
+    elif args.max_seq > args.tokens_per_step:
         p.error(
-            f"--max-seq ({args.max_seq}) exceeds --tokens-per-step ({args.tokens_per_step}): "
-            "a sequence must fit in one global batch"
+            f"--max-seq ({format_size(args.max_seq)}) exceeds --tokens-per-step "
+            f"({format_size(args.tokens_per_step)}): a sequence must fit in one global batch; "
+            "raise --tokens-per-step or leave it out"
         )
-    if args.steps < 1 or args.plan_ahead < 1 or args.log_every < 1:
-        p.error("--steps, --plan-ahead and --log-every must be >= 1")
+    if args.data_weights is not None:
+        n = len(args.data) if args.data else 0
+        if n != len(args.data_weights):
+            p.error(
+                f"--data-weights has {len(args.data_weights)} weights for {n} --data sources: "
+                "give one per --data"
+            )
+    try:
+        kill_point()
+    except ValueError as e:
+        p.error(str(e))
     if args.gpu_profile:
         try:
             GPUProfile.load(args.gpu_profile)
         except ProfileError as e:
             p.error(str(e))
-    return args
 
 
 def add_data_args(g) -> None:
@@ -79,30 +113,37 @@ def add_data_args(g) -> None:
     )
     src.add_argument(
         "--workload",
+        type=choice(workload_names(), "workload"),
         default=None,
         help="synthetic data with lengths of a standard workload "
         "(default when no --data: wlb-128k)",
     )
     g.add_argument(
-        "--data-weights", default=None, help="comma-separated token weights of the --data sources"
+        "--data-weights",
+        type=number_list,
+        default=None,
+        help="comma-separated token weights of the --data sources",
     )
     g.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json for 'text' records (default: UTF-8 bytes)"
+        "--tokenizer",
+        type=input_file,
+        default=None,
+        help="tokenizer.json for 'text' records (default: UTF-8 bytes)",
     )
     g.add_argument(
-        "--synthetic-docs", type=int, default=20000, help="documents of the synthetic corpus"
+        "--synthetic-docs", type=integer(1), default=20000, help="documents of the synthetic corpus"
     )
     g.add_argument(
         "--max-seq",
-        type=parse_size,
-        default=parse_size("16K"),
+        type=size(1),
+        default=16 << 10,
         help="longest sequence (default 16K)",
     )
     g.add_argument(
         "--tokens-per-step",
-        type=parse_size,
-        default=parse_size("64K"),
-        help="global batch in tokens",
+        type=size(1),
+        default=None,
+        help="global batch in tokens (default: 64K, or --max-seq if larger)",
     )
     g.add_argument(
         "--truncate",
@@ -117,26 +158,34 @@ def add_data_args(g) -> None:
 
 
 def add_training_args(t) -> None:
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--steps", type=integer(1), default=20, help="train until this step")
+    t.add_argument("--seed", type=integer(0, 2**32 - 1), default=0)
+    t.add_argument("--lr", type=number(0.0, exclusive=True), default=3e-4)
     t.add_argument(
-        "--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%"
+        "--warmup",
+        type=integer(0),
+        default=10,
+        help="linear warm-up steps, then cosine decay to 10%%",
     )
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    t.add_argument("--weight-decay", type=number(0.0), default=0.1)
+    t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument("--activation-checkpointing", action="store_true")
     t.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
 
 
 def add_planning_args(pl) -> None:
-    pl.add_argument("--strategy", default="hdp", help="hdp, static, hybridcp or bytescale")
+    pl.add_argument(
+        "--strategy",
+        type=choice(list(STRATEGIES), "strategy"),
+        default="hdp",
+        help=f"planning strategy: {', '.join(STRATEGIES)} (default hdp)",
+    )
     pl.add_argument(
         "--sync", choices=("wave", "peer"), default=None, help="default: peer where memory allows"
     )
     pl.add_argument(
         "--capacity",
-        type=parse_size,
+        type=size(1),
         default=None,
         help="tokens per rank per wave (default: from memory)",
     )
@@ -149,6 +198,7 @@ def add_planning_args(pl) -> None:
     gpu = pl.add_mutually_exclusive_group()
     gpu.add_argument(
         "--gpu",
+        type=choice(list(GPU_PRESETS), "GPU preset"),
         default=None,
         help=f"GPU preset for planning: {', '.join(GPU_PRESETS)} (default: detected)",
     )
@@ -158,22 +208,35 @@ def add_planning_args(pl) -> None:
         default=None,
         help="GPU profile file for planning (from hdp-calibrate measure) instead of a preset",
     )
-    pl.add_argument("--plan-ahead", type=int, default=2)
+    pl.add_argument("--plan-ahead", type=integer(1), default=2, help="steps planned ahead")
 
 
 def add_output_args(o) -> None:
     o.add_argument(
-        "--metrics", type=Path, default=None, help="append one JSON object per step to this file"
+        "--metrics",
+        type=output_file,
+        default=None,
+        help="one JSON object per step, appended to this file; the rows of steps this run "
+        "trains (again) are replaced",
     )
-    o.add_argument("--log-every", type=int, default=1)
-    o.add_argument("--checkpoint-dir", type=Path, default=None)
+    o.add_argument("--log-every", type=integer(1), default=1)
+    o.add_argument("--checkpoint-dir", type=output_dir, default=None)
     o.add_argument(
-        "--save-every", type=int, default=0, help="checkpoint every N steps (and at the end)"
+        "--save-every",
+        type=integer(0),
+        default=0,
+        help="checkpoint every N steps (and at the end; 0: only at the end)",
     )
     o.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir",
+        help="continue from the newest valid checkpoint in --checkpoint-dir (none: from step 0)",
+    )
+    o.add_argument(
+        "--allow-changed-setup",
+        action="store_true",
+        help="resume although the data or planning setup differs from the checkpoint's "
+        "(changed data restarts the data position)",
     )
 
 

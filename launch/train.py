@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,38 @@ from hdp import ClusterSpec, CostModel, GPUProfile, gpu_preset, model_preset
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
+from .checkpoint import CheckpointError
 from .model import Llama
+from .resume import Resume, find_resume, fingerprint, open_metrics
 from .runtime import StepResult, run_waves, shard_model
+
+
+@dataclass
+class Totals:
+    """What the run has counted since step 0, resumes included: tokens trained, and tokens
+    ``--truncate`` cut from the documents trained (the metrics rows' ``truncated_tokens`` sum)."""
+
+    trained_tokens: int = 0
+    truncated_tokens: int = 0
+
+
+@dataclass
+class Run:
+    """Everything the step loop uses, built by :func:`train`."""
+
+    args: object
+    rank: int
+    world: int
+    device: torch.device
+    cost: CostModel
+    sources: list
+    loader: HDPDataLoader
+    model: Llama
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    setup: dict  # the fingerprint saved with each checkpoint
+    totals: Totals
+    log: Callable[[str], None]
 
 
 def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
@@ -49,41 +79,80 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
             cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING
         )
         sources, stream = build_data(args, vocab=spec.vocab)
-    except (PlanningError, DataError, ValueError) as e:
+        setup = fingerprint(args, sources, vocab=spec.vocab)
+        resume = find_resume(args, setup, log)
+    except (PlanningError, DataError, ValueError, CheckpointError) as e:
         log(f"pretrain.py: error: {e}")
         return 2
     loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
     model = build_model(args, cost=cost, sync=sync, device=device)
     optimizer, scheduler = build_optimizer(args, model=model)
-    start = restore(
-        args, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, log=log
+    run = Run(
+        args,
+        rank,
+        world,
+        device,
+        cost,
+        sources,
+        loader,
+        model,
+        optimizer,
+        scheduler,
+        setup,
+        Totals(),
+        log,
     )
+    start = restore(run, resume)
     params = sum(p.numel() for p in model.parameters())
     log(
         f"{spec.name}: {params / 1e6:.1f}M parameters on {world} x {device.type} "
         f"({cluster.gpu.name} profile), {sync} sync, capacity {cap} tokens per rank per wave, "
         f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
     )
-    autocast = torch.bfloat16 if device.type == "cuda" else None
-    kill_at = kill_point()
-    metrics_file = open(args.metrics, "a") if (args.metrics and rank == 0) else None
-    trained = 0
+    metrics_file = open_metrics(args.metrics, start, log) if rank == 0 else None
     t_run = time.perf_counter()
+    try:
+        run_steps(run, start, metrics_file)
+    except CheckpointError as e:
+        log(f"pretrain.py: error: {e}")
+        return 2
+    finally:
+        loader.close()
+        if metrics_file:
+            metrics_file.close()
+    t = run.totals
+    log(
+        f"done: steps {start + 1}-{args.steps} in {time.perf_counter() - t_run:.1f} s; "
+        f"tokens trained {t.trained_tokens:,} (all steps), "
+        f"skipped in sources {sum(s.skipped_tokens for s in sources):,} "
+        f"({sum(s.skipped_documents for s in sources):,} documents), "
+        f"truncated {t.truncated_tokens:,}"
+    )
+    return 0
+
+
+def run_steps(run: Run, start: int, metrics_file) -> None:
+    """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due."""
+    args, cost, totals = run.args, run.cost, run.totals
+    autocast = torch.bfloat16 if run.device.type == "cuda" else None
+    kill_at = kill_point()
     for step_idx in range(start, args.steps):
         t0 = time.perf_counter()
-        data = next(loader)
+        data = next(run.loader)
         res, grad_norm = train_step(
             data,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
             grad_clip=args.grad_clip,
             autocast=autocast,
-            kill=kill_at == (rank, step_idx + 1),
+            kill=kill_at == (run.rank, step_idx + 1),
         )
         step_time = time.perf_counter() - t0
-        busy_s, comm = gather_stats(res, world=world, device=device)
-        trained += data.tokens
+        busy_s, comm = gather_stats(res, world=run.world, device=run.device)
+        totals.trained_tokens += data.tokens
+        totals.truncated_tokens += data.truncated_tokens
+        peak = step_time * run.world * cost.cluster.gpu.peak_flops
         record = metrics_record(
             data,
             res,
@@ -91,30 +160,27 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
             step_time=step_time,
             busy_s=busy_s,
             comm=comm,
-            lr=scheduler.get_last_lr()[0],
+            lr=run.scheduler.get_last_lr()[0],
             grad_norm=float(grad_norm),
-            mfu=cost.model_flops(data.plan.seq_lens) / (step_time * world * cluster.gpu.peak_flops),
-            trained=trained,
-            predicted_rank_s=predicted_rank_s(cost, data) if rank == 0 else [],
+            mfu=cost.model_flops(data.plan.seq_lens) / peak,
+            trained=totals.trained_tokens,
+            predicted_rank_s=predicted_rank_s(cost, data) if run.rank == 0 else [],
         )
         write_record(metrics_file, record)
         if (step_idx + 1) % args.log_every == 0:
-            log(step_line(record, data))
+            run.log(step_line(record, data))
         if checkpoint_due(args, step_idx + 1):
-            checkpoint.save(
-                args.checkpoint_dir, step_idx + 1, model, optimizer, scheduler, loader.sync_state()
-            )
-    loader.close()
-    skipped = sum(s.skipped_tokens for s in sources)
-    truncated = stream.state_dict()["truncated_tokens"] if rank == 0 else 0
-    log(
-        f"done: {args.steps - start} steps in {time.perf_counter() - t_run:.1f} s; "
-        f"tokens trained {trained:,}, skipped in sources {skipped:,} "
-        f"({sum(s.skipped_documents for s in sources):,} documents), truncated {truncated:,}"
-    )
-    if metrics_file:
-        metrics_file.close()
-    return 0
+            save_checkpoint(run, step_idx + 1)
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Checkpoint after ``step``, with the data position, the totals and the setup."""
+    state = {
+        "data": run.loader.sync_state(),
+        "accounting": asdict(run.totals),
+        "fingerprint": run.setup,
+    }
+    checkpoint.save(run.args.checkpoint_dir, step, run.model, run.optimizer, run.scheduler, state)
 
 
 def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -> CostModel:
@@ -173,13 +239,12 @@ def build_sources(args, vocab: int) -> list:
 def build_data(args, *, vocab: int) -> tuple[list, BatchStream]:
     """The sources and the stream of global batches drawn from them."""
     sources = build_sources(args, vocab)
-    weights = [float(x) for x in args.data_weights.split(",")] if args.data_weights else None
     stream = BatchStream(
         [s.lengths for s in sources],
         args.tokens_per_step,
         args.max_seq,
         seed=args.seed,
-        weights=weights,
+        weights=args.data_weights,
         truncate=args.truncate,
     )
     return sources, stream
@@ -245,32 +310,30 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
-def restore(
-    args,
-    *,
-    model: Llama,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
-    loader: HDPDataLoader,
-    log: Callable[[str], None],
-) -> int:
-    """With ``--resume``, load the newest checkpoint; returns the step to start from."""
-    if not args.resume:
+def restore(run: Run, resume: Resume | None) -> int:
+    """Load the checkpoint :func:`find_resume` chose into the run; returns the step to start
+    from (0 without one)."""
+    if resume is None:
         return 0
-    path = checkpoint.latest(args.checkpoint_dir)
-    if path is None:
-        log(f"no checkpoint in {args.checkpoint_dir}: starting from step 0")
-        return 0
-    start, data_state = checkpoint.load(path, model, optimizer, scheduler)
-    loader.load_state_dict(data_state)
-    log(f"resumed from {path} at step {start}")
-    return start
+    checkpoint.load(resume.path, run.model, run.optimizer, run.scheduler)
+    if resume.data_state is not None:
+        run.loader.load_state_dict(resume.data_state)
+    run.totals = Totals(resume.trained_tokens, resume.truncated_tokens)
+    run.log(f"resumed from {resume.path} at step {resume.step}")
+    return resume.step
 
 
 def kill_point() -> tuple[int, int]:
     """(rank, step) from ``HDP_KILL_AT=RANK:STEP``, for resilience tests: that rank SIGKILLs
-    itself in the middle of that step (after its forward/backward, before the optimizer step)."""
-    kill_rank, kill_step = (int(x) for x in os.environ.get("HDP_KILL_AT", "-1:-1").split(":"))
+    itself in the middle of that step (after its forward/backward, before the optimizer step).
+    Raises ValueError naming the variable when it is not two integers."""
+    text = os.environ.get("HDP_KILL_AT", "").strip()
+    if not text:
+        return -1, -1
+    try:
+        kill_rank, kill_step = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"HDP_KILL_AT={text!r}: expected RANK:STEP, e.g. 1:5") from None
     return kill_rank, kill_step
 
 

@@ -16,28 +16,15 @@ from hdp import (
     GPUProfile,
     gpu_preset,
     model_preset,
-    parse_size,
 )
+from hdp.argtypes import integer, output_file_in_existing_dir, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
 
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+# Sizes and counts of 0 are refused, not read as "the default": every flag is checked as given.
+_size = size(1)
+_positive = integer(1)
 
 
 def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
@@ -148,11 +135,13 @@ def sim_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--steps", type=_positive, default=3, help="global batches to sample (default 3)"
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--json", type=Path, default=None, help="write results as JSON")
+    p.add_argument("--seed", type=integer(0), default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--json", type=output_file_in_existing_dir, default=None, help="write results as JSON"
+    )
     p.add_argument(
         "--plot",
-        type=Path,
+        type=output_file_in_existing_dir,
         default=None,
         help="write a PNG: strategies compared, per-rank timelines",
     )
@@ -163,7 +152,10 @@ def sim_main(argv: list[str] | None = None) -> int:
     from .plot import plot_simulation
     from .sim import format_table, simulate, stderr_progress
 
-    args = sim_parser().parse_args(argv)
+    parser = sim_parser()
+    args = parser.parse_args(argv)
+    if args.plot and not _has_matplotlib():
+        parser.error("--plot needs matplotlib: pip install matplotlib, or leave out --plot")
     try:
         cluster, model = _specs(args)
         workload = (
@@ -209,6 +201,14 @@ def sim_main(argv: list[str] | None = None) -> int:
     return 0 if all(r.error is None for r in sim.results.values()) else 1
 
 
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hdp-plan",
@@ -235,7 +235,9 @@ def plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="split sequences longer than this first (default: no split)",
     )
-    p.add_argument("--out", type=Path, required=True, help="where to write PLAN.json")
+    p.add_argument(
+        "--out", type=output_file_in_existing_dir, required=True, help="where to write PLAN.json"
+    )
     return p
 
 

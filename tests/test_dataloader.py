@@ -70,15 +70,22 @@ def test_shuffle_differs_by_epoch_and_seed_and_mixing_weights():
 
 
 def test_truncate_counts_what_it_drops():
-    stream = BatchStream([np.array([5000, 10])], 8192, 4096, truncate=True)
+    """A batch's truncated tokens are what its documents lost (full length - trained length),
+    counted once, when the batch trains them; the stream's total is the batches' sum."""
+    lens = np.array([5000, 10, 4100, 300])
+    stream = BatchStream([lens], 8192, 4096, truncate=True)
+    total = 0
     for _ in range(6):
         b = stream.next_batch()
         assert all(s.length <= 4096 and s.offset == 0 for s in b.seqs)
+        assert b.truncated_tokens == sum(int(lens[s.doc]) - s.length for s in b.seqs)
+        total += b.truncated_tokens
         st = stream.state_dict()
-        # read = trained + skipped (truncated) + still waiting in the lookahead window
-        waiting = sum(r[4] for r in st["pending"] + st["outliers"])
+        assert st["truncated_tokens"] == total
+        # read = trained + what the trained documents lost + the documents still waiting
+        waiting = sum(int(lens[r[2]]) for r in st["pending"] + st["outliers"])
         assert sum(st["taken"]) == st["trained_tokens"] + st["truncated_tokens"] + waiting
-        assert st["truncated_tokens"] % 904 == 0 and st["truncated_tokens"] > 0
+    assert total > 0 and total % 904 != 0  # both long documents were cut (904 and 4)
 
 
 def test_resume_gives_the_same_batches():

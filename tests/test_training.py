@@ -3,6 +3,7 @@ a killed run resumes losing only the steps since its checkpoint; bad flags fail 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,7 +169,8 @@ def test_resume_is_bit_identical(tmp_path):
         ],
         str(tmp_path / "a.pt"),
     )
-    # Pretend the run stopped after step 2: point 'latest' at it and continue.
+    # Pretend the run stopped after step 2: remove the later checkpoint and continue.
+    shutil.rmtree(ck / "step_00000004")
     (ck / "latest").write_text("step_00000002\n")
     run_ranks(
         _train,

@@ -1,0 +1,172 @@
+"""Argument types shared by every command line (``hdp-sim``, ``hdp-plan``, ``hdp-data``,
+``hdp-calibrate``, ``launch/pretrain.py``): each checks one flag's value before any work starts.
+
+A value out of range raises ``argparse.ArgumentTypeError``, which argparse prints as one line
+naming the flag (``argument --seed: must be >= 0, got -1``) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .specs import parse_size
+
+_Error = argparse.ArgumentTypeError
+
+
+def size(min_value: int = 1) -> Callable[[str], int]:
+    """A token count with an optional K/M/G suffix (``2M``), at least ``min_value``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = parse_size(text)
+        except ValueError as e:
+            raise _Error(str(e)) from None
+        if value < min_value:
+            raise _Error(f"must be >= {min_value}, got {text!r}")
+        return value
+
+    parse.__name__ = "size"
+    return parse
+
+
+def integer(min_value: int | None = None, max_value: int | None = None) -> Callable[[str], int]:
+    """A whole number in ``[min_value, max_value]`` (either bound optional)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise _Error(f"{text!r} is not an integer") from None
+        if min_value is not None and value < min_value:
+            raise _Error(f"must be >= {min_value}, got {value}")
+        if max_value is not None and value > max_value:
+            raise _Error(f"must be <= {max_value}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(min_value: float = 0.0, *, exclusive: bool = False) -> Callable[[str], float]:
+    """A finite real number at least (or, ``exclusive``, above) ``min_value``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise _Error(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise _Error(f"must be a finite number, got {text!r}")
+        if value < min_value or (exclusive and value == min_value):
+            raise _Error(f"must be {'>' if exclusive else '>='} {min_value:g}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def number_list(text: str) -> list[float]:
+    """Comma-separated finite non-negative numbers (``0.7,0.3``), at least one above zero."""
+    values = []
+    for i, part in enumerate(text.split(","), start=1):
+        try:
+            values.append(number(0.0)(part.strip()))
+        except _Error as e:
+            raise _Error(f"item {i} of {text!r}: {e}") from None
+    if sum(values) <= 0:
+        raise _Error(f"at least one weight must be above 0, got {text!r}")
+    return values
+
+
+def _writable_ancestor(path: Path) -> str | None:
+    """Why ``path`` cannot be created (its nearest existing ancestor is not a writable folder),
+    or ``None``."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
+def output_file(text: str) -> Path:
+    """A file to write: not a directory; an existing file writable, else its folder writable
+    (missing folders are created by the command that writes it)."""
+    path = Path(text)
+    if path.is_dir():
+        raise _Error(f"{path} is a directory, expected a file name")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise _Error(f"{path} is not writable")
+        return path
+    why = _writable_ancestor(path)
+    if why:
+        raise _Error(f"cannot create {path}: {why}")
+    return path
+
+
+def output_file_in_existing_dir(text: str) -> Path:
+    """A file to write whose folder must exist already (the command creates no folders)."""
+    path = output_file(text)
+    if not path.parent.is_dir():
+        raise _Error(f"cannot create {path}: directory {path.parent} does not exist")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: an existing writable one, or one that can be created."""
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise _Error(f"{path} exists and is not a directory")
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            raise _Error(f"directory {path} is not readable and writable")
+        return path
+    why = _writable_ancestor(path / "x")
+    if why:
+        raise _Error(f"cannot create {path}: {why}")
+    return path
+
+
+def input_file(text: str) -> Path:
+    """A file to read: exists, is a file, is readable."""
+    path = Path(text)
+    if not path.exists():
+        raise _Error(f"{path}: no such file")
+    if not path.is_file():
+        raise _Error(f"{path} is not a file")
+    if not os.access(path, os.R_OK):
+        raise _Error(f"{path} is not readable")
+    return path
+
+
+def choice(names: list[str] | tuple[str, ...], what: str) -> Callable[[str], str]:
+    """One of ``names`` (a registry's keys), named in the error as ``what``."""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise _Error(f"unknown {what} {text!r}: choose from {', '.join(names)}")
+        return text
+
+    parse.__name__ = what
+    return parse
+
+
+__all__ = [
+    "choice",
+    "input_file",
+    "integer",
+    "number",
+    "number_list",
+    "output_dir",
+    "output_file",
+    "output_file_in_existing_dir",
+    "size",
+]

@@ -1,0 +1,196 @@
+"""Starting a run where it should: the checkpoint to resume from, whether it may continue this
+run's setup, the tokens it already counted, and a metrics file without the rows it redoes.
+
+A checkpoint records a fingerprint of the run's setup (:func:`fingerprint`): the model, the data
+(each source's file name, size and document lengths, the tokenizer, the weights, the vocabulary,
+the batch shape and seed) and the planning flags. Resuming with a different one is refused with
+one line naming what changed, unless ``--allow-changed-setup``: then changed data restarts the data
+position (the old position indexes documents of other sources) and changed planning flags just
+plan the next steps differently. The model can never change: its shards would not load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import checkpoint
+from .checkpoint import CheckpointError
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts: the checkpoint, its step, its data position (``None``: start
+    the data afresh, as ``--allow-changed-setup`` does for changed data) and its accounting."""
+
+    path: Path
+    step: int
+    data_state: dict | None
+    trained_tokens: int
+    truncated_tokens: int
+
+
+def describe_source(src) -> dict:
+    """A source's part of the fingerprint: what identifies its tokens without reading them."""
+    lengths = np.ascontiguousarray(src.lengths, dtype=np.int64)
+    files = [p for p in (getattr(src, "path", None), getattr(src, "bin_path", None)) if p]
+    name = src.name if src.name.startswith("synthetic:") else Path(src.name).name
+    out = {
+        "name": name,
+        "bytes": sum(os.stat(p).st_size for p in files),
+        "documents": int(np.count_nonzero(lengths)),
+        "tokens": int(lengths.sum()),
+        "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest()[:16],
+    }
+    if hasattr(src, "seed"):  # synthetic: its tokens come from the seed
+        out["seed"] = int(src.seed)
+    return out
+
+
+def fingerprint(args, sources: list, *, vocab: int) -> dict:
+    """The setup a checkpoint continues: ``model``, ``data`` and ``planning`` sections."""
+    return {
+        "model": {"model": args.model},
+        "data": {
+            "sources": [describe_source(s) for s in sources],
+            "tokenizers": sorted({s.tokenizer.id for s in sources if hasattr(s, "tokenizer")}),
+            "weights": args.data_weights,
+            "vocab": vocab,
+            "tokens_per_step": args.tokens_per_step,
+            "max_seq": args.max_seq,
+            "seed": args.seed,
+            "truncate": args.truncate,
+        },
+        "planning": {
+            "strategy": args.strategy,
+            "sync": args.sync,
+            "capacity": args.capacity,
+            "activation_checkpointing": args.activation_checkpointing,
+        },
+    }
+
+
+def _flatten(obj, prefix: str = "") -> dict[str, object]:
+    if isinstance(obj, dict):
+        return {
+            k: v for key, val in obj.items() for k, v in _flatten(val, f"{prefix}{key}.").items()
+        }
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+        return {
+            k: v for i, val in enumerate(obj) for k, v in _flatten(val, f"{prefix}{i + 1}.").items()
+        }
+    return {prefix.rstrip("."): obj}
+
+
+def differences(saved: dict, now: dict) -> list[str]:
+    """``key: saved -> now`` for each field of the fingerprints that differs."""
+    a, b = _flatten(saved), _flatten(now)
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+
+
+def check_setup(saved: dict, now: dict, *, allow: bool, where: Path) -> bool:
+    """Whether the data position may be kept. Raises CheckpointError when the setup changed and
+    ``allow`` is not given, or when the model changed."""
+    changed = differences(saved.get("model", {}), now["model"])
+    if changed:
+        raise CheckpointError(
+            f"cannot resume from {where}: it holds another model ({'; '.join(changed)})"
+        )
+    data = differences(saved.get("data", {}), now["data"])
+    planning = differences(saved.get("planning", {}), now["planning"])
+    if (data or planning) and not allow:
+        items = [f"data.{d}" for d in data] + [f"planning.{p}" for p in planning]
+        more = f"; and {len(items) - 4} more" if len(items) > 4 else ""
+        raise CheckpointError(
+            f"cannot resume from {where}: the setup changed since it was saved "
+            f"({'; '.join(items[:4])}{more}): restore it, or pass --allow-changed-setup to "
+            "resume anyway (changed data restarts the data position)"
+        )
+    return not data
+
+
+def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
+    """The checkpoint this run continues, checked against its flags (a collective); ``None``
+    starts from step 0. Raises CheckpointError with the line to print otherwise."""
+    folder = args.checkpoint_dir
+    if folder is None:
+        return None
+    if not args.resume:
+        existing = checkpoint.agree(
+            [d.name for d in checkpoint.step_dirs(folder)] if checkpoint._rank() == 0 else None
+        )
+        if existing:
+            raise CheckpointError(
+                f"--checkpoint-dir {folder} already holds checkpoints ({existing[0]} and "
+                f"{len(existing) - 1} more): pass --resume to continue them, or choose another "
+                "directory"
+            )
+        return None
+    found = checkpoint.select(folder)
+    for line in found.warnings:
+        log(line)
+    if found.path is None:
+        log(f"no checkpoint in {folder}: starting from step 0")
+        return None
+    meta = checkpoint.read_state(found.path)
+    step = int(meta["step"])
+    if args.steps <= step:
+        raise CheckpointError(
+            f"--steps {args.steps} is not above step {step}, where {found.path} resumes: "
+            "pass a larger --steps to train on"
+        )
+    keep_data = check_setup(
+        meta.get("fingerprint", {}), setup, allow=args.allow_changed_setup, where=found.path
+    )
+    if not keep_data:
+        log(f"warning: the data changed since {found.path}: the data position starts afresh")
+    acc = meta.get("accounting", {})
+    return Resume(
+        found.path,
+        step,
+        meta["data"] if keep_data else None,
+        int(acc.get("trained_tokens", 0)),
+        int(acc.get("truncated_tokens", 0)),
+    )
+
+
+def open_metrics(path: Path | None, start: int, log: Callable[[str], None]):
+    """The metrics file, open for appending, without the rows of steps after ``start`` (this run
+    trains them again; a row cut short by a kill goes too). ``None`` when there is no file."""
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        kept, dropped = [], 0
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                redone = int(row["step"]) > start
+            except (ValueError, KeyError, TypeError):
+                redone = True
+            if redone:
+                dropped += 1
+            else:
+                kept.append(line + "\n")
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+            log(
+                f"{path}: replaced {dropped} rows of steps after {start} "
+                "(this run trains those steps)"
+            )
+    return open(path, "a")
+
+
+__all__ = ["Resume", "check_setup", "describe_source", "find_resume", "fingerprint", "open_metrics"]
