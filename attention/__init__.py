@@ -5,8 +5,9 @@
 the log-sum-exp merge in :mod:`attention.merge`.
 """
 
-from .dist import COMM, CommCounter, WaveLayout, dist_attn, wave_layout
+from .dist import COMM, CommCounter, dist_attn
 from .kernels import AttentionBackend, ReferenceBackend, get_backend, select_backend
+from .layout import WaveLayout, wave_layout
 from .merge import PartialAttention
 
 __all__ = [

@@ -10,11 +10,15 @@ Forward: the rank posts the sends and receives of the plan's first round of KV m
 (:meth:`hdp.Plan.comm_rounds`: each rank sends and receives at most one message per round) and
 computes its local blocks while they fly. Then for each round it waits for it, posts the next round
 and computes against the message it received; partial results merge by log-sum-exp in fp32
-(:class:`PartialAttention`). At most two received messages are alive at once.
+(:class:`PartialAttention`). At most two received messages are alive at once, plus, in ``node``
+exchange, the two blocks a relay holds to forward (Note [Node exchange rounds] in
+:mod:`hdp.exchange`).
 
 Backward: with the final ``out`` and ``lse``, local blocks give dq, dk, dv directly; each round's
 KV message is fetched again (buffers are not kept across the layer), its dq part is added locally,
-and its dK/dV partials (fp32) travel back to the owner, who adds them to its own. The same rounds
+and its dK/dV partials (fp32) travel back to the owner, who adds them to its own; a relay adds the
+partials of a block it fetched (its own and those its forwards return) and sends the sum to the
+owner in the block's return phase. The same rounds
 run in the same order on every rank (sends posted before waits), so no plan can deadlock, on gloo
 or NCCL. Every rank of ``group`` must call with the same plan and wave, including ranks with no
 tokens in it.
@@ -23,7 +27,6 @@ tokens in it.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -32,145 +35,8 @@ import torch.distributed as dist
 from hdp import Plan
 
 from .kernels import AttentionBackend, acc_dtype, get_backend, select_backend
+from .layout import RoundIO, Segments, WaveLayout, wave_layout
 from .merge import PartialAttention
-
-
-@dataclass
-class Segments:
-    """Independent attention blocks of one kernel call: query rows and key rows per segment."""
-
-    q_rows: torch.Tensor  # int64, concatenated query row indices (each row at most once)
-    k_rows: torch.Tensor  # int64, concatenated key row indices into the key source
-    cu_q: torch.Tensor  # int32 [n + 1]
-    cu_k: torch.Tensor  # int32 [n + 1]
-    max_q: int
-    max_k: int
-
-    @classmethod
-    def build(cls, pairs: list[tuple[list[range], list[range]]]) -> Segments | None:
-        """``pairs``: for each segment, (query row ranges, key row ranges)."""
-        q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
-        for qr, kr in pairs:
-            nq = sum(len(r) for r in qr)
-            nk = sum(len(r) for r in kr)
-            if nq == 0 or nk == 0:
-                continue
-            for r in qr:
-                q_rows.extend(r)
-            for r in kr:
-                k_rows.extend(r)
-            cu_q.append(cu_q[-1] + nq)
-            cu_k.append(cu_k[-1] + nk)
-        if len(cu_q) == 1:
-            return None
-        nq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
-        nk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-        return cls(
-            torch.tensor(q_rows, dtype=torch.int64),
-            torch.tensor(k_rows, dtype=torch.int64),
-            torch.tensor(cu_q, dtype=torch.int32),
-            torch.tensor(cu_k, dtype=torch.int32),
-            max(nq),
-            max(nk),
-        )
-
-    def to(self, device: torch.device) -> Segments:
-        return Segments(
-            self.q_rows.to(device),
-            self.k_rows.to(device),
-            self.cu_q.to(device),
-            self.cu_k.to(device),
-            self.max_q,
-            self.max_k,
-        )
-
-
-@dataclass
-class RoundIO:
-    """What this rank sends and receives in one round (``None`` where nothing)."""
-
-    send_to: int | None = None
-    send_rows: torch.Tensor | None = None  # local rows of the KV it sends, message order
-    recv_from: int | None = None
-    recv_tokens: int = 0
-    recv_pieces: list = field(default_factory=list)  # (seq, start, end) in message order
-    recv_segments: Segments | None = None  # local queries x received keys
-    recv_rows: torch.Tensor | None = None  # for the owner's side: local rows its dK/dV returns to
-
-
-@dataclass
-class WaveLayout:
-    """Everything one rank needs to run ``dist_attn`` for one wave, derived from the plan alone."""
-
-    tokens: int
-    diag: Segments | None
-    local_full: Segments | None
-    rounds: list[RoundIO]
-
-    @classmethod
-    def build(cls, plan: Plan, wave: int, rank: int) -> WaveLayout:
-        shards = plan.shards(rank, wave)
-        offsets, off = [], 0
-        by_seq: dict[int, list[int]] = {}
-        for i, sh in enumerate(shards):
-            offsets.append(off)
-            off += sh.end - sh.start
-            by_seq.setdefault(sh.seq, []).append(i)
-        rows = [range(o, o + sh.end - sh.start) for o, sh in zip(offsets, shards)]
-        diag = Segments.build([([r], [r]) for r in rows])
-        local_pairs = []
-        for i, sh in enumerate(shards):
-            before = [rows[j] for j in by_seq[sh.seq] if shards[j].end <= sh.start]
-            local_pairs.append(([rows[i]], before))
-        local_full = Segments.build(local_pairs)
-
-        def local_rows_of(seq: int, a: int, b: int) -> range:
-            for j in by_seq.get(seq, ()):
-                sj = shards[j]
-                if sj.start <= a and b <= sj.end:
-                    return range(offsets[j] + a - sj.start, offsets[j] + b - sj.start)
-            raise AssertionError(f"rank {rank} does not hold tokens [{a}, {b}) of sequence {seq}")
-
-        rounds = []
-        for msgs in plan.comm_rounds(wave):
-            io = RoundIO()
-            for m in msgs:
-                if m.src == rank:
-                    io.send_to = m.dst
-                    io.send_rows = torch.tensor(
-                        [t for p in m.pieces for t in local_rows_of(*p)], dtype=torch.int64
-                    )
-                if m.dst == rank:
-                    io.recv_from = m.src
-                    io.recv_pieces = list(m.pieces)
-                    io.recv_tokens = m.tokens
-                    pos, piece_rows = 0, []
-                    for p in m.pieces:
-                        piece_rows.append((p, range(pos, pos + p.end - p.start)))
-                        pos += p.end - p.start
-                    io.recv_segments = Segments.build(
-                        [
-                            (
-                                [rows[i]],
-                                [r for p, r in piece_rows if p.seq == sh.seq and p.end <= sh.start],
-                            )
-                            for i, sh in enumerate(shards)
-                        ]
-                    )
-            rounds.append(io)
-        return cls(off, diag, local_full, rounds)
-
-
-_LAYOUTS: weakref.WeakKeyDictionary[Plan, dict] = weakref.WeakKeyDictionary()
-
-
-def wave_layout(plan: Plan, wave: int, rank: int) -> WaveLayout:
-    """Cached :class:`WaveLayout` (every layer of a step reuses it)."""
-    per_plan = _LAYOUTS.setdefault(plan, {})
-    key = (wave, rank)
-    if key not in per_plan:
-        per_plan[key] = WaveLayout.build(plan, wave, rank)
-    return per_plan[key]
 
 
 @dataclass
@@ -182,6 +48,7 @@ class CommCounter:
     bwd_bytes_sent: int = 0
     bwd_bytes_received: int = 0
     messages: int = 0
+    bytes_to: dict[int, int] = field(default_factory=dict)  # global peer rank -> bytes sent
 
     def reset(self) -> None:
         self.__init__()
@@ -195,53 +62,9 @@ def _global(group, r: int) -> int:
     return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
 
 
-def _exchange(
-    send: torch.Tensor | None,
-    send_to: int | None,
-    recv: torch.Tensor | None,
-    recv_from: int | None,
-    group,
-    tag: int,
-) -> list:
-    """Post one round's send and receive (either may be absent); returns the requests."""
-    ops = []
-    if send is not None and send_to is not None:
-        ops.append(dist.P2POp(dist.isend, send, _global(group, send_to), group, tag))
-    if recv is not None and recv_from is not None:
-        ops.append(dist.P2POp(dist.irecv, recv, _global(group, recv_from), group, tag))
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
 def _wait(reqs: list) -> None:
     for r in reqs:
         r.wait()
-
-
-def _post_kv(io: RoundIO, k: torch.Tensor, v: torch.Tensor, group, tag: int, backward: bool):
-    """Post one round's K/V message out and in; returns (receive buffer, requests, send buffer)."""
-    device = k.device
-    send = (
-        torch.stack([k[io.send_rows.to(device)], v[io.send_rows.to(device)]], 1)
-        if io.send_to is not None
-        else None
-    )
-    recv = (
-        torch.empty(io.recv_tokens, 2, k.shape[1], k.shape[2], dtype=k.dtype, device=device)
-        if io.recv_from is not None
-        else None
-    )
-    if send is not None:
-        COMM.messages += 1
-        if backward:
-            COMM.bwd_bytes_sent += send.numel() * send.element_size()
-        else:
-            COMM.fwd_bytes_sent += send.numel() * send.element_size()
-    if recv is not None:
-        if backward:
-            COMM.bwd_bytes_received += recv.numel() * recv.element_size()
-        else:
-            COMM.fwd_bytes_received += recv.numel() * recv.element_size()
-    return recv, _exchange(send, io.send_to, recv, io.recv_from, group, tag), send
 
 
 class _DistAttn(torch.autograd.Function):
@@ -250,22 +73,24 @@ class _DistAttn(torch.autograd.Function):
         device = q.device
         T, H, d = q.shape
         acc = PartialAttention(T, H, d, q.dtype, device)
-        rounds = layout.rounds
-        pending = _post_kv(rounds[0], k, v, group, 0, backward=False) if rounds else None
+        comm = _Messenger(group, backward=False)
+        rounds, slots = layout.rounds, {}
+        pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
         for seg, causal in ((layout.diag, True), (layout.local_full, False)):
             if seg is not None:
                 _attend(acc, backend, q, k, v, seg.to(device), causal, scale)
-        for r in range(len(rounds)):
-            recv, reqs, _send = pending
+        for r, io in enumerate(rounds):
+            recv, reqs = pending
             _wait(reqs)
+            if io.keep_as >= 0:
+                slots[io.keep_as] = recv
             pending = (
-                _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=False)
-                if r + 1 < len(rounds)
-                else None
+                comm.post_kv(rounds[r + 1], k, v, slots, r + 1) if r + 1 < len(rounds) else None
             )
-            seg = rounds[r].recv_segments
+            seg = io.recv_segments
             if recv is not None and seg is not None:
                 _attend(acc, backend, q, recv[:, 0], recv[:, 1], seg.to(device), False, scale)
+            _drop_forwarded(slots, layout, r)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.layout, ctx.group, ctx.scale, ctx.backend = layout, group, scale, backend
@@ -276,59 +101,170 @@ class _DistAttn(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale, backend = ctx.layout, ctx.group, ctx.scale, ctx.backend
         device = q.device
-        hk, d = k.shape[1], k.shape[2]
         ad = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=ad, device=device)
-        dk = torch.zeros(k.shape, dtype=ad, device=device)
-        dv = torch.zeros(v.shape, dtype=ad, device=device)
+        grads = _Grads(q, k, ad)
         dout = dout.contiguous()
         for seg, causal in ((layout.diag, True), (layout.local_full, False)):
             if seg is not None:
                 seg = seg.to(device)
                 gq, gk, gv = _grad(backend, dout, q, k, v, out, lse, seg, causal, scale)
-                dq.index_add_(0, seg.q_rows, gq.to(ad))
-                dk.index_add_(0, seg.k_rows, gk.to(ad))
-                dv.index_add_(0, seg.k_rows, gv.to(ad))
-        rounds = layout.rounds
-        pending = _post_kv(rounds[0], k, v, group, 0, backward=True) if rounds else None
-        for r in range(len(rounds)):
-            io = rounds[r]
-            recv, reqs, _send = pending
+                grads.dq.index_add_(0, seg.q_rows, gq.to(ad))
+                grads.dk.index_add_(0, seg.k_rows, gk.to(ad))
+                grads.dv.index_add_(0, seg.k_rows, gv.to(ad))
+        comm = _Messenger(group, backward=True)
+        rounds, slots = layout.rounds, {}
+        pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
+        for r, io in enumerate(rounds):
+            recv, reqs = pending
             _wait(reqs)
+            if io.keep_as >= 0:
+                slots[io.keep_as] = recv
+                grads.sums[io.keep_as] = torch.zeros(recv.shape, dtype=ad, device=device)
             pending = (
-                _post_kv(rounds[r + 1], k, v, group, 2 * r + 2, backward=True)
-                if r + 1 < len(rounds)
-                else None
+                comm.post_kv(rounds[r + 1], k, v, slots, r + 1) if r + 1 < len(rounds) else None
             )
-            # dK/dV partials of the received keys go back to their owner; ours come back to us.
             dkv_out = None
             if recv is not None:
-                dkv_out = torch.zeros(io.recv_tokens, 2, hk, d, dtype=ad, device=device)
+                # dK/dV partials of received keys: a relay sums them for the owner; anyone else
+                # sends them back along the message's edge.
+                dkv_out = grads.sums.get(io.keep_as)
+                if dkv_out is None:
+                    dkv_out = torch.zeros(recv.shape, dtype=ad, device=device)
                 seg = io.recv_segments
                 if seg is not None:
                     seg = seg.to(device)
                     gq, gk, gv = _grad(
                         backend, dout, q, recv[:, 0], recv[:, 1], out, lse, seg, False, scale
                     )
-                    dq.index_add_(0, seg.q_rows, gq.to(ad))
+                    grads.dq.index_add_(0, seg.q_rows, gq.to(ad))
                     dkv_out[:, 0].index_add_(0, seg.k_rows, gk.to(ad))
                     dkv_out[:, 1].index_add_(0, seg.k_rows, gv.to(ad))
-            dkv_in = (
-                torch.empty(io.send_rows.numel(), 2, hk, d, dtype=ad, device=device)
-                if io.send_to is not None
-                else None
+                if io.keep_as >= 0:
+                    dkv_out = None
+            _drop_forwarded(slots, layout, r)
+            comm.dkv_phase(io, dkv_out, layout, r, grads)
+        comm.dkv_phase(None, None, layout, len(rounds), grads)
+        return (
+            grads.dq.to(q.dtype),
+            grads.dk.to(k.dtype),
+            grads.dv.to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+@dataclass
+class _Grads:
+    """fp32 gradient accumulators of one backward: local dq, dk, dv, and the relay slots' sums."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    sums: dict[int, torch.Tensor]
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, ad: torch.dtype) -> None:
+        self.dq = torch.zeros(q.shape, dtype=ad, device=q.device)
+        self.dk = torch.zeros(k.shape, dtype=ad, device=k.device)
+        self.dv = torch.zeros(k.shape, dtype=ad, device=k.device)
+        self.sums = {}
+
+    def add_local(self, rows: torch.Tensor, dkv: torch.Tensor) -> None:
+        rows = rows.to(self.dk.device)
+        self.dk.index_add_(0, rows, dkv[:, 0])
+        self.dv.index_add_(0, rows, dkv[:, 1])
+
+
+def _drop_forwarded(slots: dict, layout: WaveLayout, r: int) -> None:
+    """Free the relay slots whose last forward left in round ``r`` (their sends are done)."""
+    for hop in [h for h in slots if layout.slot_last_round[h] <= r]:
+        del slots[hop]
+
+
+class _Messenger:
+    """The P2P traffic of one ``dist_attn`` pass: K/V rounds and, backward, dK/dV phases."""
+
+    def __init__(self, group, backward: bool) -> None:
+        self.group, self.backward = group, backward
+
+    def post_kv(self, io: RoundIO, k, v, slots: dict, r: int):
+        """Post round ``r``'s K/V message out and in; returns (receive buffer, requests)."""
+        send = None
+        if io.send_to is not None:
+            rows = io.send_rows.to(k.device)
+            if io.send_slot >= 0:
+                send = slots[io.send_slot].index_select(0, rows)
+            else:
+                send = torch.stack([k[rows], v[rows]], 1)
+        recv = None
+        if io.recv_from is not None:
+            shape = (io.recv_tokens, 2, k.shape[1], k.shape[2])
+            recv = torch.empty(shape, dtype=k.dtype, device=k.device)
+        sends = [(send, io.send_to)] if send is not None else []
+        recvs = [(recv, io.recv_from)] if recv is not None else []
+        return recv, self._post(sends, recvs, 2 * r + 2)
+
+    def dkv_phase(self, io: RoundIO | None, dkv_out, layout: WaveLayout, p: int, grads: _Grads):
+        """Phase ``p`` of backward: dK/dV partials back along round ``p``'s edges (``io``) and the
+        relay sums due in phase ``p``; adds what arrives into ``grads``."""
+        sends, recvs, after = [], [], []
+        if dkv_out is not None:
+            sends.append((dkv_out, io.recv_from))
+        if io is not None and io.send_to is not None and io.send_dkv_back:
+            buf = grads.dq.new_empty((io.send_rows.numel(), 2, *grads.dk.shape[1:]))
+            recvs.append((buf, io.send_to))
+            after.append((buf, io.send_rows, io.send_slot))
+        for ret in layout.returns_out[p]:
+            sends.append((grads.sums.pop(ret.hop), ret.peer))
+        for ret in layout.returns_in[p]:
+            buf = grads.dq.new_empty((ret.tokens, 2, *grads.dk.shape[1:]))
+            recvs.append((buf, ret.peer))
+            after.append((buf, ret.rows, -1))
+        _wait(self._post(sends, recvs, 2 * p + 1, tag_step=len(layout.rounds) + 1))
+        for buf, rows, slot in after:
+            if slot >= 0:
+                grads.sums[slot].index_add_(0, rows.to(buf.device), buf)
+            else:
+                grads.add_local(rows, buf)
+
+    def _post(self, sends: list, recvs: list, tag: int, tag_step: int = 0) -> list:
+        """Post sends and receives; the k-th message between two ranks in one call gets tag
+        ``tag + 2 * k * tag_step`` on both sides (both list them in the same order)."""
+        ops, count = [], {}
+        for buf, peer in sends:
+            k = count.get(("s", peer), 0)
+            count[("s", peer)] = k + 1
+            ops.append(
+                dist.P2POp(
+                    dist.isend, buf, _global(self.group, peer), self.group, tag + 2 * k * tag_step
+                )
             )
-            if dkv_out is not None:
-                COMM.bwd_bytes_sent += dkv_out.numel() * dkv_out.element_size()
-                COMM.messages += 1
-            if dkv_in is not None:
-                COMM.bwd_bytes_received += dkv_in.numel() * dkv_in.element_size()
-            _wait(_exchange(dkv_out, io.recv_from, dkv_in, io.send_to, group, 2 * r + 1))
-            if dkv_in is not None:
-                rows = io.send_rows.to(device)
-                dk.index_add_(0, rows, dkv_in[:, 0])
-                dv.index_add_(0, rows, dkv_in[:, 1])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+            self._count(buf, peer, sent=True)
+        for buf, peer in recvs:
+            k = count.get(("r", peer), 0)
+            count[("r", peer)] = k + 1
+            ops.append(
+                dist.P2POp(
+                    dist.irecv, buf, _global(self.group, peer), self.group, tag + 2 * k * tag_step
+                )
+            )
+            self._count(buf, peer, sent=False)
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _count(self, buf: torch.Tensor, peer: int, sent: bool) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        if sent:
+            COMM.messages += 1
+            COMM.bytes_to[peer] = COMM.bytes_to.get(peer, 0) + nbytes
+            if self.backward:
+                COMM.bwd_bytes_sent += nbytes
+            else:
+                COMM.fwd_bytes_sent += nbytes
+        elif self.backward:
+            COMM.bwd_bytes_received += nbytes
+        else:
+            COMM.fwd_bytes_received += nbytes
 
 
 def _attend(

@@ -5,16 +5,10 @@ Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with
 """
 
 from .cost import CostModel, KVTraffic, StepReport
-from .plan import (
-    BLOCK_TOKENS,
-    DEFAULT_KV_BLOCK_TOKENS,
-    KVTransfer,
-    Plan,
-    PlanError,
-    Shard,
-    edge_colour_rounds,
-)
+from .exchange import KV_EXCHANGES, KVTransfer, Shard
+from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan, PlanError
 from .profile import KernelTables, ProfileError
+from .rounds import edge_colour_rounds
 from .specs import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -37,6 +31,7 @@ __all__ = [
     "GPU_PRESETS",
     "KVTraffic",
     "KernelTables",
+    "KV_EXCHANGES",
     "KVTransfer",
     "MODEL_PRESETS",
     "ModelSpec",

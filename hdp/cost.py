@@ -39,13 +39,14 @@ is free and take the slowest member's time; barriers (Megatron hybrid CP) align 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
 
 from . import traffic
 from .compute import ComputeModel
+from .exchange import KV_EXCHANGES, RELAY_SLOTS
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan
 from .specs import ClusterSpec, ModelSpec
 from .traffic import KVTraffic, wave_components
@@ -62,6 +63,8 @@ class StepReport:
     imbalance: float
     exposed_comm_s: float
     comm_bytes: float
+    nic_bytes: float
+    nvlink_bytes: float
     param_comm_bytes: float
     peak_mem_bytes: float
     mfu: float
@@ -84,6 +87,8 @@ class StepReport:
             "imbalance": self.imbalance,
             "exposed_comm_s": self.exposed_comm_s,
             "comm_bytes": self.comm_bytes,
+            "nic_bytes": self.nic_bytes,
+            "nvlink_bytes": self.nvlink_bytes,
             "param_comm_bytes": self.param_comm_bytes,
             "peak_mem_bytes": self.peak_mem_bytes,
             "plan_time_s": self.plan_time_s,
@@ -105,6 +110,8 @@ class CostModel:
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
         loss_chunk_tokens: tokens whose logits are materialised at once by the chunked loss.
         attention_backend: the attention kernel priced (default: the GPU profile's).
+        kv_exchange: the K/V exchange planners price before a plan exists (``rank`` or ``node``,
+            :mod:`hdp.exchange`); :meth:`evaluate` prices each plan's own.
     """
 
     model: ModelSpec
@@ -115,6 +122,25 @@ class CostModel:
     kv_prefetch_blocks: int = 2
     loss_chunk_tokens: int = 4096
     attention_backend: str | None = None
+    kv_exchange: str = "rank"
+
+    def with_exchange(self, kv_exchange: str) -> CostModel:
+        """This model pricing ``kv_exchange`` for planners (the kernel tables are shared)."""
+        if kv_exchange == self.kv_exchange:
+            return self
+        if kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
+        if kv_exchange not in self._variants:
+            other = replace(self, kv_exchange=kv_exchange)
+            other.__dict__["compute"] = self.compute
+            other.__dict__["_variants"] = self._variants
+            self._variants[self.kv_exchange] = self
+            self._variants[kv_exchange] = other
+        return self._variants[kv_exchange]
+
+    @cached_property
+    def _variants(self) -> dict[str, CostModel]:
+        return {}
 
     # ------------------------------------------------------------------ compute
     @cached_property
@@ -224,16 +250,18 @@ class CostModel:
         """Bytes of a KV block in flight relative to its forward size: K/V plus fp32 dK/dV."""
         return 1.0 + 4.0 / self.model.dtype_bytes
 
-    def kv_buffer_bytes(self, max_in_block: np.ndarray | float) -> np.ndarray | float:
-        """Memory for the KV (and dK/dV) blocks a rank holds in flight."""
-        return (
-            self.kv_prefetch_blocks
-            * np.asarray(max_in_block, dtype=np.float64)
-            * self.model.kv_bytes_per_token
-            * self._kv_block_factor
-        )
+    def kv_buffer_bytes(
+        self, max_in_block: np.ndarray | float, relay_block: np.ndarray | float = 0.0
+    ) -> np.ndarray | float:
+        """Memory for the KV (and dK/dV) blocks a rank holds in flight, and the fetched blocks it
+        relays in ``node`` exchange (with their fp32 dK/dV sums)."""
+        blocks = self.kv_prefetch_blocks * np.asarray(max_in_block, dtype=np.float64)
+        blocks = blocks + RELAY_SLOTS * np.asarray(relay_block, dtype=np.float64)
+        return blocks * self.model.kv_bytes_per_token * self._kv_block_factor
 
-    def memory(self, tokens, offload=0.0, max_in_block=0.0, sync: str = "peer") -> np.ndarray:
+    def memory(
+        self, tokens, offload=0.0, max_in_block=0.0, sync: str = "peer", relay_block=0.0
+    ) -> np.ndarray:
         """Peak bytes of a rank holding ``tokens`` tokens in a wave (arrays broadcast)."""
         t = np.asarray(tokens, dtype=np.float64)
         act = t * (
@@ -243,7 +271,7 @@ class CostModel:
             self.static_bytes(sync)
             + np.where(t > 0, self.loss_buffer_bytes, 0.0)
             + act
-            + self.kv_buffer_bytes(max_in_block)
+            + self.kv_buffer_bytes(max_in_block, relay_block)
         )
 
     def activation_budget(self, sync: str, kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS) -> float:
@@ -271,7 +299,9 @@ class CostModel:
             self.memory_budget
             - self.static_bytes(sync)
             - self.loss_buffer_bytes
-            - self.kv_buffer_bytes(kv_block_tokens)
+            - self.kv_buffer_bytes(
+                kv_block_tokens, kv_block_tokens if self.kv_exchange == "node" else 0
+            )
         )
         if free <= 0:
             return 0
@@ -356,9 +386,15 @@ class CostModel:
 
     # ------------------------------------------------------------------ KV traffic
     def kv_traffic(self, plan: Plan, labels: np.ndarray | None = None) -> KVTraffic:
-        """Per-cell KV traffic of ``plan`` on this cluster's nodes (:func:`hdp.traffic.kv_traffic`;
-        ``labels``: :func:`wave_components`)."""
-        return traffic.kv_traffic(plan, self.cluster.ranks_per_node, labels)
+        """Per-cell KV traffic of ``plan`` in its exchange on this cluster's nodes
+        (:func:`hdp.traffic.kv_traffic`; ``labels``: :func:`wave_components`)."""
+        rpn = self.cluster.ranks_per_node
+        if plan.kv_exchange == "node" and plan.ranks_per_node != rpn:
+            raise ValueError(
+                f"the plan's node exchange assumes {plan.ranks_per_node} GPUs per node but the "
+                f"cluster has {rpn}: plan it for this cluster"
+            )
+        return traffic.kv_traffic(plan, rpn, labels)
 
     def comm_time_per_layer(self, traffic: KVTraffic) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) KV transfer time of one layer per cell, seconds."""
@@ -429,16 +465,17 @@ class CostModel:
         step, start = self._step_time(plan, busy, labels, with_collectives=True)
         step_nc, _ = self._step_time(plan, busy_no_comm, labels, with_collectives=False)
         step, step_nc = step + self.optimizer_s, step_nc + self.optimizer_s
-        mem = self.memory(tokens, plan.offload, traffic.max_in_block, plan.sync)
+        mem = self.memory(
+            tokens, plan.offload, traffic.max_in_block, plan.sync, traffic.relay_block
+        )
         mem = np.where(tokens > 0, mem, self.static_bytes(plan.sync))
         per_rank = compute.sum(axis=0)
         mean = per_rank.mean()
         kvb = m.kv_bytes_per_token
         dkv = 4.0 / m.dtype_bytes
-        sent = traffic.sent.sum()
-        comm_bytes = float(
-            sent * kvb * m.layers * (2.0 + dkv)
-        )  # KV forward, KV again + dK/dV backward
+        per_token = kvb * m.layers * (2.0 + dkv)  # KV forward, KV again + dK/dV backward
+        nic_bytes = float(traffic.out_inter.sum() * per_token)
+        nvlink_bytes = float(traffic.out_intra.sum() * per_token)
         n = self.cluster.num_ranks
         per_gather = m.total_params * m.dtype_bytes * (n - 1) if n > 1 else 0.0
         per_scatter = m.total_params * 4.0 * (n - 1) if n > 1 else 0.0
@@ -453,7 +490,9 @@ class CostModel:
             lower_bound_s=self.lower_bound(plan.seq_lens),
             imbalance=float(per_rank.max() / mean) if mean > 0 else 1.0,
             exposed_comm_s=float(max(0.0, step - step_nc)),
-            comm_bytes=comm_bytes,
+            comm_bytes=nic_bytes + nvlink_bytes,
+            nic_bytes=nic_bytes,
+            nvlink_bytes=nvlink_bytes,
             param_comm_bytes=float(param_bytes),
             peak_mem_bytes=float(mem.max()),
             mfu=float(flops / (step * n * g.peak_flops)) if step > 0 else 0.0,

@@ -13,7 +13,9 @@ travels together, cut into messages of at most ``kv_block_tokens`` tokens. :meth
 orders the messages in congestion-free rounds: each rank sends at most one message and receives at
 most one per round. The rounds are a proper edge colouring of the bipartite sender/receiver
 multigraph with the minimum number of colours (König, :mod:`hdp.rounds`). Backward sends dK/dV of
-the same pieces back along the reversed edges in the same rounds.
+the same pieces back along the reversed edges in the same rounds. A plan's ``kv_exchange`` says
+whether each rank fetches what it lacks (``rank``) or each node does once (``node``,
+:mod:`hdp.exchange`).
 
 Shards are stored as parallel int64 numpy arrays (one entry per shard) so that plans with millions
 of shards (a static mesh at 2M context) validate and evaluate quickly.
@@ -23,46 +25,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from . import wire
-from .rounds import edge_colour_rounds
+from . import exchange, wire
+from .exchange import KV_EXCHANGES, KVTransfer, Shard, WaveExchange
 
 SYNC_MODES = ("wave", "peer")
-
-
-class Shard(NamedTuple):
-    """Tokens ``[start, end)`` of sequence ``seq`` of the global batch."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class KVTransfer:
-    """One P2P message: keys/values of ``pieces`` (``Shard``s) from ``src`` to ``dst``.
-
-    All the KV one rank needs from another in a wave travels together, cut into messages of at
-    most ``Plan.kv_block_tokens`` tokens; the receiver places each piece by its sequence positions.
-    """
-
-    src: int
-    dst: int
-    pieces: tuple[Shard, ...]
-
-    @property
-    def tokens(self) -> int:
-        return sum(p.end - p.start for p in self.pieces)
 
 
 class PlanError(ValueError):
@@ -98,6 +70,10 @@ class Plan:
         predicted: the planner's predictions (step time, bound, ...), free-form floats.
         strategy: name of the strategy that produced the plan, if any.
         capacity: tokens per rank per wave the planner was given, if any.
+        kv_exchange: ``"rank"`` (each rank fetches the K/V it lacks) or ``"node"`` (once per
+            node, forwarded over NVLink; :mod:`hdp.exchange`).
+        ranks_per_node: ranks per node, ``[k * n, (k + 1) * n)`` forming node ``k``; required
+            by ``node`` exchange.
     """
 
     def __init__(
@@ -118,6 +94,8 @@ class Plan:
         predicted: dict[str, float] | None = None,
         strategy: str | None = None,
         capacity: int | None = None,
+        kv_exchange: str = "rank",
+        ranks_per_node: int | None = None,
     ) -> None:
         if sync not in SYNC_MODES:
             raise PlanError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -125,6 +103,12 @@ class Plan:
             raise PlanError(f"num_ranks must be >= 1, got {num_ranks}")
         if int(kv_block_tokens) < 1:
             raise PlanError(f"kv_block_tokens must be >= 1, got {kv_block_tokens}")
+        if kv_exchange not in KV_EXCHANGES:
+            raise PlanError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
+        if ranks_per_node is not None and int(ranks_per_node) < 1:
+            raise PlanError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+        if kv_exchange == "node" and ranks_per_node is None:
+            raise PlanError("kv_exchange 'node' needs ranks_per_node (the GPUs of one node)")
         self.seq_lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         self.num_ranks = int(num_ranks)
         arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in (rank, wave, seq, start, end)]
@@ -150,6 +134,8 @@ class Plan:
         self.predicted: dict[str, float] = dict(predicted or {})
         self.strategy = strategy
         self.capacity = capacity
+        self.kv_exchange = kv_exchange
+        self.ranks_per_node = None if ranks_per_node is None else int(ranks_per_node)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -212,6 +198,8 @@ class Plan:
             predicted=d.get("predicted"),
             strategy=d.get("strategy"),
             capacity=d.get("capacity"),
+            kv_exchange=d.get("kv_exchange", "rank"),
+            ranks_per_node=d.get("ranks_per_node"),
         )
         if offload is not None:
             off = np.asarray(offload, dtype=np.float64)
@@ -264,9 +252,30 @@ class Plan:
             out["strategy"] = self.strategy
         if self.capacity is not None:
             out["capacity"] = int(self.capacity)
+        out["kv_exchange"] = self.kv_exchange
+        if self.ranks_per_node is not None:
+            out["ranks_per_node"] = self.ranks_per_node
         if self.predicted:
             out["predicted"] = {k: float(v) for k, v in self.predicted.items()}
         return out
+
+    def with_exchange(self, kv_exchange: str) -> Plan:
+        """The same placement run with another K/V exchange."""
+        return Plan(
+            self.seq_lens,
+            self.num_ranks,
+            *(getattr(self, c) for c in SHARD_COLUMNS),
+            sync=self.sync,
+            num_waves=self.num_waves,
+            offload=self.offload,
+            barriers=self.barriers,
+            kv_block_tokens=self.kv_block_tokens,
+            predicted=self.predicted,
+            strategy=self.strategy,
+            capacity=self.capacity,
+            kv_exchange=kv_exchange,
+            ranks_per_node=self.ranks_per_node,
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
@@ -275,7 +284,8 @@ class Plan:
         """The form that crosses ranks: one ``uint8`` array (see :mod:`hdp.wire`) with every field.
 
         The header names the scalar fields (``num_ranks``, ``num_waves``, ``sync``, ``barriers``,
-        ``kv_block_tokens``, ``strategy``, ``capacity``, ``predicted``). The arrays travel as raw
+        ``kv_block_tokens``, ``strategy``, ``capacity``, ``kv_exchange``, ``ranks_per_node``,
+        ``predicted``). The arrays travel as raw
         bytes: ``seq_lens``, the shard columns ``rank``, ``wave``, ``seq``, ``start``, ``end``, and
         ``offload`` when the plan offloads anything. :meth:`from_wire` rebuilds an equal plan.
         """
@@ -288,6 +298,8 @@ class Plan:
             "kv_block_tokens": self.kv_block_tokens,
             "strategy": self.strategy,
             "capacity": None if self.capacity is None else int(self.capacity),
+            "kv_exchange": self.kv_exchange,
+            "ranks_per_node": self.ranks_per_node,
             "predicted": {str(k): float(v) for k, v in self.predicted.items()},
         }
         arrays = {"seq_lens": self.seq_lens}
@@ -320,6 +332,8 @@ class Plan:
             predicted=f["predicted"],
             strategy=f["strategy"],
             capacity=f["capacity"],
+            kv_exchange=f.get("kv_exchange", "rank"),
+            ranks_per_node=f.get("ranks_per_node"),
         )
 
     # ------------------------------------------------------------------ queries
@@ -495,76 +509,44 @@ class Plan:
         )
 
     # ------------------------------------------------------------------ communication
-    def kv_needs(self, wave: int) -> dict[tuple[int, int], list[Shard]]:
-        """What each rank receives from each other rank in ``wave``: ``(src, dst) -> pieces``.
-
-        A rank needs the keys/values of the tokens of a sequence before the end of the last shard
-        it holds of it; each part of another rank's shard in that range is a piece. Pieces are in
-        (sequence, start) order; pairs in (src, dst) order. Deterministic for a given plan.
-        """
+    def cell_columns(self, wave: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(rank, seq, start, end) of the shards of ``wave`` as lists, in cell order."""
         sl = slice(
             int(self._cell_bounds[wave * self.num_ranks]),
             int(self._cell_bounds[(wave + 1) * self.num_ranks]),
         )
-        rank, seq, start, end = (
-            x.tolist() for x in (self.rank[sl], self.seq[sl], self.start[sl], self.end[sl])
-        )
-        need_end: dict[tuple[int, int], int] = {}
-        holders: dict[int, list[int]] = {}
-        for r, s, b in zip(rank, seq, end):
-            key = (s, r)
-            if key not in need_end:
-                holders.setdefault(s, []).append(r)
-                need_end[key] = b
-            elif b > need_end[key]:
-                need_end[key] = b
-        pairs: dict[tuple[int, int], list[Shard]] = {}
-        for i in sorted(range(len(seq)), key=lambda i: (seq[i], start[i])):
-            s, src, a, b = seq[i], rank[i], start[i], end[i]
-            if len(holders[s]) == 1:
-                continue
-            for dst in holders[s]:
-                if dst != src:
-                    stop = min(b, need_end[(s, dst)])
-                    if stop > a:
-                        pairs.setdefault((src, dst), []).append(Shard(s, a, stop))
-        return dict(sorted(pairs.items()))
+        cols = (self.rank[sl], self.seq[sl], self.start[sl], self.end[sl])
+        rank, seq, start, end = (x.tolist() for x in cols)
+        return rank, seq, start, end
+
+    def kv_needs(self, wave: int) -> dict[tuple[int, int], list[Shard]]:
+        """What each rank receives from each other rank in ``wave``: ``(src, dst) -> pieces``
+        (:func:`hdp.exchange.kv_needs`)."""
+        return exchange.kv_needs(self, wave)
 
     def kv_transfers(self, wave: int) -> list[KVTransfer]:
-        """The P2P messages of ``wave``: each (src, dst) pair's pieces cut into messages of at most
-        ``kv_block_tokens`` tokens, in (src, dst) order."""
-        out: list[KVTransfer] = []
-        blk = self.kv_block_tokens
-        for (src, dst), pieces in self.kv_needs(wave).items():
-            msg: list[Shard] = []
-            room = blk
-            for p in pieces:
-                a = p.start
-                while a < p.end:
-                    take = min(room, p.end - a)
-                    msg.append(Shard(p.seq, a, a + take))
-                    a += take
-                    room -= take
-                    if room == 0:
-                        out.append(KVTransfer(src, dst, tuple(msg)))
-                        msg, room = [], blk
-            if msg:
-                out.append(KVTransfer(src, dst, tuple(msg)))
-        return out
+        """The P2P messages of ``wave`` in the plan's K/V exchange."""
+        return self.exchange(wave).transfers
+
+    def exchange(self, wave: int) -> WaveExchange:
+        """The messages of ``wave`` in rounds, with the relays' return phases
+        (:func:`hdp.exchange.wave_exchange`)."""
+        return exchange.wave_exchange(self, wave)
 
     def comm_rounds(self, wave: int) -> list[list[KVTransfer]]:
         """The KV messages of ``wave`` in congestion-free rounds.
 
-        Each rank sends at most one message and receives at most one per round; the number of
-        rounds equals the largest number of messages any rank sends or receives (optimal).
+        Each rank sends at most one message and receives at most one per round. In ``rank``
+        exchange the number of rounds equals the largest number of messages any rank sends or
+        receives (optimal).
         """
-        return edge_colour_rounds(self.kv_transfers(wave))
+        return self.exchange(wave).rounds
 
     def kv_tokens_sent(self, wave: int) -> np.ndarray:
         """``[num_ranks]`` K/V tokens each rank sends in ``wave`` (forward pass of one layer)."""
         sent = np.zeros(self.num_ranks, dtype=np.int64)
-        for (src, _), pieces in self.kv_needs(wave).items():
-            sent[src] += sum(p.end - p.start for p in pieces)
+        for m in self.kv_transfers(wave):
+            sent[m.src] += m.tokens
         return sent
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import KVTransfer
+    from .exchange import KVTransfer
 
 
 def edge_colour_rounds(transfers: Sequence[KVTransfer]) -> list[list[KVTransfer]]:

@@ -1,4 +1,4 @@
-"""Per-cell K/V traffic of a plan, vectorised: exactly the tokens of :meth:`Plan.kv_needs`.
+"""Per-cell K/V traffic of a plan, vectorised: the tokens of :mod:`hdp.exchange`'s messages.
 
 A rank holding part of a sequence that other ranks also hold (a *holder*) needs the keys/values
 of every token of it before the end ``E`` of its last shard there; what it does not hold itself it
@@ -6,6 +6,13 @@ receives from the other holders, and each shard goes to every other holder, trun
 holder's ``E``. Traffic between ranks of one node (``ranks_per_node``) uses NVLink, the rest the
 NIC, so both directions are split into intra- and inter-node tokens. The cost model
 (:mod:`hdp.cost`) turns these counts into time and memory.
+
+In ``node`` exchange a node receives each remote token it needs once: the node's holders of a
+sequence ``s`` fetch the tokens before ``E_max`` (their largest ``E``) that the node does not
+hold, each an equal share, and forward over NVLink what the others need; an owner sends each shard
+once to every other node holding ``s``, truncated at that node's ``E_max``. The NIC tokens are
+exact per node and per sequence; the split between one node's relays, and so the NVLink
+forwarding, is the even share the exchange's balancing aims at.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ class KVTraffic:
     in_msgs: np.ndarray
     out_msgs: np.ndarray
     max_in_block: np.ndarray
+    relay_block: np.ndarray | float = 0.0  # node exchange: the largest block a rank relays
 
     @classmethod
     def zeros(cls, num_waves: int, num_ranks: int) -> KVTraffic:
-        return cls(*(np.zeros((num_waves, num_ranks)) for _ in range(7)))
+        return cls(*(np.zeros((num_waves, num_ranks)) for _ in range(8)))
 
     @property
     def received(self) -> np.ndarray:
@@ -71,12 +79,15 @@ class _SharedShards(NamedTuple):
     group_keys: np.ndarray  # sorted packed (sequence, node) keys, indexed by gid
 
 
-def kv_traffic(plan: Plan, ranks_per_node: int, labels: np.ndarray | None = None) -> KVTraffic:
-    """Per-cell KV traffic of ``plan``: exactly the tokens of :meth:`Plan.kv_needs`.
+def kv_traffic(
+    plan: Plan, ranks_per_node: int, labels: np.ndarray | None = None, exchange: str | None = None
+) -> KVTraffic:
+    """Per-cell KV traffic of ``plan`` in ``exchange`` (default: the plan's ``kv_exchange``).
 
     Message counts are bounded by the distinct peers (``labels``: :func:`wave_components`) plus
     one per ``kv_block_tokens``.
     """
+    exchange = exchange or plan.kv_exchange
     W, N = plan.num_waves, plan.num_ranks
     out = KVTraffic.zeros(W, N)
     if plan.num_shards == 0:
@@ -91,6 +102,14 @@ def kv_traffic(plan: Plan, ranks_per_node: int, labels: np.ndarray | None = None
         pairs, shards, ranks_per_node, plan.kv_block_tokens
     )
     out_node, out_all, out_pieces = _sent(pairs, shards, ranks_per_node)
+    blk = plan.kv_block_tokens
+    relay = np.zeros(pairs.seq.size)
+    if exchange == "node":
+        node = _node_counts(pairs, shards, ranks_per_node, in_inter)
+        in_intra = in_intra + node.forwarded_in
+        in_inter = node.fetched
+        out_all = out_node + node.out_inter
+        relay = np.minimum(node.fetched, blk)
     s_cell = seq_wave[shards.seq] * N + shards.rank
     p_cell = pairs.wave * N + pairs.rank
     size = W * N
@@ -102,18 +121,63 @@ def kv_traffic(plan: Plan, ranks_per_node: int, labels: np.ndarray | None = None
     out.in_inter = agg(p_cell, in_inter)
     out.out_intra = agg(s_cell, out_node)
     out.out_inter = agg(s_cell, out_all - out_node)
+    if exchange == "node":
+        out.out_intra += agg(p_cell, node.forwarded_out)
     # Messages: one per peer (pieces from one peer travel together), one more per full block.
     if labels is None:
         labels = wave_components(plan)
     flat = (labels + (np.arange(W) * N)[:, None]).reshape(-1)
     peers = (np.bincount(flat, minlength=size)[flat] - 1).reshape(W, N)
-    blk = plan.kv_block_tokens
     out.in_msgs = np.minimum(agg(p_cell, in_pieces), peers) + (out.received // blk)
     out.out_msgs = np.minimum(agg(s_cell, out_pieces), peers) + (out.sent // blk)
     mx = np.zeros(size)
     np.maximum.at(mx, p_cell, max_in)
     out.max_in_block = mx.reshape(W, N)
+    if exchange == "node":
+        rb = np.zeros(size)
+        np.maximum.at(rb, p_cell, relay)
+        out.relay_block = rb.reshape(W, N)
     return out
+
+
+class _NodeCounts(NamedTuple):
+    """Per holder pair in ``node`` exchange: NIC tokens it fetches, NVLink tokens forwarded to it
+    and by it; per shard: NIC tokens its owner sends."""
+
+    fetched: np.ndarray
+    forwarded_in: np.ndarray
+    forwarded_out: np.ndarray
+    out_inter: np.ndarray
+
+
+def _node_counts(
+    pairs: _Holders, shards: _SharedShards, ranks_per_node: int, remote_need: np.ndarray
+) -> _NodeCounts:
+    """``node`` exchange counts from the holder pairs (``remote_need``: what each pair needs from
+    other nodes, its ``rank``-exchange NIC tokens)."""
+    gid = _lookup_group(shards.group_keys, pairs.seq, pairs.rank // ranks_per_node)
+    groups = shards.group_keys.size
+    e_max = np.zeros(groups, dtype=np.int64)
+    np.maximum.at(e_max, gid, pairs.need_end)
+    holders = np.bincount(gid, minlength=groups).astype(np.float64)
+    o2 = np.lexsort((shards.start, shards.gid))
+    g_gid, g_start, g_end = shards.gid[o2], shards.start[o2], shards.end[o2]
+    cum = np.concatenate([[0.0], np.cumsum((g_end - g_start).astype(np.float64))])
+    gkey = (g_gid << _POS_BITS) + g_start
+    ids = np.arange(groups)
+    held_before = _tokens_before(gkey, g_gid, g_start, g_end, cum, ids, e_max)
+    node_fetch = e_max - held_before  # remote tokens the node needs, fetched once
+    fetched = (node_fetch / np.maximum(holders, 1))[gid]
+    forwarded_in = np.maximum(remote_need - fetched, 0.0)
+    fwd_total = np.bincount(gid, weights=forwarded_in, minlength=groups)
+    forwarded_out = (fwd_total / np.maximum(holders, 1))[gid]
+    # An owner sends each shard once to every node holding its sequence, cut at that node's
+    # E_max; its own node (whose E_max is at least the shard's end) is counted and taken off.
+    g_seq = shards.group_keys >> 20
+    o = np.lexsort((e_max, g_seq))
+    sent, _ = _truncated_sum(g_seq[o], e_max[o], shards.seq, shards.start, shards.end)
+    out_inter = sent - (shards.end - shards.start)
+    return _NodeCounts(fetched, forwarded_in, forwarded_out, out_inter)
 
 
 def _holders(plan: Plan, seq_wave: np.ndarray) -> tuple[_Holders, np.ndarray] | None:

@@ -18,7 +18,9 @@ parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default 
 ``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
 ``form`` (``hdp`` only: ``free``, or ``megatron`` for aligned power-of-two CP groups and barriers),
 ``hdp_options`` (``hdp`` only: a :class:`planner.hdp.HdpOptions`),
-``validate`` (default True).
+``kv_exchange`` (``hdp`` only: ``rank``, ``node`` or ``auto``, the default; see
+:func:`planning_exchange`), ``validate`` (default True). The baselines exchange K/V as their own
+systems do (``rank``).
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ def plan_and_evaluate(
         activation_checkpointing=opts.pop("activation_checkpointing", True),
         capacity_override=opts.pop("capacity", None),
     )
+    exchange = opts.pop("kv_exchange", None)
+    if strategy != "hdp" and exchange not in (None, "rank"):
+        raise TypeError(
+            "kv_exchange= 'node' or 'auto' applies to the hdp strategy only: the baselines "
+            "exchange K/V as their own systems do"
+        )
+    exchange = exchange or ("auto" if strategy == "hdp" else "rank")
+    cost = cost.with_exchange(planning_exchange(cluster, exchange))
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
     form = opts.pop("form", "free")
@@ -151,8 +161,30 @@ def plan_and_evaluate(
     if validate:
         plan.validate(capacity=cap, offload_capacity=cost.offload_capacity(sync))
     report = cost.evaluate(plan, plan_time_s=plan_time)
+    if exchange == "auto" and plan.kv_exchange == "node":
+        plan, report = _faster_exchange(cost, plan, report)
     plan.predicted.update(report.summary())
     plan.predicted["capacity"] = float(cap)
+    return plan, report
+
+
+def planning_exchange(cluster: ClusterSpec, exchange: str) -> str:
+    """The K/V exchange a plan is made for: ``auto`` plans for ``node`` where the cluster has
+    more than one node (one node: the two are the same messages)."""
+    if exchange not in ("rank", "node", "auto"):
+        raise ValueError(f"kv_exchange must be rank, node or auto, got {exchange!r}")
+    if exchange == "auto":
+        return "node" if cluster.num_nodes > 1 else "rank"
+    return exchange
+
+
+def _faster_exchange(cost: CostModel, plan: Plan, report: StepReport) -> tuple[Plan, StepReport]:
+    """``auto``: the plan made for ``node`` exchange, run in whichever exchange the cost model
+    predicts faster for it."""
+    other = plan.with_exchange("rank")
+    other_report = cost.evaluate(other, plan_time_s=report.plan_time_s)
+    if other_report.step_time_s < report.step_time_s:
+        return other, other_report
     return plan, report
 
 
@@ -163,4 +195,5 @@ __all__ = [
     "choose_sync",
     "plan_and_evaluate",
     "plan_step",
+    "planning_exchange",
 ]

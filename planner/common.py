@@ -258,4 +258,6 @@ class PlanBuilder:
             strategy=self.strategy,
             capacity=self.ctx.capacity,
             predicted=self.info,
+            kv_exchange=self.ctx.cost.kv_exchange,
+            ranks_per_node=self.ctx.ranks_per_node,
         )

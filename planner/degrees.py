@@ -79,6 +79,9 @@ def split_times(
     in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
     out_all = (d - 1) * head + member * tail
     out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
+    if cost.kv_exchange == "node":
+        links = _ZigzagLinks(rep, node_idx, head, tail, tail_end, received, in_intra)
+        received, in_intra, out_intra, out_all = links.node_exchange(out_intra)
     msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
     msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
     traffic = KVTraffic(
@@ -111,6 +114,41 @@ def split_times(
         packed = m.layers * attn_layer + held * per_token
         area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
     return height, area, most
+
+
+class _ZigzagLinks(NamedTuple):
+    """Per member of zigzag jobs: where it sits and what it receives in ``rank`` exchange."""
+
+    rep: np.ndarray  # the job of each member
+    node_idx: np.ndarray  # its node (jobs start at a node boundary)
+    head: np.ndarray
+    tail: np.ndarray
+    tail_end: np.ndarray
+    received: np.ndarray
+    in_intra: np.ndarray
+
+    def node_exchange(self, out_intra: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(received, received over NVLink, sent over NVLink, sent) in ``node`` exchange.
+
+        Note [Node exchange] in :mod:`hdp.exchange`: a node fetches once, an equal share per
+        member, what it lacks before its latest tail end. Heads go to every other node of the
+        job; tails go to the nodes of members ``j < i``, the earlier nodes, whose tails come later.
+        """
+        node, rep = self.node_idx, self.rep
+        size = np.bincount(node).astype(np.float64)
+        node_end = np.zeros(size.size, dtype=np.int64)
+        np.maximum.at(node_end, node, self.tail_end)
+        node_held = np.bincount(node, weights=self.head + self.tail)
+        fetched = ((node_end - node_held) / size)[node]
+        forwarded = np.maximum(self.received - self.in_intra - fetched, 0.0)
+        fwd_out = (np.bincount(node, weights=forwarded) / size)[node]
+        first_node = node[np.searchsorted(rep, rep, side="left")]
+        nodes = np.zeros(int(rep.max(initial=-1)) + 1, dtype=np.int64)
+        np.maximum.at(nodes, rep, node - first_node + 1)
+        out_inter = (nodes[rep] - 1) * self.head + (node - first_node) * self.tail
+        in_intra = self.in_intra + forwarded
+        out_intra = out_intra + fwd_out
+        return in_intra + fetched, in_intra, out_intra, out_intra + out_inter
 
 
 def degree_menu(

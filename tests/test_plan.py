@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hdp import ClusterSpec, CostModel, Plan, PlanError, Shard, model_preset
-from hdp.plan import edge_colour_rounds
+from hdp.rounds import edge_colour_rounds
 
 
 def example_plan():

@@ -22,8 +22,10 @@ from planner.hdp.shelves import shelf_candidates
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
-def test_split_times_match_the_cost_model(model, rpn):
-    cost = CostModel(model_preset(model), ClusterSpec.preset("h100", 64, rpn))
+@pytest.mark.parametrize("exchange", ["rank", "node"])
+def test_split_times_match_the_cost_model(model, rpn, exchange):
+    cluster = ClusterSpec.preset("h100", 64, rpn)
+    cost = CostModel(model_preset(model), cluster, kv_exchange=exchange)
     for L in [1000, 70001, 300000, 1_239_470]:
         for d in [2, 3, 5, 8, 9, 16, 31, 64]:
             for align in [1, 128]:
@@ -47,6 +49,8 @@ def test_split_times_match_the_cost_model(model, rpn):
                     end,
                     sync="peer",
                     offload=offload if (offload > 0).any() else None,
+                    kv_exchange=exchange,
+                    ranks_per_node=rpn,
                 )
                 if not np.isfinite(h[0]):
                     assert (offload > 1).any() or tokens.max() > cost.offload_capacity("peer")
