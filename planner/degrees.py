@@ -22,6 +22,13 @@ menus is exact over ``M``, so the bound is at least the LP relaxation of the mal
 covered by the smaller height and smaller area of the two menu degrees around them.
 :func:`step_bound` adds the parameter collectives and, in ``wave`` sync, takes the higher of it
 and :func:`shelf_bound`, which accounts for the token room of the longest sequences' waves.
+
+Note [Menus end at the floor]: every relaxation value is at least the packed work spread over
+the slots (:func:`menu_floor`), so below that height a job's height no longer matters, only its
+area, and past the first degree no taller than the floor the area only grows (a job's members
+each take at least ``T(d) >= T(d')``'s share of the same work). A menu thus ends a little past
+that degree. In ``node`` exchange the heights of a long sequence fall up to the whole cluster;
+without this end its menu would price every degree up to it.
 """
 
 from __future__ import annotations
@@ -184,10 +191,19 @@ class Menu:
 
 
 @lru_cache(maxsize=4096)
-def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bool = False) -> Menu:
+def length_menu(
+    cost: CostModel,
+    length: int,
+    sync: str,
+    capacity: int,
+    pow2: bool = False,
+    floor_s: float = 0.0,
+) -> Menu:
     """Priced degree menu of one length (cached per cost model, so repeated lengths are free).
     Degrees above the one with the smallest height are dropped: they are slower and larger.
-    ``pow2``: powers of two only (Megatron's CP group sizes)."""
+    ``pow2``: powers of two only (Megatron's CP group sizes). ``floor_s``: a lower bound of the
+    step (:func:`menu_floor`); the menu ends a little past the first degree no taller than it
+    (Note [Menus end at the floor])."""
     c = cost.cluster
     off_cap = cost.offload_capacity(sync)
 
@@ -225,11 +241,11 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
         return price(candidates)
     coarse = price(candidates, exact_too=False)
     # (Where no 128-token split fits, the exact one may: price them all.)
-    top = (
-        int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
-        if coarse.degrees.size
-        else widest
-    )
+    top = widest
+    if coarse.degrees.size:
+        below = np.flatnonzero(coarse.height <= floor_s)
+        stop = int(below[0]) if below.size else int(np.argmin(coarse.height))
+        top = int(coarse.degrees[stop] * 1.5) + 1
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
@@ -239,6 +255,13 @@ def length_menu(cost: CostModel, length: int, sync: str, capacity: int, pow2: bo
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
     return price(np.unique(np.concatenate([fine, nodes])))
+
+
+def menu_floor(packed_s: np.ndarray, slots: int) -> float:
+    """A lower bound of every relaxation value over ``slots`` (the packed work spread evenly),
+    rounded down to a quarter octave so that batches alike share cached menus."""
+    simple = float(np.sum(packed_s)) / max(slots, 1)
+    return 0.0 if simple <= 0 else float(2.0 ** (math.floor(math.log2(simple) * 4) / 4))
 
 
 def _until_lowest(mu: Menu) -> Menu:
@@ -270,21 +293,15 @@ def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nd
     return cost.model.layers * cost.attn_time(np.zeros_like(L), L) + L * per_token
 
 
-def work_area(
-    cost: CostModel, seq_lens: np.ndarray, degree: np.ndarray, sync: str, capacity: int
-) -> float:
-    """Rank-seconds of compute that any plan giving sequence ``i`` ``degree[i]`` ranks (a menu
-    degree) covers, at least: split sequences their menu area, whole ones their packed time. Divided
-    by the ranks it is a lower bound of such a plan's step (a wave lasts as long as its slowest
-    rank, so at least as long as the mean)."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    area = packed_time(cost, lens, cost.offload_capacity(sync))
-    for i in np.flatnonzero(np.asarray(degree) > 1).tolist():
-        mu = length_menu(cost, int(lens[i]), sync, capacity)
+def work_area(cost: CostModel, rel: Relaxation, degree: np.ndarray, sync: str) -> float:
+    """Rank-seconds of compute that any plan giving sequence ``i`` ``degree[i]`` ranks covers, at
+    least: split sequences their area in ``rel``'s menus where it holds the degree, else (and whole
+    ones) their packed time. Divided by the ranks it is a lower bound of such a plan's step (a
+    wave lasts as long as its slowest rank, so at least as long as the mean)."""
+    area = packed_time(cost, rel.seq_lens, cost.offload_capacity(sync))
+    for i, mu in zip(rel.long_ids.tolist(), rel.menus):
         k = int(np.searchsorted(mu.degrees, degree[i]))
-        if (
-            k < mu.degrees.size and mu.degrees[k] == degree[i]
-        ):  # else its packed time, still a bound
+        if degree[i] > 1 and k < mu.degrees.size and mu.degrees[k] == degree[i]:
             area[i] = float(mu.area[k])
     return float(area.sum())
 
@@ -356,7 +373,10 @@ def relaxation_bound(
     short[long_ids] = False
     base_area = float(packed[short].sum())
     base_height = float(packed[short].max(initial=0.0))
-    menus = tuple(length_menu(cost, int(lens[i]), sync, capacity, pow2) for i in long_ids.tolist())
+    floor_s = menu_floor(packed, slots)
+    menus = tuple(
+        length_menu(cost, int(lens[i]), sync, capacity, pow2, floor_s) for i in long_ids.tolist()
+    )
     # Events: (height at which an option becomes allowed, the sequence, its area).
     ev_h, ev_seq, ev_area = [], [], []
     for j, mu in enumerate(menus):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import PlanningError, hdp_ilp, plan_and_evaluate, plan_step
+from planner import PlanningError, hdp_ilp, plan_and_evaluate, plan_step, planning_exchange
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
 from planner.hdp import HdpOptions, candidate_heights
@@ -404,12 +404,14 @@ def _wave_plans_with_and_without_skipping(
     (the last of each list is the plan kept); each placed candidate's step is checked to be at
     least its work spread over the ranks (the bound candidates are skipped by)."""
     cost = CostModel(model, cluster, capacity_override=capacity)
+    cost = cost.with_exchange(planning_exchange(cluster, "auto"))
     cap = cost.capacity("wave")
+    rel = relaxation_bound(cost, np.asarray(lens), "wave", cap, cluster.num_ranks)
     runs: list[list[float]] = []
 
     def check(cand, placement):
         step = cost.evaluate(placement.plan).step_time_s
-        work = work_area(cost, placement.plan.seq_lens, cand.degree, "wave", cap)
+        work = work_area(cost, rel, cand.degree, "wave")
         assert step >= work / cluster.num_ranks * (1 - 1e-12)
         runs[-1].append(step)
 

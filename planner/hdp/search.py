@@ -57,8 +57,8 @@ class CandidateSearch:
     """Places candidates, each once, skips those that cannot win (Note [Skipping by work]) and
     keeps the fastest plan by the cost model."""
 
-    def __init__(self, ctx: Context, options: HdpOptions) -> None:
-        self.ctx, self.options = ctx, options
+    def __init__(self, ctx: Context, options: HdpOptions, rel: Relaxation) -> None:
+        self.ctx, self.options, self.rel = ctx, options, rel
         self.num_waves = num_waves_for(ctx)
         self.skips = ctx.sync == "wave" and options.skip_by_work
         self.best_s = math.inf
@@ -71,7 +71,7 @@ class CandidateSearch:
         key = degree.tobytes()
         if key not in self._work:
             ctx = self.ctx
-            area = work_area(ctx.cost, ctx.seq_lens, degree, ctx.sync, ctx.capacity)
+            area = work_area(ctx.cost, self.rel, degree, ctx.sync)
             self._work[key] = area / ctx.num_ranks
         return self._work[key]
 
@@ -162,7 +162,7 @@ def plan_hdp(ctx: Context, form: str = "free", options: HdpOptions | None = None
         plan.predicted["bound_s"] = bound_s
         return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks)
-    search = CandidateSearch(ctx, options)
+    search = CandidateSearch(ctx, options, rel)
     heights = candidate_heights(rel, ctx.sync, options)
     cands, info = degree_candidates(ctx, rel, heights, options)
     times = search.place_in_work_order(cands)
