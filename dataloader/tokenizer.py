@@ -45,7 +45,14 @@ class HFTokenizer(Tokenizer):
         self.id = "hf:" + hashlib.sha1(path.read_bytes()).hexdigest()[:16]
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            # tokenizers says only "TextInputSequence must be str" for a lone surrogate; the
+            # UnicodeEncodeError raised here says where it is, and sources report it per line.
+            text.encode("utf-8")
+            raise
+        return np.asarray(ids, dtype=np.int64)
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

@@ -54,6 +54,9 @@ def test_jsonl_text_with_hf_tokenizer(tmp_path):
     p = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world hello"}, {"text": "what"}])
     src = JsonlSource(p, load_tokenizer(tmp_path / "tokenizer.json"))
     assert src.lengths.tolist() == [3, 1] and src.read(0).tolist() == [1, 2, 1]
+    write_jsonl(p, [{"text": "hello"}, '{"text": "x\\udc00"}'])
+    with pytest.raises(DataError, match=r"t.jsonl, line 2: field 'text' holds a lone surrogate"):
+        JsonlSource(p, load_tokenizer(tmp_path / "tokenizer.json"))
 
 
 @pytest.mark.parametrize(
@@ -214,3 +217,43 @@ def test_hdp_data_stats(tmp_path, capsys):
     assert data_main(["stats", str(p), "--skip-bad-records"]) == 0
     text = capsys.readouterr().out
     assert "documents 4" in text and "length histogram" in text
+
+
+def test_input_ids_are_not_held_to_a_byte_vocabulary(tmp_path, capsys):
+    """A tokenized corpus (ids above 255) is read as it is: hdp-data bounds ids only by
+    --vocab-size or --model, as training bounds them by its model's vocabulary."""
+    docs = [[5, 300, 7], [31999, 2], [40000]]
+    p = write_jsonl(tmp_path / "tok.jsonl", [{"input_ids": d} for d in docs])
+    assert data_main(["stats", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["documents"] == 3 and out["tokens"] == 6 and out["skipped_documents"] == 0
+    # llama-7b's vocabulary is 32000: the last document is out of it, for hdp-data and training.
+    assert data_main(["stats", str(p), "--model", "llama-7b"]) == 2
+    assert "tok.jsonl, line 3: token id 40000 is outside the vocabulary [0, 32000)" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(DataError, match=r"line 3: token id 40000 is outside .*\[0, 32000\)"):
+        open_source(str(p), vocab_size=32000)  # what pretrain.py --model llama-7b opens
+    assert (
+        data_main(["stats", str(p), "--vocab-size", "32000", "--skip-bad-records", "--json"]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["documents"] == 2 and out["skipped_documents"] == 1 and out["skipped_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"input_ids": [1, ' + str(2**70) + ", 2]}", "token id 1180591620717411303424 is outside"),
+        ('{"input_ids": [-3]}', "token id -3 is outside"),
+        ('{"text": "x\\ud800y"}', "field 'text' holds a lone surrogate (\\ud800) at character 1"),
+    ],
+)
+def test_records_beyond_int64_or_unicode_are_named_and_skippable(tmp_path, capsys, line, problem):
+    p = write_jsonl(tmp_path / "odd.jsonl", [{"text": "ok"}, line, {"input_ids": [4]}])
+    assert data_main(["stats", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"odd.jsonl, line 2: {problem}" in err
+    assert data_main(["stats", str(p), "--skip-bad-records", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["documents"] == 2 and out["tokens"] == 3 and out["skipped_documents"] == 1

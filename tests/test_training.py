@@ -3,7 +3,6 @@ a killed run resumes losing only the steps since its checkpoint; bad flags fail 
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -169,9 +168,10 @@ def test_resume_is_bit_identical(tmp_path):
         ],
         str(tmp_path / "a.pt"),
     )
-    # Pretend the run stopped after step 2: remove the later checkpoint and continue.
-    shutil.rmtree(ck / "step_00000004")
-    (ck / "latest").write_text("step_00000002\n")
+    # Pretend the run died saving step 4: a shard of it is missing. Resuming passes over it to
+    # step 2 and, saving step 4 again, keeps the damaged one aside.
+    shard = next((ck / "step_00000004").glob("*.distcp"))
+    shard.unlink()
     run_ranks(
         _train,
         2,
@@ -191,11 +191,16 @@ def test_resume_is_bit_identical(tmp_path):
     assert losses(tmp_path / "b.jsonl") == straight[2:]
     w1, w2 = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert not (ck / "step_00000004.damaged" / shard.name).exists()
+    assert (ck / "step_00000004.damaged" / "train_state.json").exists()
+    assert (ck / "step_00000004" / "manifest.json").exists()
 
 
 def test_kill_a_rank_and_resume(tmp_path):
     """kill -9 one rank mid-step; --resume loses only the steps since the last checkpoint and
-    repeats no data (the resumed steps train on exactly the batches of an uninterrupted run)."""
+    repeats no data (the resumed steps train on exactly the batches of an uninterrupted run).
+    The metrics file, shared by both runs, ends with each step once, the redone step 5 replaced,
+    and its token count continues as the uninterrupted run's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     ck = tmp_path / "ck"
     base = [
@@ -214,18 +219,20 @@ def test_kill_a_rank_and_resume(tmp_path):
         "--save-every",
         "2",
     ]
+    metrics = tmp_path / "run.jsonl"
     killed = subprocess.run(
-        base + ["--metrics", str(tmp_path / "killed.jsonl")],
-        env=dict(env, HDP_KILL_AT="1:5"),
+        base + ["--metrics", str(metrics)],
+        env=dict(env, HDP_KILL_AT="1:6"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert killed.returncode != 0  # torchrun reports the lost worker
     assert (ck / "latest").read_text().strip() == "step_00000004"
-    assert len(losses(tmp_path / "killed.jsonl")) == 4
+    killed_losses = losses(metrics)
+    assert len(killed_losses) == 5
     resumed = subprocess.run(
-        base + ["--resume", "--metrics", str(tmp_path / "resumed.jsonl")],
+        base + ["--resume", "--metrics", str(metrics)],
         env=env,
         capture_output=True,
         text=True,
@@ -233,6 +240,7 @@ def test_kill_a_rank_and_resume(tmp_path):
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
+    assert "replaced 1 rows of steps after 4" in resumed.stdout
     straight = subprocess.run(
         base[:-4] + ["--metrics", str(tmp_path / "straight.jsonl")],
         env=env,
@@ -241,8 +249,67 @@ def test_kill_a_rank_and_resume(tmp_path):
         timeout=300,
     )
     assert straight.returncode == 0, straight.stdout + straight.stderr
-    assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "straight.jsonl")[4:]
-    assert losses(tmp_path / "killed.jsonl") == losses(tmp_path / "straight.jsonl")[:4]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    ref = [json.loads(line) for line in (tmp_path / "straight.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+    assert killed_losses == [r["loss"] for r in ref][:5]
+    assert [r["trained_tokens"] for r in rows] == [r["trained_tokens"] for r in ref]
+    assert ref[-1]["trained_tokens"] == sum(r["tokens"] for r in ref)
+    assert f"tokens trained {ref[-1]['trained_tokens']:,}" in resumed.stdout
+
+
+def train_here(argv, capsys) -> tuple[int, str]:
+    """A run in this process (one rank, no process group): (exit code, what it printed)."""
+    from launch.pretrain import parse_args
+    from launch.train import train
+
+    rc = train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    return rc, capsys.readouterr().out
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_accounting_continues_across_a_resume(tmp_path, capsys):
+    """Trained and truncated tokens continue from the checkpoint; the truncated tokens are what
+    the trained documents lost, the same per step in the metrics and in total on the last line."""
+    from dataloader import BatchStream, SyntheticSource
+
+    argv = COMMON + ["--max-seq", "512", "--truncate", "--steps", "4"]
+    ck, run = ["--checkpoint-dir", str(tmp_path / "ck")], ["--metrics", str(tmp_path / "run.jsonl")]
+    assert train_here(argv + ["--metrics", str(tmp_path / "straight.jsonl")], capsys)[0] == 0
+    assert train_here(argv[:-1] + ["2"] + ck + run, capsys)[0] == 0
+    rc, out = train_here(argv + ck + run + ["--resume"], capsys)
+    assert rc == 0, out
+    ref, got = rows(tmp_path / "straight.jsonl"), rows(tmp_path / "run.jsonl")
+    keys = ("step", "loss", "tokens", "trained_tokens", "truncated_tokens")
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in ref]
+    # Independently: each batch's documents, full length minus what was trained of them.
+    lens = SyntheticSource("wlb-128k", 400, 512, 0).lengths
+    stream = BatchStream([lens], 3 << 10, 512, seed=0, truncate=True)
+    lost = [sum(int(lens[s.doc]) - s.length for s in stream.next_batch().seqs) for _ in range(4)]
+    assert [r["truncated_tokens"] for r in got] == lost and sum(lost) > 0
+    assert f"tokens trained {ref[-1]['trained_tokens']:,} (all steps)" in out
+    assert f"truncated {sum(lost):,}" in out.splitlines()[-1]
+    # What the resume must refuse, each one line before the model is built.
+    (tmp_path / "x.jsonl").write_text('{"input_ids": [1, 2, 3]}\n' * 600)
+    other_data = [a for a in argv if a not in ("--workload", "wlb-128k")]
+    for case, message in [
+        (argv + ["--steps", "3"], "--steps 3 is not above step 4, where "),
+        (argv + ["--steps", "5", "--tokens-per-step", "4K"], "data.tokens_per_step: 3072 -> 4096"),
+        (
+            other_data + ["--steps", "5", "--data", str(tmp_path / "x.jsonl")],
+            "data.sources.1.name: 'synthetic:wlb-128k' -> 'x.jsonl'",
+        ),
+    ]:
+        rc, out = train_here(case + ck + ["--resume"], capsys)
+        assert rc == 2 and out.strip().splitlines()[-1].startswith("pretrain.py: error: ")
+        assert message in out.strip().splitlines()[-1]
+    rc, out = train_here(argv + ck, capsys)
+    assert rc == 2 and "already holds checkpoints (step_00000004 and 1 more)" in out
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,156 @@
+"""Every flag of every CLI is checked before any work: a bad value is one line naming the flag and
+exit status 2, never a traceback or a silent default. In process: argparse's exit is SystemExit."""
+
+import sys
+
+import pytest
+
+from dataloader.cli import main as data_main
+from hdp import parse_size
+from launch.pretrain import parse_args
+from planner.cli import plan_main, sim_main
+
+
+def _usage_error(fn, argv, capsys) -> str:
+    """The error line of a command that must stop at its flags with status 2."""
+    with pytest.raises(SystemExit) as e:
+        fn(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e400", "1e400K"])
+def test_parse_size_refuses_what_is_not_finite(text):
+    with pytest.raises(ValueError, match=f"invalid size {text!r}: must be a finite number"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-seq", "inf"], "argument --max-seq: invalid size 'inf': must be a finite"),
+        (["--max-seq", "1e400"], "argument --max-seq: invalid size '1e400': must be a finite"),
+        (["--capacity", "inf"], "argument --capacity: invalid size 'inf'"),
+        (["--max-seq", "0"], "argument --max-seq: must be >= 1, got '0'"),
+        (["--tokens-per-step", "0"], "argument --tokens-per-step: must be >= 1, got '0'"),
+        (["--capacity", "0"], "argument --capacity: must be >= 1, got '0'"),
+        (["--strategy", "bogus"], "argument --strategy: unknown strategy 'bogus': choose from"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--save-every", "-1"], "argument --save-every: must be >= 0, got -1"),
+        (["--lr", "nan"], "argument --lr: must be a finite number, got 'nan'"),
+        (["--lr", "0"], "argument --lr: must be > 0, got 0"),
+        (["--grad-clip", "-1"], "argument --grad-clip: must be >= 0, got -1"),
+        (["--synthetic-docs", "0"], "argument --synthetic-docs: must be >= 1, got 0"),
+        (["--workload", "nope"], "argument --workload: unknown workload 'nope'"),
+        (["--gpu", "tpu"], "argument --gpu: unknown GPU preset 'tpu'"),
+        (["--tokenizer", "/no/tok.json"], "argument --tokenizer: /no/tok.json: no such file"),
+        (
+            ["--data", "a.jsonl", "--data-weights", "0.5,x"],
+            "argument --data-weights: item 2 of '0.5,x': 'x' is not a number",
+        ),
+        (
+            ["--data", "a.jsonl", "--data-weights", "1,2"],
+            "--data-weights has 2 weights for 1 --data sources",
+        ),
+        (["--data-weights", "1"], "--data-weights has 1 weights for 0 --data sources"),
+        (["--max-seq", "2M", "--tokens-per-step", "64K"], "--max-seq (2M) exceeds --tokens-per"),
+        (["--allow-changed-setup"], "--allow-changed-setup only applies with --resume"),
+        (["--checkpoint-dir", "{file}"], "argument --checkpoint-dir: {file} exists and is not a"),
+        (["--metrics", "{file}/m.jsonl"], "argument --metrics: cannot create {file}/m.jsonl: "),
+    ],
+)
+def test_pretrain_flags(tmp_path, capsys, argv, message):
+    (tmp_path / "f").write_text("a file")
+    argv = [a.format(file=tmp_path / "f") for a in argv]
+    assert message.format(file=tmp_path / "f") in _usage_error(parse_args, argv, capsys)
+
+
+def test_a_bad_kill_point_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("HDP_KILL_AT", "abc")
+    assert "HDP_KILL_AT='abc': expected RANK:STEP" in _usage_error(parse_args, [], capsys)
+
+
+def test_the_headline_command_fits_one_sequence_per_step():
+    """`torchrun --nproc-per-node 2 launch/pretrain.py --max-seq 2M`: the default step holds one
+    2M sequence, and two CPU ranks of the tiny model hold it."""
+    import torch
+
+    from launch.train import build_cost_model
+    from planner import choose_sync
+
+    args = parse_args(["--max-seq", "2M"])
+    assert args.tokens_per_step == 2 << 20
+    assert parse_args([]).tokens_per_step == 64 << 10
+    assert parse_args(["--max-seq", "4K"]).tokens_per_step == 64 << 10
+    cost = build_cost_model(args, world=2, per_node=2, device=torch.device("cpu"))
+    sync, cap = choose_sync(cost, "peer", args.max_seq, None, offload=True)
+    assert sync in ("peer", "wave") and cap > 0
+
+
+def test_pretrain_help_lists_every_strategy(capsys):
+    from planner import STRATEGIES
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in STRATEGIES) and "--allow-changed-setup" in out
+
+
+SIM = ["--workload", "wlb-128k", "--gpus", "8"]
+
+
+@pytest.mark.parametrize(
+    "fn, argv, message",
+    [
+        (sim_main, SIM + ["--max-seq", "0"], "argument --max-seq: must be >= 1, got '0'"),
+        (sim_main, SIM + ["--tokens-per-step", "0"], "argument --tokens-per-step: must be >= 1"),
+        (sim_main, SIM + ["--max-seq", "inf"], "argument --max-seq: invalid size 'inf'"),
+        (sim_main, SIM + ["--capacity", "1e400"], "argument --capacity: invalid size '1e400'"),
+        (sim_main, SIM + ["--capacity", "0"], "argument --capacity: must be >= 1, got '0'"),
+        (sim_main, SIM + ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (sim_main, SIM + ["--json", "/no/dir/x.json"], "argument --json: cannot create /no/dir/x"),
+        (sim_main, SIM + ["--plot", "{tmp}"], "argument --plot: {tmp} is a directory"),
+        (
+            plan_main,
+            ["--lengths", "l.txt", "--gpus", "8", "--out", "/no/dir/PLAN.json"],
+            "argument --out: cannot create /no/dir/PLAN.json",
+        ),
+        (
+            plan_main,
+            ["--lengths", "l.txt", "--gpus", "8", "--out", "p.json", "--max-seq", "0"],
+            "argument --max-seq: must be >= 1, got '0'",
+        ),
+        (data_main, ["stats", "x.jsonl", "--vocab-size", "-1"], "--vocab-size: must be >= 1"),
+        (data_main, ["stats", "x.jsonl", "--max-seq", "0"], "argument --max-seq: must be >= 1"),
+        (data_main, ["stats", "x.jsonl", "--max-seq", "inf"], "argument --max-seq: invalid size"),
+        (data_main, ["stats", "x.jsonl", "--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+    ],
+)
+def test_planner_and_data_flags(tmp_path, capsys, fn, argv, message):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert message.format(tmp=tmp_path) in _usage_error(fn, argv, capsys)
+
+
+def test_plot_without_matplotlib_is_one_line_before_any_work(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    line = _usage_error(sim_main, SIM + ["--plot", str(tmp_path / "x.png")], capsys)
+    assert "--plot needs matplotlib: pip install matplotlib" in line
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("synthetic:wlb-128k:abc", "DOCUMENTS must be a whole number >= 1, got 'abc'"),
+        ("synthetic:wlb-128k:-5", "DOCUMENTS must be a whole number >= 1, got '-5'"),
+        ("synthetic:nope", "unknown workload 'nope'"),
+        ("synthetic:wlb-128k:5:6", "expected synthetic:WORKLOAD[:DOCUMENTS]"),
+    ],
+)
+def test_bad_synthetic_sources_are_one_line(capsys, path, message):
+    assert data_main(["stats", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"hdp-data: error: {path}: {message}" in err
