@@ -73,6 +73,11 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error("--resume needs --checkpoint-dir")
     if args.allow_changed_setup and not args.resume:
         p.error("--allow-changed-setup only applies with --resume")
+    if args.kv_exchange != "auto" and args.strategy != "hdp":
+        p.error(
+            f"--kv-exchange {args.kv_exchange} applies to --strategy hdp: the baselines exchange "
+            "K/V as their own systems do"
+        )
     if args.tokens_per_step is None:
         args.tokens_per_step = max(DEFAULT_TOKENS_PER_STEP, args.max_seq)
     elif args.max_seq > args.tokens_per_step:
@@ -182,6 +187,21 @@ def add_planning_args(pl) -> None:
     )
     pl.add_argument(
         "--sync", choices=("wave", "peer"), default=None, help="default: peer where memory allows"
+    )
+    pl.add_argument(
+        "--kv-exchange",
+        choices=("auto", "rank", "node"),
+        default="auto",
+        help="how hdp plans move K/V between nodes: rank (each rank fetches what it lacks), "
+        "node (once per node, forwarded inside it) or auto (default: node on more than one node "
+        "where the cost model predicts it faster)",
+    )
+    pl.add_argument(
+        "--gpus-per-node",
+        type=integer(1),
+        default=None,
+        help="ranks that form one node for planning (default: torchrun's ranks per node); "
+        "fewer make virtual nodes on one machine",
     )
     pl.add_argument(
         "--capacity",

@@ -193,7 +193,7 @@ def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -
         gpu = GPUProfile.load(args.gpu_profile)
     else:
         gpu = gpu_preset(args.gpu or detect_gpu(device))
-    cluster = ClusterSpec(world, min(per_node, world), gpu)
+    cluster = ClusterSpec(world, min(args.gpus_per_node or per_node, world), gpu)
     return CostModel(
         spec,
         cluster,
@@ -265,7 +265,8 @@ def build_loader(
             "sync": sync,
             "capacity": args.capacity,
             "activation_checkpointing": args.activation_checkpointing,
-        },
+        }
+        | ({"kv_exchange": args.kv_exchange} if args.strategy == "hdp" else {}),
     )
 
 
@@ -404,6 +405,8 @@ def metrics_record(
         "plan_time_s": data.plan_time_s,
         "data_wait_s": data.wait_s,
         "comm_bytes": comm,
+        "kv_exchange": data.plan.kv_exchange,
+        "predicted_nic_bytes": data.plan.predicted.get("nic_bytes", float("nan")),
         "waves": data.plan.num_waves,
         "lr": lr,
         "grad_norm": grad_norm,

@@ -126,11 +126,15 @@ def plan_and_evaluate(
             "kv_exchange= 'node' or 'auto' applies to the hdp strategy only: the baselines "
             "exchange K/V as their own systems do"
         )
-    exchange = exchange or ("auto" if strategy == "hdp" else "rank")
+    form = opts.pop("form", "free")
+    if form == "megatron" and exchange == "node":
+        raise TypeError("form='megatron' runs Megatron's own context-parallel exchange: 'rank'")
+    if form == "megatron" or strategy != "hdp":
+        exchange = "rank"
+    exchange = exchange or "auto"
     cost = cost.with_exchange(planning_exchange(cluster, exchange))
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
-    form = opts.pop("form", "free")
     # Megatron's runtime (hdp's megatron form) keeps every activation on the GPU.
     offload = strategy in OFFLOADING and form != "megatron"
     sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None), offload=offload)

@@ -79,6 +79,15 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         help="what hdp plans may do: free (default), whole (every sequence on one rank) or "
         "megatron (aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
     )
+    g.add_argument(
+        "--kv-exchange",
+        choices=("auto", "rank", "node"),
+        default="auto",
+        help="how hdp plans move K/V between nodes: rank (each rank fetches what it lacks), "
+        "node (once per node, forwarded over NVLink) or auto (default: planned for node on "
+        "more than one node, kept where the cost model predicts it faster); the baselines "
+        "exchange K/V as their own systems do",
+    )
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
@@ -177,6 +186,7 @@ def sim_main(argv: list[str] | None = None) -> int:
             sync=args.sync,
             hybridcp_impl=args.hybridcp_impl,
             hdp_form=args.hdp_form,
+            kv_exchange=args.kv_exchange,
             progress=stderr_progress,
         )
         c = sim.config
@@ -248,7 +258,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         lens = read_lengths(args.lengths)
         if args.max_seq:
             lens = split_long(lens, args.max_seq)
-        form = {"form": args.hdp_form} if args.strategy == "hdp" else {}
+        form = (
+            {"form": args.hdp_form, "kv_exchange": args.kv_exchange}
+            if args.strategy == "hdp"
+            else {}
+        )
         plan, report = plan_and_evaluate(
             lens,
             cluster,
@@ -279,6 +293,10 @@ def plan_main(argv: list[str] | None = None) -> int:
         "comm "
         f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in "
         f"{p['plan_time_s']:.3f} s"
+    )
+    print(
+        f"K/V exchange {plan.kv_exchange}: {p['nic_bytes'] / 1e9:.1f} GB over NICs, "
+        f"{p['nvlink_bytes'] / 1e9:.1f} GB over NVLink per step"
     )
     print(f"wrote {args.out}")
     return 0

@@ -21,6 +21,8 @@ RESULT_KEYS = (
     "imbalance",
     "exposed_comm_s",
     "comm_bytes",
+    "nic_bytes",
+    "nvlink_bytes",
     "peak_mem_bytes",
     "plan_time_s",
     "mfu",
@@ -73,10 +75,11 @@ def simulate(
     sync: str | None = None,
     hybridcp_impl: str = "auto",
     hdp_form: str = "free",
+    kv_exchange: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> SimResult:
-    """Plan ``steps`` seeded global batches with each strategy and evaluate them (``hdp_form``:
-    the ``form`` of the ``hdp`` strategy: free, whole or megatron)."""
+    """Plan ``steps`` seeded global batches with each strategy and evaluate them (``hdp_form``,
+    ``kv_exchange``: the ``form`` and K/V exchange of the ``hdp`` strategy)."""
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
     cost = CostModel(model, cluster, capacity_override=capacity)
@@ -90,7 +93,7 @@ def simulate(
             if r.error is not None:
                 continue
             try:
-                form = {"form": hdp_form} if name == "hdp" else {}
+                form = {"form": hdp_form, "kv_exchange": kv_exchange} if name == "hdp" else {}
                 plan, report = plan_and_evaluate(
                     lens,
                     cluster,
@@ -132,6 +135,7 @@ def simulate(
         "seed": seed,
         "strategies": strategies,
         "sync": sync or "native",
+        "kv_exchange": kv_exchange,
     }
     return SimResult(config, results)
 
@@ -146,12 +150,16 @@ def format_table(sim: SimResult) -> str:
         "step/LB",
         "imbalance",
         "exposed comm s",
+        "kv",
+        "NIC GB/rank",
+        "NVLink GB/rank",
         "peak mem GB",
         "plan s",
         "MFU",
         "waves",
     )
     rows = [head]
+    ranks = sim.config["gpus"]
     static = sim.results.get("static")
     static_t = static.mean().get("step_time_s") if static and static.error is None else None
     for name, r in sim.results.items():
@@ -168,6 +176,9 @@ def format_table(sim: SimResult) -> str:
                 f"{m['step_over_bound']:.2f}",
                 f"{m['imbalance']:.2f}",
                 f"{m['exposed_comm_s']:.3f}",
+                r.first_plan.kv_exchange if r.first_plan else "-",
+                f"{m['nic_bytes'] / 1e9 / ranks:.1f}",
+                f"{m['nvlink_bytes'] / 1e9 / ranks:.1f}",
                 f"{m['peak_mem_bytes'] / 1e9:.1f}",
                 f"{m['plan_time_s']:.3f}",
                 f"{100 * m['mfu']:.1f}%",

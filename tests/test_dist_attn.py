@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from distributed import run_ranks
 
-from hdp import ClusterSpec, Plan, model_preset
+from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import STRATEGIES, PlanningError, plan_step
 
 
@@ -126,7 +126,11 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
             v.requires_grad_(True)
             COMM.reset()
             out = dist_attn(q, k, v, plan, w, softmax_scale=scale)
+            fwd_to = dict(COMM.bytes_to)
             (out * do).sum().backward()
+            if plan.kv_exchange == "node":
+                dkvb = 2 * Hk * d * (8 if dtype == torch.float64 else 4)
+                check_node_bytes(plan, w, rank, fwd_to, COMM.bytes_to, kvb, dkvb)
             # Bytes: exactly the K/V the plan says this rank sends; backward sends it again plus
             # fp32 dK/dV.
             sent_tokens = int(plan.kv_tokens_sent(w)[rank])
@@ -148,6 +152,24 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
                         f"case {idx} wave {w} rank {rank} tensor {want_idx}: "
                         + mismatch(plan, rank, w, diff, bound)
                     )
+
+
+def check_node_bytes(plan: Plan, w: int, rank: int, fwd_to: dict, all_to: dict, kvb, dkvb):
+    """Bytes crossing virtual-node boundaries, measured, against the cost model's NIC tokens:
+    per rank forward (K/V out), per node over the pass (K/V again out, dK/dV sums back)."""
+    import torch.distributed as dist
+
+    rpn = plan.ranks_per_node
+    cross = [p for p in range(plan.num_ranks) if p // rpn != rank // rpn]
+    cost = CostModel(model_preset("tiny"), ClusterSpec.preset("cpu", plan.num_ranks, rpn))
+    tr = cost.kv_traffic(plan)
+    assert sum(fwd_to.get(p, 0) for p in cross) == tr.out_inter[w, rank] * kvb
+    got = [None] * plan.num_ranks
+    dist.all_gather_object(got, sum(all_to.get(p, 0) for p in cross))
+    for node in range(-(-plan.num_ranks // rpn)):
+        ranks = range(node * rpn, min(plan.num_ranks, (node + 1) * rpn))
+        want = sum(2 * tr.out_inter[w, r] * kvb + tr.in_inter[w, r] * dkvb for r in ranks)
+        assert sum(got[r] for r in ranks) == pytest.approx(want, rel=1e-12)
 
 
 def mismatch(plan: Plan, rank: int, w: int, diff: torch.Tensor, bound: float) -> str:
@@ -291,3 +313,39 @@ def test_bf16_on_cuda_single_rank():
     for got, i in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
         want = local(plan, 0, 0, [r[i] for r in ref])
         assert (got.double().cpu() - want).abs().max() < 3e-2 * max(1.0, want.abs().max().item())
+
+
+def node_cases(n: int, rpn: int, seed: int, block: int) -> list:
+    out = []
+    for p, *rest in _fix_scale(make_cases(n, seed)):
+        p = dict(p, kv_exchange="node", ranks_per_node=rpn, kv_block_tokens=block)
+        out.append((p, *rest))
+    return out
+
+
+@pytest.mark.parametrize("world, rpn, block", [(4, 2, 16), (6, 3, 8)])
+def test_node_exchange_matches_sdpa(world, rpn, block):
+    """Virtual nodes: K/V fetched once per node and forwarded; exact, and the bytes crossing
+    nodes are the cost model's."""
+    run_ranks(check_rank, world, node_cases(world, rpn, world + 1, block), "float64", 1e-10)
+
+
+def test_every_strategys_plans_in_node_exchange():
+    lens = [300, 1, 45, 129, 600, 7, 256, 90]
+    cases = []
+    for i, strategy in enumerate(STRATEGIES):
+        try:
+            plan = plan_step(
+                lens,
+                ClusterSpec.preset("h100", 4, 2),
+                model_preset("tiny"),
+                strategy,
+                capacity=200,
+                hybridcp_impl="ours",
+            )
+        except PlanningError:
+            continue
+        d = dict(plan.to_json(), kv_exchange="node", ranks_per_node=2, kv_block_tokens=32)
+        cases.append((d, 4, 2, 8, 7 + i, 0.25))
+    assert len(cases) >= 4
+    run_ranks(check_rank, 4, cases, "float64", 1e-10)

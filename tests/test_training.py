@@ -407,3 +407,22 @@ def test_chunked_loss_matches_full_logits():
     torch.testing.assert_close(l_chunked.double(), l_full, rtol=1e-5, atol=0)
     for a, b in zip(g_chunked, g_full):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_node_exchange_on_virtual_nodes_equals_one_process(tmp_path):
+    """4 ranks as 2 virtual nodes of 2, K/V fetched once per node: the same losses and weights."""
+    argv = COMMON + ["--steps", "3", "--lr", "1e-3", "--kv-exchange", "node"]
+    argv += ["--gpus-per-node", "2"]
+    run_single(argv + ["--metrics", str(tmp_path / "one.jsonl")], tmp_path / "one.pt", tmp_path)
+    four = argv + ["--capacity", "512", "--metrics", str(tmp_path / "four.jsonl")]
+    run_ranks(_train, 4, four, str(tmp_path / "four.pt"))
+    rows = [json.loads(line) for line in (tmp_path / "four.jsonl").read_text().splitlines()]
+    assert all(r["kv_exchange"] == "node" for r in rows)
+    assert any(r["predicted_nic_bytes"] > 0 for r in rows)  # K/V crossed the virtual nodes
+    one, four = losses(tmp_path / "one.jsonl"), losses(tmp_path / "four.jsonl")
+    assert len(one) == len(four) == 3
+    for a, b in zip(one, four):
+        assert abs(a - b) <= 1e-5 * abs(a), (one, four)
+    w1, w4 = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")
+    for k in w1:
+        assert (w1[k] - w4[k]).norm().item() <= 1e-5 * w1[k].norm().item(), k
