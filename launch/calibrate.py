@@ -27,6 +27,7 @@ import torch
 
 from attention.kernels import select_backend
 from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_profile, model_preset
+from hdp.argtypes import integer
 from hdp.profile import FORMAT, TABLE_COLUMNS
 
 from . import calibrate_tables as tables
@@ -126,7 +127,7 @@ def add_measure_parser(sub) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
+        type=integer(1),
         default=None,
         help="CPU: threads to measure with, the threads each rank gets in training (default: "
         "$OMP_NUM_THREADS, else 1, as torchrun gives each of several ranks on a node)",

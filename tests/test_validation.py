@@ -154,3 +154,13 @@ def test_bad_synthetic_sources_are_one_line(capsys, path, message):
     assert data_main(["stats", path]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"hdp-data: error: {path}: {message}" in err
+
+
+@pytest.mark.parametrize("threads", ["0", "-2", "x"])
+def test_calibrate_threads(capsys, threads):
+    from launch.calibrate import main as calibrate_main
+
+    line = _usage_error(
+        calibrate_main, ["measure", "--out", "p.json", "--threads", threads], capsys
+    )
+    assert "argument --threads: " in line
