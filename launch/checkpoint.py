@@ -114,6 +114,21 @@ def step_dirs(folder: Path) -> list[Path]:
     return [folder / n for n in sorted(steps, reverse=True)]
 
 
+def existing(folder: Path) -> list[str]:
+    """The names of ``folder``'s ``step_*`` directories, newest first, as rank 0 sees them (a
+    collective). Raises CheckpointError on every rank when the folder cannot be listed."""
+    found = None
+    if _rank() == 0:
+        try:
+            found = [d.name for d in step_dirs(folder)]
+        except CheckpointError as e:
+            found = str(e)
+    found = agree(found)
+    if isinstance(found, str):
+        raise CheckpointError(found)
+    return found
+
+
 def _move_aside(path: Path) -> Path:
     """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged2``, ...), keeping it."""
     k = 1
@@ -291,4 +306,13 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict:
     return meta
 
 
-__all__ = ["CheckpointError", "Selection", "load", "read_state", "save", "select", "step_dirs"]
+__all__ = [
+    "CheckpointError",
+    "Selection",
+    "existing",
+    "load",
+    "read_state",
+    "save",
+    "select",
+    "step_dirs",
+]

@@ -126,9 +126,7 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
     if folder is None:
         return None
     if not args.resume:
-        existing = checkpoint.agree(
-            [d.name for d in checkpoint.step_dirs(folder)] if checkpoint._rank() == 0 else None
-        )
+        existing = checkpoint.existing(folder)
         if existing:
             raise CheckpointError(
                 f"--checkpoint-dir {folder} already holds checkpoints ({existing[0]} and "
