@@ -44,9 +44,10 @@ from functools import cached_property
 
 import numpy as np
 
-from . import traffic
+from . import traffic, ulysses
 from .compute import ComputeModel
 from .exchange import KV_EXCHANGES, RELAY_SLOTS
+from .exchange_cost import price_exchange
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan
 from .specs import ClusterSpec, ModelSpec
 from .traffic import KVTraffic, wave_components
@@ -437,9 +438,11 @@ class CostModel:
         """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` s."""
         W, N = plan.num_waves, plan.num_ranks
         cell = plan.wave * N + plan.rank
-        attn = np.bincount(
-            cell, weights=self.attn_time(plan.start, plan.end), minlength=W * N
-        ).reshape(W, N)
+        per_shard = self.attn_time(plan.start, plan.end)
+        if plan.kv_exchange == "ulysses":  # members attend over the whole sequence, some heads
+            whole = lambda lens: self.attn_time(np.zeros_like(lens), lens)  # noqa: E731
+            per_shard = ulysses.shard_attention(plan, ulysses.Groups.of(plan), whole, per_shard)
+        attn = np.bincount(cell, weights=per_shard, minlength=W * N).reshape(W, N)
         tokens = plan.tokens_per_cell()
         compute = self.model.layers * attn.astype(np.float64)
         busy = np.nonzero(tokens > 0)  # most cells of a large peer plan are empty
@@ -452,30 +455,18 @@ class CostModel:
         tokens = plan.tokens_per_cell()
         attn_layer, compute = self.cell_compute(plan)
         labels = wave_components(plan)
-        traffic = self.kv_traffic(plan, labels)
-        t_fwd, t_bwd = self.comm_time_per_layer(traffic)
-        fwd_share = self.attn_fwd_share
-        exposed_kv = m.layers * (
-            np.maximum(0.0, t_fwd - fwd_share * attn_layer)
-            + np.maximum(0.0, t_bwd - (1.0 - fwd_share) * attn_layer)
-        )
+        ex = price_exchange(self, plan, attn_layer, labels)
+        exposed_kv = ex.exposed_s
         exposed_off = np.maximum(0.0, self.offload_time(tokens, plan.offload) - compute)
         busy = compute + exposed_kv + exposed_off
         busy_no_comm = compute + exposed_off
         step, start = self._step_time(plan, busy, labels, with_collectives=True)
         step_nc, _ = self._step_time(plan, busy_no_comm, labels, with_collectives=False)
         step, step_nc = step + self.optimizer_s, step_nc + self.optimizer_s
-        mem = self.memory(
-            tokens, plan.offload, traffic.max_in_block, plan.sync, traffic.relay_block
-        )
+        mem = self.memory(tokens, plan.offload, ex.max_in_block, plan.sync, ex.relay_block)
         mem = np.where(tokens > 0, mem, self.static_bytes(plan.sync))
         per_rank = compute.sum(axis=0)
         mean = per_rank.mean()
-        kvb = m.kv_bytes_per_token
-        dkv = 4.0 / m.dtype_bytes
-        per_token = kvb * m.layers * (2.0 + dkv)  # KV forward, KV again + dK/dV backward
-        nic_bytes = float(traffic.out_inter.sum() * per_token)
-        nvlink_bytes = float(traffic.out_intra.sum() * per_token)
         n = self.cluster.num_ranks
         per_gather = m.total_params * m.dtype_bytes * (n - 1) if n > 1 else 0.0
         per_scatter = m.total_params * 4.0 * (n - 1) if n > 1 else 0.0
@@ -490,9 +481,9 @@ class CostModel:
             lower_bound_s=self.lower_bound(plan.seq_lens),
             imbalance=float(per_rank.max() / mean) if mean > 0 else 1.0,
             exposed_comm_s=float(max(0.0, step - step_nc)),
-            comm_bytes=nic_bytes + nvlink_bytes,
-            nic_bytes=nic_bytes,
-            nvlink_bytes=nvlink_bytes,
+            comm_bytes=ex.nic_bytes + ex.nvlink_bytes,
+            nic_bytes=ex.nic_bytes,
+            nvlink_bytes=ex.nvlink_bytes,
             param_comm_bytes=float(param_bytes),
             peak_mem_bytes=float(mem.max()),
             mfu=float(flops / (step * n * g.peak_flops)) if step > 0 else 0.0,

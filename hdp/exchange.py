@@ -13,6 +13,9 @@ NVLink to the node's other ranks that need part of it. Backward, those ranks ret
 partials of the block to the relay, which adds them to its own and sends one message to the owner.
 Pieces between ranks of one node travel directly, as in ``rank`` exchange.
 
+``ulysses`` marks a plan priced as head-parallel all-to-all (:mod:`hdp.ulysses`), how the
+``flexsp`` baseline's system runs; it has no P2P messages.
+
 Note [Node exchange rounds]: the messages run in rounds in which each rank sends at most one
 message and receives at most one (:mod:`hdp.rounds`). Each relay's fetches are numbered
 ``0, 1, 2, ...``; superstep ``g`` holds the relays' fetch number ``g``, the forwards of their fetch
@@ -34,7 +37,7 @@ from .rounds import edge_colour_rounds
 if TYPE_CHECKING:
     from .plan import Plan
 
-KV_EXCHANGES = ("rank", "node")
+KV_EXCHANGES = ("rank", "node", "ulysses")
 RELAY_SLOTS = 2  # fetched blocks a relay holds at once (Note [Node exchange rounds])
 
 
@@ -144,6 +147,11 @@ def wave_exchange(plan: Plan, wave: int) -> WaveExchange:
     """The rounds of ``wave`` in the plan's K/V exchange (deterministic for a given plan)."""
     if plan.kv_exchange == "rank":
         return WaveExchange(edge_colour_rounds(rank_transfers(plan, wave)))
+    if plan.kv_exchange == "ulysses":
+        raise ValueError(
+            "the plan is priced for Ulysses all-to-all (how FlexSP runs), which dist_attn does "
+            "not run; run its placement with plan.with_exchange('rank')"
+        )
     return _node_exchange(plan, wave)
 
 

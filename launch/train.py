@@ -265,8 +265,9 @@ def build_loader(
             "sync": sync,
             "capacity": args.capacity,
             "activation_checkpointing": args.activation_checkpointing,
-        }
-        | ({"kv_exchange": args.kv_exchange} if args.strategy == "hdp" else {}),
+            # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
+            "kv_exchange": args.kv_exchange if args.strategy == "hdp" else "rank",
+        },
     )
 
 

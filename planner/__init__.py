@@ -18,9 +18,9 @@ parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default 
 ``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
 ``form`` (``hdp`` only: ``free``, or ``megatron`` for aligned power-of-two CP groups and barriers),
 ``hdp_options`` (``hdp`` only: a :class:`planner.hdp.HdpOptions`),
-``kv_exchange`` (``hdp`` only: ``rank``, ``node`` or ``auto``, the default; see
-:func:`planning_exchange`), ``validate`` (default True). The baselines exchange K/V as their own
-systems do (``rank``).
+``kv_exchange`` (:func:`exchanges`: ``hdp``: ``auto``, ``rank`` or ``node``; ``flexsp``:
+``ulysses`` or ``rank``), ``validate`` (default True). The baselines exchange K/V as their own
+systems do.
 """
 
 from __future__ import annotations
@@ -120,18 +120,16 @@ def plan_and_evaluate(
         activation_checkpointing=opts.pop("activation_checkpointing", True),
         capacity_override=opts.pop("capacity", None),
     )
-    exchange = opts.pop("kv_exchange", None)
-    if strategy != "hdp" and exchange not in (None, "rank"):
-        raise TypeError(
-            "kv_exchange= 'node' or 'auto' applies to the hdp strategy only: the baselines "
-            "exchange K/V as their own systems do"
-        )
     form = opts.pop("form", "free")
-    if form == "megatron" and exchange == "node":
-        raise TypeError("form='megatron' runs Megatron's own context-parallel exchange: 'rank'")
-    if form == "megatron" or strategy != "hdp":
-        exchange = "rank"
-    exchange = exchange or "auto"
+    allowed = exchanges(strategy, form)
+    exchange = opts.pop("kv_exchange", None) or "auto"
+    if exchange == "auto" and "auto" not in allowed:
+        exchange = allowed[0]  # the strategy's own
+    if exchange not in allowed:
+        raise TypeError(
+            f"kv_exchange={exchange!r} does not apply to {strategy} (form {form!r}): the "
+            f"baselines exchange K/V as their own systems do; choose {', '.join(allowed)}"
+        )
     cost = cost.with_exchange(planning_exchange(cluster, exchange))
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
@@ -172,11 +170,21 @@ def plan_and_evaluate(
     return plan, report
 
 
+def exchanges(strategy: str, form: str = "free") -> tuple[str, ...]:
+    """The K/V exchanges a strategy's plans may be priced in, its own first (what ``auto`` picks):
+    hdp's P2P ones (``auto``: Note [Node exchange] in :mod:`hdp.exchange`); FlexSP's Ulysses
+    all-to-all, or ``rank`` to run its placement with dist_attn; every other baseline and hdp's
+    Megatron form, ring/P2P from each rank (``rank``)."""
+    if strategy == "hdp" and form != "megatron":
+        return ("auto", "rank", "node")
+    if strategy == "flexsp":
+        return ("ulysses", "rank")
+    return ("rank",)
+
+
 def planning_exchange(cluster: ClusterSpec, exchange: str) -> str:
     """The K/V exchange a plan is made for: ``auto`` plans for ``node`` where the cluster has
     more than one node (one node: the two are the same messages)."""
-    if exchange not in ("rank", "node", "auto"):
-        raise ValueError(f"kv_exchange must be rank, node or auto, got {exchange!r}")
     if exchange == "auto":
         return "node" if cluster.num_nodes > 1 else "rank"
     return exchange
@@ -198,6 +206,7 @@ __all__ = [
     "PlanningError",
     "choose_sync",
     "plan_and_evaluate",
+    "exchanges",
     "plan_step",
     "planning_exchange",
 ]

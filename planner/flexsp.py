@@ -9,8 +9,8 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
    ``b`` on size-``g`` groups) with ``sum_g g m_g <= N``, ``sum_g x_bg = c_b``,
    ``sum_b x_bg t_bg <= m_g M`` and ``t_bg <= M`` where used. ``M`` is bisected (each test a small
    feasibility MILP; ``m_g M`` is what makes the joint problem bilinear). ``t_bg``: the cost
-   model's time of one bucket sequence zigzag-split over ``g`` ranks (FlexSP uses Ulysses
-   all-to-all; here every strategy is priced by the same cost model).
+   model's time of one bucket sequence on ``g`` ranks as FlexSP runs it, Ulysses all-to-all
+   (:mod:`hdp.ulysses`; ``g`` at most the head count), or zigzag P2P with ``kv_exchange="rank"``.
 3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
    over its groups by LPT; a group runs them one micro-batch after another (``peer`` sync: groups
    do not wait for each other); single-rank groups pack whole sequences by first-fit.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hdp import Plan
+from hdp import Plan, ulysses
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2
 from .degrees import split_times
@@ -88,18 +88,40 @@ def plan_flexsp(ctx: Context) -> Plan:
         )
     buckets = length_buckets(lens[ids])
     sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
+    if ctx.cost.kv_exchange == "ulysses":
+        heads = ctx.cost.model.heads
+        sizes = [g for g in sizes if g <= heads]  # Ulysses splits heads: no more ranks than heads
+        if longest and next_pow2(-(-longest // cap)) > sizes[-1]:
+            raise PlanningError(
+                f"flexsp: a sequence of {longest} tokens needs a group of "
+                f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but Ulysses splits "
+                f"{ctx.cost.model.name}'s {heads} heads over at most {heads} ranks; use "
+                "--kv-exchange rank (its placement with P2P attention) or a smaller --max-seq"
+            )
     time: dict[tuple[int, int], float] = {}
     for b, L in enumerate(int(lens[ids[b]].max()) for b in buckets):
         for g in sizes:
             if g >= next_pow2(-(-L // cap)):  # a short sequence may run on a larger group
-                pair = split_times(ctx.cost, np.array([L]), np.array([g]), ctx.sync)
-                time[(b, g)] = float(pair[0][0])
+                time[(b, g)] = _job_time(ctx, L, g)
     groups = _Groups(buckets, sizes, time)
     sol = _bisect(groups, n, float(ctx.whole_s[ids].sum()) + 1.0)
     if sol is None:
         sol = _smallest_groups(groups, n)
     _spread_spare_ranks(groups, sol, n)
     return _place(ctx, buckets, ids, sol, sizes, ctx.whole_s)
+
+
+def _job_time(ctx: Context, length: int, degree: int) -> float:
+    """Busy time of one sequence on a group of ``degree`` ranks, as the cost model prices the
+    plan's exchange: Ulysses all-to-all (:mod:`hdp.ulysses`), or zigzag P2P."""
+    cost = ctx.cost
+    if cost.kv_exchange != "ulysses" or degree == 1:
+        return float(split_times(cost, np.array([length]), np.array([degree]), ctx.sync)[0][0])
+    m = cost.model
+    attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0]) / degree
+    comm = float(ulysses.comm_time(m, cost.cluster, length, degree, cost.activation_checkpointing))
+    dense = float(cost.dense_time(np.array([-(-length // degree)]))[0])
+    return m.layers * (attn + comm) + dense
 
 
 def _feasible(groups: _Groups, n: int, M: float, solver: str) -> dict[tuple[int, int], int] | None:

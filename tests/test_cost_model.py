@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +246,30 @@ def test_presets_and_sizes():
     with pytest.raises(ValueError, match="unknown GPU preset 'v100'"):
         gpu_preset("v100")
     assert math.isclose(gpu_preset("h200").memory_bytes, 141e9)
+
+
+def test_ulysses_all_to_all_bytes_and_attention():
+    """A flexsp plan priced as Ulysses: each member's all-to-all bytes counted by hand (Q, K, V,
+    O out of its L/g tokens to g-1 peers, K/V heads replicated past kv_heads; forward, again,
+    backward), and its attention a g-th of the whole sequence's."""
+    from hdp import ulysses
+
+    model = model_preset("llama-7b")  # 32 heads, 32 K/V heads of 128
+    for g, kv_heads in ((4, 32), (8, 2)):
+        m = replace(model, kv_heads=kv_heads)
+        L, b, d = 8192, m.dtype_bytes, m.head_dim
+        local = L // g
+        q_o = 2 * local * (g - 1) / g * m.heads * d * b
+        kv = 2 * sum(local * max(kv_heads // g, 1) * d * b for _ in range(g - 1))
+        assert ulysses.bytes_per_member(m, L, g, True) == pytest.approx(3 * (q_o + kv))
+    cluster = ClusterSpec.preset("h100", 8, 4)
+    cost = CostModel(model, cluster)
+    shards = [[[(0, r * 1024, (r + 1) * 1024)] for r in range(8)]]
+    plan = Plan.from_shards([8192], 8, shards, kv_exchange="ulysses", sync="peer")
+    attn, _ = cost.cell_compute(plan)
+    whole = cost.attn_time(np.zeros(1), np.array([8192]))[0]
+    assert attn[0] == pytest.approx(np.full(8, whole / 8))
+    rep = cost.evaluate(plan)
+    per_member = ulysses.bytes_per_member(model, 8192, 8, True) * model.layers
+    assert rep.nic_bytes + rep.nvlink_bytes == pytest.approx(8 * per_member)
+    assert rep.nic_bytes == pytest.approx(8 * per_member * 4 / 7)  # 4 of 7 peers on the other node

@@ -229,6 +229,7 @@ def test_plans_from_every_strategy():
                     capacity=200,
                     sync=sync,
                     hybridcp_impl="ours",
+                    **({"kv_exchange": "rank"} if strategy == "flexsp" else {}),
                 )
             except PlanningError:
                 continue
