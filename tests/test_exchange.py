@@ -74,7 +74,7 @@ def check_relays(ex, at_round) -> None:
     """Forwards follow their fetch from the relay, within its block; a relay holds at most
     RELAY_SLOTS blocks; each sum returns after the block's last forward."""
     last = {}
-    for hop, (r, m) in at_round.items():
+    for _hop, (r, m) in at_round.items():
         if m.via >= 0:
             f_round, f = at_round[m.via]
             assert f.relay and f.dst == m.src and f_round < r
