@@ -72,6 +72,8 @@ def fingerprint(args, sources: list, *, vocab: int) -> dict:
             "sync": args.sync,
             "capacity": args.capacity,
             "activation_checkpointing": args.activation_checkpointing,
+            "kv_exchange": args.kv_exchange,
+            "gpus_per_node": args.gpus_per_node,  # as given: None follows torchrun's ranks
         },
     }
 
