@@ -35,6 +35,7 @@ from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 
 from . import bytescale, flexsp, hdp, hybridcp, static
 from .common import Context, PlanningError
+from .degrees import length_menu, menu_floor, packed_time
 
 STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
     "static": (static.plan_static, static.NATIVE_SYNC),
@@ -130,12 +131,16 @@ def plan_and_evaluate(
             f"kv_exchange={exchange!r} does not apply to {strategy} (form {form!r}): the "
             f"baselines exchange K/V as their own systems do; choose {', '.join(allowed)}"
         )
-    cost = cost.with_exchange(planning_exchange(cluster, exchange))
     fn, native = STRATEGIES[strategy]
     longest = int(lens.max(initial=0))
     # Megatron's runtime (hdp's megatron form) keeps every activation on the GPU.
     offload = strategy in OFFLOADING and form != "megatron"
-    sync, cap = choose_sync(cost, native, longest, opts.pop("sync", None), offload=offload)
+    requested_sync = opts.pop("sync", None)
+    cost = cost.with_exchange("rank" if exchange == "auto" else exchange)
+    sync, cap = choose_sync(cost, native, longest, requested_sync, offload=offload)
+    if exchange == "auto" and nic_may_bind(cost, lens, sync, cap):
+        cost = cost.with_exchange("node")
+        sync, cap = choose_sync(cost, native, longest, requested_sync, offload=offload)
     ctx = Context(
         seq_lens=lens,
         cost=cost,
@@ -182,12 +187,18 @@ def exchanges(strategy: str, form: str = "free") -> tuple[str, ...]:
     return ("rank",)
 
 
-def planning_exchange(cluster: ClusterSpec, exchange: str) -> str:
-    """The K/V exchange a plan is made for: ``auto`` plans for ``node`` where the cluster has
-    more than one node (one node: the two are the same messages)."""
-    if exchange == "auto":
-        return "node" if cluster.num_nodes > 1 else "rank"
-    return exchange
+def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
+    """``auto`` exchange: whether to plan for ``node``. Where the cluster has one node the two
+    are the same messages; elsewhere ``node`` pays off where the longest sequence, at its fastest
+    in ``rank`` exchange, takes over half the step's work floor, so that its NIC traffic may bind
+    the step. Otherwise ``rank`` keeps the relay buffers' memory for tokens."""
+    if cost.cluster.num_nodes == 1 or seq_lens.size == 0:
+        return False
+    n = cost.cluster.num_ranks
+    packed = packed_time(cost, seq_lens, cost.offload_capacity(sync))
+    menu = length_menu(cost, int(seq_lens.max()), sync, capacity)
+    fastest = float(menu.height.min()) if menu.degrees.size else float("inf")
+    return fastest > 0.5 * menu_floor(packed, n)
 
 
 def _faster_exchange(cost: CostModel, plan: Plan, report: StepReport) -> tuple[Plan, StepReport]:
@@ -207,6 +218,6 @@ __all__ = [
     "choose_sync",
     "plan_and_evaluate",
     "exchanges",
+    "nic_may_bind",
     "plan_step",
-    "planning_exchange",
 ]

@@ -28,7 +28,8 @@ the slots (:func:`menu_floor`), so below that height a job's height no longer ma
 area, and past the first degree no taller than the floor the area only grows (a job's members
 each take at least ``T(d) >= T(d')``'s share of the same work). A menu thus ends a little past
 that degree. In ``node`` exchange the heights of a long sequence fall up to the whole cluster;
-without this end its menu would price every degree up to it.
+without this end its menu would price every degree up to it. (``rank`` menus end where their
+heights stop falling, well before.)
 """
 
 from __future__ import annotations
@@ -373,7 +374,8 @@ def relaxation_bound(
     short[long_ids] = False
     base_area = float(packed[short].sum())
     base_height = float(packed[short].max(initial=0.0))
-    floor_s = menu_floor(packed, slots)
+    # Only node exchange needs the cut (Note [Menus end at the floor]); rank menus stay whole.
+    floor_s = menu_floor(packed, slots) if cost.kv_exchange == "node" else 0.0
     menus = tuple(
         length_menu(cost, int(lens[i]), sync, capacity, pow2, floor_s) for i in long_ids.tolist()
     )

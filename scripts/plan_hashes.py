@@ -6,7 +6,7 @@ A refactor of the planner must not change a plan: record the hashes before, chec
     python scripts/plan_hashes.py --check tests/data/plan_hashes.json  # compare; 1 on a change
 
 A plan's hash covers everything that decides what runs (shards, waves, offload, barriers, sync,
-K/V block size, capacity); not ``predicted``, which holds timings.
+K/V block size, capacity, K/V exchange); not ``predicted``, which holds timings.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def plan_hash(plan: Plan) -> str:
         plan.kv_block_tokens,
         plan.capacity,
     ]
+    if plan.kv_exchange != "rank":  # rank-exchange plans keep the hashes recorded before it
+        meta.append(plan.kv_exchange)
     h.update(json.dumps(meta).encode())
     return h.hexdigest()[:16]
 

@@ -318,7 +318,7 @@ def test_bf16_on_cuda_single_rank():
 
 def node_cases(n: int, rpn: int, seed: int, block: int) -> list:
     out = []
-    for p, *rest in _fix_scale(make_cases(n, seed)):
+    for p, *rest in _fix_scale(make_cases(n, seed))[:4]:  # the spread, long, empty, random
         p = dict(p, kv_exchange="node", ranks_per_node=rpn, kv_block_tokens=block)
         out.append((p, *rest))
     return out

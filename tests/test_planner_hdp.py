@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import PlanningError, hdp_ilp, plan_and_evaluate, plan_step, planning_exchange
+from planner import PlanningError, hdp_ilp, nic_may_bind, plan_and_evaluate, plan_step
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
 from planner.hdp import HdpOptions, candidate_heights
@@ -406,8 +406,10 @@ def _wave_plans_with_and_without_skipping(
     (the last of each list is the plan kept); each placed candidate's step is checked to be at
     least its work spread over the ranks (the bound candidates are skipped by)."""
     cost = CostModel(model, cluster, capacity_override=capacity)
-    cost = cost.with_exchange(planning_exchange(cluster, "auto"))
     cap = cost.capacity("wave")
+    if nic_may_bind(cost, np.asarray(lens), "wave", cap):
+        cost = cost.with_exchange("node")
+        cap = cost.capacity("wave")
     rel = relaxation_bound(cost, np.asarray(lens), "wave", cap, cluster.num_ranks)
     runs: list[list[float]] = []
 
