@@ -5,7 +5,8 @@ megatron-core wheel, so these stand in for it; each fails where that release's c
 
 ``flat`` (0.16.1, 0.17.1: ``pretrain_gpt.get_batch`` -> ``training/utils.get_batch_on_this_tp_rank``
 -> ``core/utils.get_batch_on_this_hybrid_cp_rank``): reads tokens, labels, loss_mask,
-position_ids (and optional cu_seqlens, max_seqlen, local_cp_size); a cu_seqlens must be
+position_ids and max_seqlen (``int32 [1]``: with tensor parallelism the receiving ranks always
+take one from the broadcast), optional cu_seqlens and local_cp_size; a cu_seqlens must be
 ``int32 [1, n]`` (asserted on broadcast); with local_cp_size the hybrid path stacks every tensor
 from ``[L]`` to ``[1, L]``, looks up the CP group of that size and views the sequence as ``2k``
 equal chunks (an error unless ``2k`` divides ``L``); PackedSeqParams ``sbhd`` with the group.
@@ -46,6 +47,11 @@ def get_batch_flat(data_iterator):
     if data.get("cu_seqlens") is not None:
         cu = data["cu_seqlens"]
         assert cu.dtype == torch.int32 and cu.shape[0] == 1, "micro-batch-size must be 1"
+    # The other TP ranks always receive an int32 [1] max_seqlen under hybrid CP; a sender
+    # without one shifts every later broadcast (found by scripts/check_megatron_tags.py).
+    max_seqlen = data.get("max_seqlen")
+    assert max_seqlen is not None and max_seqlen.dtype == torch.int32, "max_seqlen int32 [1]"
+    assert max_seqlen.shape == (1,), "max_seqlen int32 [1]"
     k = int(data["local_cp_size"].item())
     batch = {key: torch.stack([v], 0) for key, v in batch.items()}
     length = batch["tokens"].shape[1]

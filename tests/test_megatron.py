@@ -292,6 +292,9 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
         # Padded at the end to a multiple of 2 x its CP size where it is split, loss-free.
         k = cp_of[gid]
         assert n_all == (n_real if k == 1 else -(-n_real // (2 * k)) * 2 * k), (gid, k)
+        assert sample["max_seqlen"].dtype == torch.int32 and sample["max_seqlen"].tolist() == [
+            n_all
+        ]
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             assert torch.equal(sample[key][:n_real], expected[gid][key]), (gid, key)
         assert not sample["loss_mask"][n_real:].any()
@@ -315,9 +318,11 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
             HybridCPDataLoaderWrapper(iter([batch]), Config(), pg_collection=pgs)
         )
     assert {s for g in theirs_groups for s in g[rank]} == set(theirs_samples)
-    assert set(next(iter(theirs_samples.values()))) == set(
+    # Same keys, plus the max_seqlen that Megatron's own wrapper drops and the receiving TP ranks
+    # of 0.16 / 0.17 need in the broadcast.
+    assert set(next(iter(theirs_samples.values()))) | {"max_seqlen"} == set(
         next(iter(samples.values()))
-    )  # same keys
+    )
     if rank == 0:
         from dataloader.megatron import megatron_plan
 

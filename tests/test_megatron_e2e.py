@@ -209,3 +209,8 @@ def test_contract_doubles_refuse_the_other_layout():
     one_d_cu = dict(flat, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(AssertionError, match="micro-batch-size must be 1"):
         get_batch_flat(iter([one_d_cu]))
+    # What broke 0.16.1 / 0.17.1 with TP > 1 (scripts/check_megatron_tags.py): no max_seqlen.
+    with pytest.raises(AssertionError, match=r"max_seqlen int32 \[1\]"):
+        get_batch_flat(iter([flat]))
+    flat["max_seqlen"] = torch.tensor([8], dtype=torch.int32)
+    assert get_batch_flat(iter([flat]))[1].local_cp_size == 1

@@ -6,8 +6,9 @@ exist among the releases with hybrid context parallelism:
 
 * ``flat`` (megatron-core 0.16.x, 0.17.x): per-token tensors of shape ``[L]``; no ``cu_seqlens``
   (its ``get_batch_on_this_tp_rank`` requires a packed ``cu_seqlens`` to be ``[1, n]``, and the
-  hybrid path never reads one). ``get_batch`` stacks them to ``[1, L]`` and splits over the CP
-  group.
+  hybrid path never reads one), and ``max_seqlen`` (``int32 [1]``), which the hybrid path
+  ignores but the other tensor-parallel ranks always receive in the broadcast (without it TP > 1
+  breaks). ``get_batch`` stacks the tensors to ``[1, L]`` and splits over the CP group.
 * ``packed`` (0.18.x, 0.19.x): per-token tensors of shape ``[1, L]`` with ``cu_seqlens``
   (``int32 [1, 2]``) and ``max_seqlen`` (``int32 [1]``): the hybrid split and the
   ``PackedSeqParams`` (with the sub-sample's CP group) are built only where ``cu_seqlens`` is

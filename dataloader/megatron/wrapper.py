@@ -254,8 +254,11 @@ class HDPDataLoaderWrapper:
                     fill = value[-1] + 1 + torch.arange(pad, dtype=value.dtype, device=value.device)
                 value = torch.cat([value, fill])
             out[key] = value.unsqueeze(0) if self.contract == "packed" else value
+        total = length + pad
+        # Both contracts carry max_seqlen: under --hybrid-context-parallel the receiving
+        # tensor-parallel ranks of 0.16 and 0.17 always take an int32 [1] max_seqlen from the
+        # broadcast, so a sender without one desynchronises every later broadcast (TP > 1).
+        out["max_seqlen"] = torch.tensor([total], dtype=torch.int32, device=self.device)
         if self.contract == "packed":
-            total = length + pad
             out["cu_seqlens"] = torch.tensor([[0, total]], dtype=torch.int32, device=self.device)
-            out["max_seqlen"] = torch.tensor([total], dtype=torch.int32, device=self.device)
         return out
