@@ -26,10 +26,10 @@ and :func:`shelf_bound`, which accounts for the token room of the longest sequen
 Note [Menus end at the floor]: every relaxation value is at least the packed work spread over
 the slots (:func:`menu_floor`), so below that height a job's height no longer matters, only its
 area, and past the first degree no taller than the floor the area only grows (a job's members
-each take at least ``T(d) >= T(d')``'s share of the same work). A menu thus ends a little past
-that degree. In ``node`` exchange the heights of a long sequence fall up to the whole cluster;
-without this end its menu would price every degree up to it. (``rank`` menus end where their
-heights stop falling, well before.)
+each take at least ``T(d) >= T(d')``'s share of the same work). A menu thus ends at the coarse
+degree where the height first drops below the floor. In ``node`` exchange the heights of a long
+sequence fall up to the whole cluster; without this end its menu would price every degree up to
+it. (``rank`` menus end where their heights stop falling, well before.)
 """
 
 from __future__ import annotations
@@ -245,8 +245,10 @@ def length_menu(
     top = widest
     if coarse.degrees.size:
         below = np.flatnonzero(coarse.height <= floor_s)
-        stop = int(below[0]) if below.size else int(np.argmin(coarse.height))
-        top = int(coarse.degrees[stop] * 1.5) + 1
+        if below.size:  # the fine menu's first degree below the floor is at most this one
+            top = int(coarse.degrees[int(below[0])])
+        else:
+            top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
     fine = degree_menu(length, min(widest, top), off_cap)
     # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
