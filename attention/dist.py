@@ -232,24 +232,13 @@ class _Messenger:
         """Post sends and receives; the k-th message between two ranks in one call gets tag
         ``tag + 2 * k * tag_step`` on both sides (both list them in the same order)."""
         ops, count = [], {}
-        for buf, peer in sends:
-            k = count.get(("s", peer), 0)
-            count[("s", peer)] = k + 1
-            ops.append(
-                dist.P2POp(
-                    dist.isend, buf, _global(self.group, peer), self.group, tag + 2 * k * tag_step
-                )
-            )
-            self._count(buf, peer, sent=True)
-        for buf, peer in recvs:
-            k = count.get(("r", peer), 0)
-            count[("r", peer)] = k + 1
-            ops.append(
-                dist.P2POp(
-                    dist.irecv, buf, _global(self.group, peer), self.group, tag + 2 * k * tag_step
-                )
-            )
-            self._count(buf, peer, sent=False)
+        for op, msgs in ((dist.isend, sends), (dist.irecv, recvs)):
+            for buf, peer in msgs:
+                k = count.get((op, peer), 0)
+                count[(op, peer)] = k + 1
+                where = _global(self.group, peer)
+                ops.append(dist.P2POp(op, buf, where, self.group, tag + 2 * k * tag_step))
+                self._count(buf, peer, sent=op is dist.isend)
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _count(self, buf: torch.Tensor, peer: int, sent: bool) -> None:
