@@ -1,0 +1,305 @@
+"""cuDNN's fused attention (``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its
+``_backward``) behind the packed variable-length interface of :mod:`attention.kernels`.
+
+The aten ops take dense ``(B, H, L, d)`` tensors: every batch element has the same query and key
+length, and key heads equal query heads. :class:`CudnnBackend` turns one packed varlen call into
+one dense call per distinct segment shape (Note [cuDNN varlen by grouping]).
+
+Note [cuDNN varlen by grouping]
+-------------------------------
+A call's segments are independent: segment ``i``'s queries attend only to segment ``i``'s keys.
+Segments with the same ``(len_q, len_k)`` can therefore be stacked as the batch dimension of one
+dense call, and the result is exactly that of one call per segment: the kernel treats batch
+elements independently, with no padding and no mask involved. Grouping is only ever done on equal
+shapes; padding unequal segments to a common length would be exact for padded *queries* (their
+rows are dropped) but not for padded keys without an additional bias mask, so it is not done.
+
+``dist_attn``'s calls are where this pays: the causal diagonal blocks and the full blocks of a rank
+are often of a fixed size (a plan's block granularity), so a call over many blocks becomes a few
+launches, where one launch per block would leave small blocks latency-bound. A call whose segments
+all differ degenerates to the loop over segments, and each segment's rows are then a view of the
+packed tensor (no copy). A group whose segments are adjacent in the packed tensor is a view as
+well; otherwise its rows are gathered (the same bytes ``dist_attn`` already gathers per call,
+small against the attention FLOPs of blocks of 512 tokens and more).
+
+Layout: a packed ``[T, H, d]`` tensor's rows of a group are ``[B, L, H, d]``, passed to the op
+as its ``transpose(1, 2)``: ``(B, H, L, d)`` with the strides of the BSHD layout that model code
+calling ``scaled_dot_product_attention`` after ``view(B, L, H, d).transpose(1, 2)`` produces.
+The op's output follows the query's layout; its log-sum-exp is ``(B, H, L_q, 1)`` in fp32.
+Backward gets the *final* output and log-sum-exp of every query row (over all of its key blocks,
+as the merge in ``dist_attn`` needs), in the same layout as the forward's inputs.
+
+Grouped-query attention: key/value heads are repeated to the query heads before the call (the
+ops' schema says nothing of ``H_kv != H``, and the recorded H100 probe only ran ``H_kv == H``),
+and backward sums the repeated heads' dK/dV back over each group, in fp32.
+
+Causal masks: aten's cuDNN attention aligns the causal mask top-left when ``L_q != L_k``, while
+the interface of :mod:`attention.kernels` is bottom-right aligned. That difference never arises
+here: causal calls only ever carry diagonal blocks, which are square (checked per segment).
+
+The first call of each new shape builds a cuDNN graph (cached by torch afterwards); plans whose
+block lengths change every step pay that build again. ``scripts/bench_attention.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import acc_dtype
+
+FWD_ARGS = (
+    "query",
+    "key",
+    "value",
+    "attn_bias",
+    "compute_log_sumexp",
+    "dropout_p",
+    "is_causal",
+    "return_debug_mask",
+)
+BWD_ARGS = (
+    "grad_out",
+    "query",
+    "key",
+    "value",
+    "out",
+    "logsumexp",
+    "philox_seed",
+    "philox_offset",
+    "attn_bias",
+    "cum_seq_q",
+    "cum_seq_k",
+    "max_q",
+    "max_k",
+    "dropout_p",
+    "is_causal",
+)
+# Head dimensions the probe measured and cuDNN's SDPA supports on every architecture it runs on.
+MAX_HEAD_DIM = 128
+
+
+def check_schema(fwd, bwd) -> None:
+    """Raise RuntimeError unless the ops' schemas (``torch._C.FunctionSchema``) are the ones this
+    backend calls: these positional arguments in this order, a keyword ``scale``, and anything
+    further only with a default (what a later torch may add compatibly)."""
+    problems = []
+    for schema, expected, outputs in ((fwd, FWD_ARGS, 2), (bwd, BWD_ARGS, 3)):
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        keyword = [a for a in schema.arguments if a.kwarg_only]
+        names = tuple(a.name for a in positional[: len(expected)])
+        if names != expected:
+            problems.append(f"{schema.name} takes {names}, expected {expected}")
+        extra = positional[len(expected) :] + [a for a in keyword if a.name != "scale"]
+        required = [a.name for a in extra if not a.has_default_value()]
+        if required:
+            problems.append(f"{schema.name} requires unknown arguments {required}")
+        if "scale" not in {a.name for a in keyword}:
+            problems.append(f"{schema.name} has no keyword argument 'scale'")
+        if len(schema.returns) < outputs:
+            problems.append(f"{schema.name} returns {len(schema.returns)} values")
+    if problems:
+        raise RuntimeError(
+            f"unsupported cuDNN attention schema in torch {torch.__version__}: "
+            + "; ".join(problems)
+        )
+
+
+@dataclass
+class Group:
+    """Segments of one call with the same shape: their first query and key rows."""
+
+    len_q: int
+    len_k: int
+    q_starts: list[int]
+    k_starts: list[int]
+
+
+def group_segments(cu_q: list[int], cu_k: list[int], causal: bool) -> list[Group]:
+    """The call's non-empty segments grouped by ``(len_q, len_k)``, in order of first appearance
+    (Note [cuDNN varlen by grouping])."""
+    groups: dict[tuple[int, int], Group] = {}
+    for i in range(len(cu_q) - 1):
+        nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        if nq == 0 or nk == 0:
+            continue  # no keys: out = 0, lse = -inf, as initialised
+        if causal and nq != nk:
+            raise ValueError(
+                f"cudnn backend: causal segment {i} is {nq} x {nk}; causal blocks must be square"
+            )
+        g = groups.setdefault((nq, nk), Group(nq, nk, [], []))
+        g.q_starts.append(cu_q[i])
+        g.k_starts.append(cu_k[i])
+    return list(groups.values())
+
+
+class Rows:
+    """The packed rows of a group's segments (``len(starts)`` runs of ``n`` rows): a slice when
+    they are adjacent, else an index."""
+
+    def __init__(self, starts: list[int], n: int, device: torch.device) -> None:
+        self.starts, self.n, self.batch = starts, n, len(starts)
+        adjacent = all(b - a == n for a, b in zip(starts[:-1], starts[1:]))
+        self.span = slice(starts[0], starts[0] + self.batch * n) if adjacent else None
+        self.index = (
+            None
+            if adjacent
+            else (
+                torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(n)[None, :]
+            ).reshape(-1)
+        )
+        if self.index is not None:
+            self.index = self.index.to(device)
+
+    def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x``'s rows along ``dim`` (0: ``[B, n, ...]``; 1, for ``[H, T]``: ``[H, B, n]``)."""
+        if self.span is not None:
+            part = x[self.span] if dim == 0 else x[:, self.span]
+        else:
+            part = x.index_select(dim, self.index)
+        shape = list(part.shape)
+        shape[dim : dim + 1] = [self.batch, self.n]
+        return part.reshape(shape)
+
+    def put(self, dst: torch.Tensor, value: torch.Tensor, dim: int = 0) -> None:
+        """Write ``value`` (rows flattened along ``dim``) into ``dst``'s rows."""
+        if self.span is not None:
+            if dim == 0:
+                dst[self.span] = value
+            else:
+                dst[:, self.span] = value
+        else:
+            dst.index_copy_(dim, self.index, value)
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``[B, L, H, d]`` rows as the op's ``(B, H, L, d)`` (BSHD strides)."""
+    return x.transpose(1, 2)
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, L, H_kv, d]`` -> ``[B, L, heads, d]``: KV head ``j`` serves query heads
+    ``j * G .. j * G + G - 1`` (``G = heads / H_kv``)."""
+    B, L, hk, d = x.shape
+    if hk == heads:
+        return x.contiguous()
+    return x[:, :, :, None, :].expand(B, L, hk, heads // hk, d).reshape(B, L, heads, d)
+
+
+class CudnnBackend:
+    """cuDNN fused attention (CUDA; fp16/bf16; head_dim a multiple of 8, at most 128) over packed
+    variable-length segments (Note [cuDNN varlen by grouping]).
+
+    ``fwd``/``bwd`` replace the aten ops (for tests: an independent implementation of the same
+    contract on CPU); without them the backend needs torch's CUDA kernel of the ops and cuDNN."""
+
+    name = "cudnn"
+
+    def __init__(self, fwd: Callable | None = None, bwd: Callable | None = None) -> None:
+        aten = torch.ops.aten
+        try:
+            ops = (
+                aten._scaled_dot_product_cudnn_attention,
+                aten._scaled_dot_product_cudnn_attention_backward,
+            )
+        except AttributeError:
+            raise RuntimeError(
+                f"torch {torch.__version__} has no aten cuDNN attention ops"
+            ) from None
+        check_schema(ops[0].default._schema, ops[1].default._schema)
+        if fwd is None or bwd is None:
+            why = cuda_unavailable()
+            if why:
+                raise RuntimeError(why)
+        self._fwd = fwd or ops[0]
+        self._bwd = bwd or ops[1]
+        self.dtypes = (torch.float16, torch.bfloat16) if fwd is None else None
+
+    def _check(self, q: torch.Tensor) -> None:
+        d = q.shape[-1]
+        if self.dtypes is not None and q.dtype not in self.dtypes:
+            raise ValueError(f"cudnn backend: {q.dtype} is not supported (fp16/bf16 only)")
+        if d % 8 or d > MAX_HEAD_DIM:
+            raise ValueError(
+                f"cudnn backend: head_dim {d} must be a multiple of 8 and at most {MAX_HEAD_DIM}"
+            )
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        self._check(q)
+        T, H, d = q.shape
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal)
+        out = torch.zeros_like(q)
+        lse = torch.full((H, T), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+        for g in groups:
+            qr, kr = Rows(g.q_starts, g.len_q, q.device), Rows(g.k_starts, g.len_k, q.device)
+            res = self._fwd(
+                _dense(qr.take(q)),
+                _dense(_repeat_heads(kr.take(k), H)),
+                _dense(_repeat_heads(kr.take(v), H)),
+                None,
+                True,
+                0.0,
+                causal,
+                False,
+                scale=scale,
+            )
+            qr.put(out, _dense(res[0]).reshape(-1, H, d))
+            # (B, H, L, 1) -> [H, B * L]
+            qr.put(lse, res[1][..., 0].transpose(0, 1).reshape(H, -1).to(lse.dtype), dim=1)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        self._check(q)
+        H, d, hk = q.shape[1], q.shape[2], k.shape[1]
+        ad = acc_dtype(q.dtype)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dout, out = dout.contiguous(), out.contiguous()
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
+        for g in group_segments(cu_q.tolist(), cu_k.tolist(), causal):
+            qr, kr = Rows(g.q_starts, g.len_q, q.device), Rows(g.k_starts, g.len_k, q.device)
+            # [H, B, L] -> (B, H, L, 1), the layout the forward returned (fp32 for fp16/bf16).
+            lse_b = qr.take(lse, dim=1).permute(1, 0, 2)[..., None].to(ad).contiguous()
+            gq, gk, gv = self._bwd(
+                _dense(qr.take(dout)),
+                _dense(qr.take(q)),
+                _dense(_repeat_heads(kr.take(k), H)),
+                _dense(_repeat_heads(kr.take(v), H)),
+                _dense(qr.take(out)),
+                lse_b,
+                seed,
+                seed,
+                None,
+                None,
+                None,
+                g.len_q,
+                g.len_k,
+                0.0,
+                causal,
+                scale=scale,
+            )[:3]
+            qr.put(dq, _dense(gq).reshape(-1, H, d).to(dq.dtype))
+            for grad, dst in ((gk, dk), (gv, dv)):
+                # Sum the repeated heads of each KV head (fp32), [B, L, H, d] -> [B * L, H_kv, d].
+                summed = _dense(grad).to(ad).reshape(-1, hk, H // hk, d).sum(2)
+                kr.put(dst, summed.to(dst.dtype))
+        return dq, dk, dv
+
+
+def cuda_unavailable() -> str | None:
+    """Why the real cuDNN ops cannot run here, or ``None``."""
+    if not torch.cuda.is_available():
+        return "cudnn attention needs a CUDA GPU; none is visible"
+    if not torch.backends.cudnn.is_available():
+        return f"torch {torch.__version__} was built without cuDNN"
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::_scaled_dot_product_cudnn_attention", "CUDA"
+    )
+    if not has_kernel:
+        return f"torch {torch.__version__} has no CUDA kernel for cuDNN attention"
+    return None
