@@ -55,9 +55,13 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) ->
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Grouped-query self-attention through :func:`attention.dist_attn`; ``backend`` names its
+    kernels (``None``: the fastest for the device and dtype, :func:`attention.select_backend`)."""
+
+    def __init__(self, spec: ModelSpec, backend: str | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.backend = backend
         h, hd = spec.hidden, spec.head_dim
         self.q_proj = nn.Linear(h, spec.heads * hd, bias=False)
         self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
@@ -75,7 +79,7 @@ class Attention(nn.Module):
         if ctx.plan is None:  # token-less pass: keep every weight in the graph, talk to nobody
             out = q * 0 + (k.sum() + v.sum()) * 0
         else:
-            out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group)
+            out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group, backend=self.backend)
         return self.o_proj(out.reshape(T, s.heads * s.head_dim))
 
 
@@ -91,10 +95,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, attention_backend: str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(spec.hidden)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, attention_backend)
         self.mlp_norm = RMSNorm(spec.hidden)
         self.mlp = MLP(spec)
 
@@ -112,18 +116,25 @@ class Llama(nn.Module):
     The loss path never holds more than ``loss_chunk_tokens`` rows of logits: each chunk's LM head
     and cross-entropy are recomputed in backward (with a 128K vocabulary, 32K tokens of fp32 logits
     alone are 16 GiB). The cost model's memory estimate assumes the same chunk
-    (``CostModel.loss_chunk_tokens``).
+    (``CostModel.loss_chunk_tokens``). ``attention_backend`` forces the attention kernels
+    (:data:`attention.BACKEND_NAMES`; ``None``: chosen per device and dtype).
     """
 
     def __init__(
-        self, spec: ModelSpec, activation_checkpointing: bool = False, loss_chunk_tokens: int = 4096
+        self,
+        spec: ModelSpec,
+        activation_checkpointing: bool = False,
+        loss_chunk_tokens: int = 4096,
+        attention_backend: str | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
         self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, attention_backend) for _ in range(spec.layers)
+        )
         self.norm = RMSNorm(spec.hidden)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from attention import COMM
+from attention import COMM, BackendUnavailable, resolve_backend
 from dataloader import (
     BatchStream,
     DataError,
@@ -81,6 +81,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         sources, stream = build_data(args, vocab=spec.vocab)
         setup = fingerprint(args, sources, vocab=spec.vocab)
         resume = find_resume(args, setup, log)
+        check_attention_backend(args, device)
     except (PlanningError, DataError, ValueError, CheckpointError) as e:
         log(f"pretrain.py: error: {e}")
         return 2
@@ -278,12 +279,33 @@ def build_model(args, *, cost: CostModel, sync: str, device: torch.device) -> Ll
         cost.model,
         activation_checkpointing=args.activation_checkpointing,
         loss_chunk_tokens=cost.loss_chunk_tokens,
+        attention_backend=forced_attention_backend(args),
     ).to(device)
     if args.compile:
         apply_compile(model)
     if dist.is_initialized():
         shard_model(model, sync, mixed_precision=device.type == "cuda")
     return model
+
+
+def forced_attention_backend(args) -> str | None:
+    """The attention backend ``--attention-backend`` forces, or ``None`` (``auto``, or a caller
+    without the flag): the fastest for the device and dtype."""
+    name = getattr(args, "attention_backend", None)
+    return None if name in (None, "auto") else name
+
+
+def check_attention_backend(args, device: torch.device) -> None:
+    """Raise ValueError, one line saying why and what to use, when the forced attention backend
+    cannot run on ``device`` in the training dtype (bf16 autocast on CUDA, fp32 on CPU)."""
+    name = forced_attention_backend(args)
+    if name is None:
+        return
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        resolve_backend(name, device, dtype)
+    except (ValueError, BackendUnavailable) as e:
+        raise ValueError(f"--attention-backend {name}: {e}") from None
 
 
 def apply_compile(model: Llama) -> None:

@@ -313,3 +313,40 @@ def test_gpu_dist_attn_with_cudnn_matches_the_reference():
         results.append([out.detach().double()] + [t.grad.double() for t in leaves])
     for got, ref in zip(*results):
         assert (got - ref).abs().max() < 5e-2 * max(1.0, ref.abs().max().item())
+
+
+def test_the_model_runs_the_backend_it_is_given(monkeypatch):
+    """``Llama(attention_backend=...)`` reaches dist_attn: the fake cuDNN backend trains the tiny
+    model (head_dim 16, GQA) to the reference backend's loss and gradients."""
+    import numpy as np
+
+    from hdp import model_preset
+    from launch.model import AttentionContext, Llama
+
+    monkeypatch.setattr(kernels, "_BACKENDS", {"cudnn": CudnnBackend(fake_fwd, fake_bwd)})
+    lens = [40, 40, 24]
+    plan = Plan.from_shards(lens, 1, [[[(0, 0, 40), (1, 0, 40), (2, 0, 24)]]])
+    ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lens]))
+    results = []
+    for name in ("cudnn", "reference"):
+        torch.manual_seed(0)
+        model = Llama(model_preset("tiny"), attention_backend=name).double()
+        assert all(layer.attn.backend == name for layer in model.layers)
+        loss = model(ids, pos, AttentionContext(plan, 0), ids)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):  # fp32 tolerance: dist_attn hands the LSE over in fp32
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6)
+
+
+def test_training_refuses_a_forced_backend_that_cannot_run():
+    from argparse import Namespace
+
+    from launch.train import check_attention_backend, forced_attention_backend
+
+    assert forced_attention_backend(Namespace()) is None  # callers without the flag
+    assert forced_attention_backend(Namespace(attention_backend="auto")) is None
+    check_attention_backend(Namespace(attention_backend="reference"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="--attention-backend cudnn: .* use 'auto' or 'reference'"):
+        check_attention_backend(Namespace(attention_backend="cudnn"), torch.device("cpu"))
