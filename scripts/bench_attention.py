@@ -7,9 +7,14 @@ prediction, and the K/V volume of our P2P against ring attention over each seque
 planner-made plans of the standard workloads.
 GPU (``--gpu``): block-sharded varlen attention of one rank's blocks against one monolithic varlen
 FlashAttention call on the same tokens, and TFLOP/s by block size.
+GPU (``--backends``): every attention backend available here (cuDNN, ``flash_attn``, PyTorch's
+FlashAttention) side by side, forward and backward TFLOP/s, on the shard shapes of issue #16: 512-8K
+query tokens against 8K-262K earlier keys (full blocks) and causal diagonal blocks, alone and
+packed many to a call; plus the first call of a new shape (cuDNN builds a graph per shape).
 
     python scripts/bench_attention.py --ranks 4 --tokens 16384
     python scripts/bench_attention.py --gpu
+    python scripts/bench_attention.py --backends --head-dim 64
 """
 
 from __future__ import annotations
@@ -212,13 +217,124 @@ def _block_sharded(be, q, k, v, b: int):
     return sharded
 
 
+CUDA = torch.device("cuda")
+# (query tokens, key tokens, causal, segments per call): one rank's calls in dist_attn.
+SHARD_SHAPES = [
+    (512, 8192, False, 1),
+    (512, 262144, False, 1),
+    (2048, 65536, False, 1),
+    (8192, 131072, False, 1),
+    (2048, 2048, True, 1),
+    (8192, 8192, True, 1),
+    (2048, 2048, True, 16),
+    (512, 512, True, 64),
+    (512, 8192, False, 8),
+]
+
+
+def _time(fn, reps: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def _shape_calls(be, shape, H: int, Hk: int, d: int, device: torch.device, dtype: torch.dtype):
+    """(forward, backward, forward FLOPs) of one backend on one shard shape."""
+    lq, lk, causal, n = shape
+    q = torch.randn(n * lq, H, d, device=device, dtype=dtype)
+    k = torch.randn(n * lk, Hk, d, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    cu_q = torch.arange(n + 1, device=device, dtype=torch.int32) * lq
+    cu_k = torch.arange(n + 1, device=device, dtype=torch.int32) * lk
+    args = (cu_q, cu_k, lq, lk, causal, d**-0.5)
+    out, lse = be.forward(q, k, v, *args)
+    do = torch.randn_like(q)
+    pairs = lq * (lq + 1) / 2 if causal else lq * lk
+    return (
+        lambda: be.forward(q, k, v, *args),
+        lambda: be.backward(do, q, k, v, out, lse, *args),
+        4.0 * n * pairs * H * d,
+    )
+
+
+def compare_backends(
+    H: int,
+    Hk: int,
+    d: int,
+    reps: int = 10,
+    shapes=SHARD_SHAPES,
+    names=("cudnn", "flash_attn", "torch_flash"),
+    device: torch.device = CUDA,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Each available backend's forward and backward TFLOP/s on the shard shapes, side by side."""
+    from attention import BackendUnavailable, get_backend
+
+    backends = []
+    for name in names:
+        try:
+            backends.append(get_backend(name))
+        except BackendUnavailable as e:
+            print(f"  {name}: {e}")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else device.type
+    print(
+        f"{where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, H={H} "
+        f"H_kv={Hk} d={d}; TFLOP/s forward / backward (backward: 2.5x the forward's FLOPs), "
+        f"mean of {reps}"
+    )
+    head = "".join(f"{be.name:>22}" for be in backends)
+    print(f"  {'q x k tokens':>17} {'mask':>6} {'segs':>4}{head}")
+    for shape in shapes:
+        cells = []
+        for be in backends:
+            try:
+                fwd, bwd, flops = _shape_calls(be, shape, H, Hk, d, device, dtype)
+                tf, tb = _time(fwd, reps, device), _time(bwd, reps, device)
+                cells.append(f"{flops / tf / 1e12:>12.1f} / {2.5 * flops / tb / 1e12:<7.1f}")
+            except (RuntimeError, ValueError) as e:  # out of memory, unsupported shape
+                cells.append(f"{'failed: ' + type(e).__name__:>22}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        lq, lk, causal, n = shape
+        print(f"  {lq:>7} x {lk:<7} {'causal' if causal else 'full':>6} {n:>4}" + "".join(cells))
+    print("  first call of a shape not run before (cuDNN builds a graph per shape), then steady:")
+    for i, be in enumerate(backends):
+        fresh = (1000 + 8 * i, 1000 + 8 * i, True, 3)
+        t0 = time.perf_counter()
+        fwd, bwd, _ = _shape_calls(be, fresh, H, Hk, d, device, dtype)
+        bwd()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        steady = _time(fwd, reps, device) + _time(bwd, reps, device)
+        print(
+            f"    {be.name:>12}: forward + backward {first * 1e3:.1f} ms first, "
+            f"{steady * 1e3:.2f} ms after"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--gpu", action="store_true", help="run the GPU block-size benchmark instead")
+    p.add_argument(
+        "--backends", action="store_true", help="compare the GPU attention backends instead"
+    )
+    p.add_argument("--head-dim", type=int, default=128, help="head_dim of --backends")
     args = p.parse_args()
+    if args.backends:
+        if not torch.cuda.is_available():
+            print("no CUDA GPU: nothing to measure", file=sys.stderr)
+            return 1
+        compare_backends(32, 8, args.head_dim)
+        return 0
     if args.gpu:
         if not torch.cuda.is_available():
             print("no CUDA GPU: nothing to measure", file=sys.stderr)
