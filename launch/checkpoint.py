@@ -239,10 +239,11 @@ def _read_latest(folder: Path) -> tuple[str | None, str | None]:
     return text, None
 
 
-def select(folder: str | Path) -> Selection:
-    """The newest valid checkpoint in ``folder`` (a collective; every rank gets rank 0's view of
-    the folder and hashes a share). Raises CheckpointError when the folder cannot be read, or
-    holds checkpoints of which none is valid."""
+def select(folder: str | Path, *, step: int | None = None) -> Selection:
+    """The newest valid checkpoint in ``folder``, or the one of ``step`` (a collective; every rank
+    gets rank 0's view of the folder and hashes a share). Raises CheckpointError when the folder
+    cannot be read, holds checkpoints of which none is valid, or when ``step``'s is missing,
+    damaged or older than a valid one the run would write over."""
     folder = Path(folder)
     found = None
     if _rank() == 0:
@@ -255,6 +256,8 @@ def select(folder: str | Path) -> Selection:
     if isinstance(found, str):
         raise CheckpointError(found)
     candidates, (latest_name, latest_problem) = found
+    if step is not None:
+        return Selection(_chosen_step(folder, step, candidates), [])
     warnings, passed = [], []
     chosen = None
     for path, manifest, problem in candidates:
@@ -278,6 +281,31 @@ def select(folder: str | Path) -> Selection:
             f"is {chosen.name}; using {chosen.name}"
         )
     return Selection(chosen, warnings)
+
+
+def _chosen_step(folder: Path, step: int, candidates: list) -> Path:
+    """``step``'s checkpoint among ``candidates`` (path, manifest, problem), checked whole: a
+    run from it would save the steps after it, so no valid newer one may exist."""
+    name = f"step_{step:08d}"
+    mine = [c for c in candidates if c[0].name == name]
+    if not mine:
+        held = ", ".join(path.name for path, _, _ in candidates) or "none"
+        raise CheckpointError(f"--resume-step {step}: no {name} in {folder} (it holds: {held})")
+    newer = [
+        path.name
+        for path, manifest, problem in candidates
+        if path.name > name and not (problem or hash_problem(path, manifest))
+    ]
+    if newer:
+        raise CheckpointError(
+            f"--resume-step {step}: {folder} holds newer checkpoints ({', '.join(newer)}) that "
+            f"this run would write over; move them to another directory to train on from {name}"
+        )
+    path, manifest, problem = mine[0]
+    problem = problem or hash_problem(path, manifest)
+    if problem:
+        raise CheckpointError(f"--resume-step {step}: {path} is damaged ({problem})")
+    return path
 
 
 def read_state(path: str | Path) -> dict:

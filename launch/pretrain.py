@@ -69,8 +69,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What no single flag's type can check: flags against each other and the environment."""
+    if args.resume_step is not None:
+        args.resume = True
     if args.resume and args.checkpoint_dir is None:
-        p.error("--resume needs --checkpoint-dir")
+        p.error(f"{'--resume-step' if args.resume_step else '--resume'} needs --checkpoint-dir")
+    if args.lr_decay_steps is not None and args.lr_decay_steps <= args.warmup:
+        p.error(
+            f"--lr-decay-steps {args.lr_decay_steps} is not above --warmup {args.warmup}: "
+            "the decay must end after the warm-up"
+        )
     if args.allow_changed_setup and not args.resume:
         p.error("--allow-changed-setup only applies with --resume")
     if args.kv_exchange != "auto" and args.strategy != "hdp":
@@ -172,6 +179,13 @@ def add_training_args(t) -> None:
         default=10,
         help="linear warm-up steps, then cosine decay to 10%%",
     )
+    t.add_argument(
+        "--lr-decay-steps",
+        type=integer(1),
+        default=None,
+        help="step where the cosine decay reaches 10%% of --lr (default: --steps); keep it when "
+        "a resumed run trains past its first --steps",
+    )
     t.add_argument("--weight-decay", type=number(0.0), default=0.1)
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument("--activation-checkpointing", action="store_true")
@@ -253,10 +267,18 @@ def add_output_args(o) -> None:
         help="continue from the newest valid checkpoint in --checkpoint-dir (none: from step 0)",
     )
     o.add_argument(
+        "--resume-step",
+        type=integer(1),
+        default=None,
+        metavar="STEP",
+        help="resume from this step's checkpoint instead of the newest (implies --resume; newer "
+        "checkpoints must be moved away first)",
+    )
+    o.add_argument(
         "--allow-changed-setup",
         action="store_true",
-        help="resume although the data or planning setup differs from the checkpoint's "
-        "(changed data restarts the data position)",
+        help="resume although the data, planning or optimizer setup differs from the "
+        "checkpoint's (changed data restarts the data position)",
     )
 
 

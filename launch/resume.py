@@ -3,10 +3,13 @@ run's setup, the tokens it already counted, and a metrics file without the rows 
 
 A checkpoint records a fingerprint of the run's setup (:func:`fingerprint`): the model, the data
 (each source's file name, size and document lengths, the tokenizer, the weights, the vocabulary,
-the batch shape and seed) and the planning flags. Resuming with a different one is refused with
-one line naming what changed, unless ``--allow-changed-setup``: then changed data restarts the data
-position (the old position indexes documents of other sources) and changed planning flags just
-plan the next steps differently. The model can never change: its shards would not load.
+the batch shape and seed), the planning flags and the optimizer's (learning rate, its schedule,
+weight decay, gradient clipping). Resuming with a different one is refused with one line naming
+what changed, unless ``--allow-changed-setup``: then changed data restarts the data position (the
+old position indexes documents of other sources), changed planning flags just plan the next steps
+differently, and changed optimizer flags take effect from the resumed step. The model can never
+change: its shards would not load. ``--steps`` is not part of it: a run may be extended, and the
+learning-rate schedule follows ``--lr-decay-steps`` (saved; default ``--steps``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,13 @@ def fingerprint(args, sources: list, *, vocab: int) -> dict:
             "kv_exchange": args.kv_exchange,
             "gpus_per_node": args.gpus_per_node,  # as given: None follows torchrun's ranks
         },
+        "optimizer": {
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "lr_decay_steps": args.lr_decay_steps or args.steps,
+            "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip,
+        },
     }
 
 
@@ -109,9 +119,11 @@ def check_setup(saved: dict, now: dict, *, allow: bool, where: Path) -> bool:
             f"cannot resume from {where}: it holds another model ({'; '.join(changed)})"
         )
     data = differences(saved.get("data", {}), now["data"])
-    planning = differences(saved.get("planning", {}), now["planning"])
-    if (data or planning) and not allow:
-        items = [f"data.{d}" for d in data] + [f"planning.{p}" for p in planning]
+    items = [f"data.{d}" for d in data]
+    for section in ("planning", "optimizer"):
+        if section in saved:  # a checkpoint from before a section was added holds none
+            items += [f"{section}.{d}" for d in differences(saved[section], now[section])]
+    if items and not allow:
         more = f"; and {len(items) - 4} more" if len(items) > 4 else ""
         raise CheckpointError(
             f"cannot resume from {where}: the setup changed since it was saved "
@@ -136,7 +148,7 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
                 "directory"
             )
         return None
-    found = checkpoint.select(folder)
+    found = checkpoint.select(folder, step=args.resume_step)
     for line in found.warnings:
         log(line)
     if found.path is None:

@@ -320,8 +320,24 @@ def build_optimizer(args, *, model: Llama) -> tuple[Optimizer, LRScheduler]:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.steps))
+    decay = args.lr_decay_steps or args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, decay))
     return optimizer, scheduler
+
+
+def apply_optimizer_flags(args, optimizer: Optimizer, scheduler: LRScheduler) -> None:
+    """Make this run's flags, not the checkpoint's, set the learning rate and weight decay.
+
+    A checkpoint restores the optimizer's and schedule's saved ``lr``, ``initial_lr`` and
+    ``weight_decay``; :func:`launch.resume.check_setup` refused any change the user did not allow,
+    so what is applied here is either the same values or the ones allowed."""
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = args.lr
+        group["lr"] = args.lr * factor
+        group["weight_decay"] = args.weight_decay
+    scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
@@ -340,6 +356,7 @@ def restore(run: Run, resume: Resume | None) -> int:
     if resume is None:
         return 0
     checkpoint.load(resume.path, run.model, run.optimizer, run.scheduler)
+    apply_optimizer_flags(run.args, run.optimizer, run.scheduler)
     if resume.data_state is not None:
         run.loader.load_state_dict(resume.data_state)
     run.totals = Totals(resume.trained_tokens, resume.truncated_tokens)

@@ -67,11 +67,11 @@ def choose_sync(
         best = (mode, room)
     mode, room = best
     if room <= 0:
+        fixes = "more GPUs, --sync wave," if mode != "wave" else "more GPUs"
         raise PlanningError(
             f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: "
-            "parameters, gradients and "
-            "optimizer states leave no room for activations; use more GPUs, --sync wave, or a "
-            "smaller model"
+            "parameters, gradients and optimizer states leave no room for activations; use "
+            f"{fixes} or a smaller model"
         )
     held = (
         "tokens per rank per wave with activation offload"

@@ -152,7 +152,9 @@ def test_saving_over_a_damaged_checkpoint_keeps_it_aside(ck):
 
 
 def _args(ck, **kw):
-    base = dict(checkpoint_dir=ck, resume=True, steps=10, allow_changed_setup=False)
+    base = dict(
+        checkpoint_dir=ck, resume=True, resume_step=None, steps=10, allow_changed_setup=False
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -189,6 +191,37 @@ def test_a_changed_setup_is_refused_unless_allowed(ck):
     model = {**SETUP, "model": {"model": "llama-1b"}}
     with pytest.raises(CheckpointError, match="holds another model"):
         check_setup(SETUP, model, allow=True, where=ck)
+
+
+def test_a_changed_optimizer_is_refused_unless_allowed(ck):
+    saved = {**SETUP, "optimizer": {"lr": 3e-4, "warmup": 10}}
+    _save(ck, 6, saved)
+    now = {**SETUP, "optimizer": {"lr": 1e-4, "warmup": 10}}
+    with pytest.raises(CheckpointError, match=r"optimizer.lr: 0.0003 -> 0.0001\): restore it"):
+        find_resume(_args(ck), now, print)
+    res = find_resume(_args(ck, allow_changed_setup=True), now, print)
+    assert res.step == 6 and res.data_state == {"step": 6}
+    # The checkpoints of steps 2 and 4 predate the optimizer section: it is not compared.
+    os.rename(ck / "step_00000006", ck.parent / "kept_step_6")
+    assert find_resume(_args(ck), now, print).step == 4
+
+
+def test_resume_step_picks_that_checkpoint_when_nothing_newer_is_valid(ck):
+    with pytest.raises(CheckpointError, match=r"holds newer checkpoints \(step_00000004\) that"):
+        find_resume(_args(ck, resume_step=2), SETUP, print)
+    os.rename(ck / "step_00000004", ck.parent / "kept_step_4")
+    res = find_resume(_args(ck, resume_step=2), SETUP, print)
+    assert res.step == 2 and res.path == ck / "step_00000002"
+
+
+def test_resume_step_refuses_a_missing_or_damaged_one_without_falling_back(ck):
+    with pytest.raises(CheckpointError, match=r"no step_00000003 in .*step_00000004, step_000"):
+        find_resume(_args(ck, resume_step=3), SETUP, print)
+    _flip_a_byte(ck / "step_00000004")
+    with pytest.raises(CheckpointError, match="step_00000004 is damaged .*checksum"):
+        find_resume(_args(ck, resume_step=4), SETUP, print)
+    # A damaged newer checkpoint is no obstacle: saving moves it aside.
+    assert find_resume(_args(ck, resume_step=2), SETUP, print).step == 2
 
 
 def test_metrics_rows_of_redone_steps_are_replaced(tmp_path):

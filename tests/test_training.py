@@ -281,7 +281,8 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
     argv = COMMON + ["--max-seq", "512", "--truncate", "--steps", "4"]
     ck, run = ["--checkpoint-dir", str(tmp_path / "ck")], ["--metrics", str(tmp_path / "run.jsonl")]
     assert train_here(argv + ["--metrics", str(tmp_path / "straight.jsonl")], capsys)[0] == 0
-    assert train_here(argv[:-1] + ["2"] + ck + run, capsys)[0] == 0
+    # The first 2 steps of the 4-step schedule: the decay horizon is part of the fingerprint.
+    assert train_here(argv[:-1] + ["2", "--lr-decay-steps", "4"] + ck + run, capsys)[0] == 0
     rc, out = train_here(argv + ck + run + ["--resume"], capsys)
     assert rc == 0, out
     ref, got = rows(tmp_path / "straight.jsonl"), rows(tmp_path / "run.jsonl")
@@ -304,12 +305,23 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
             other_data + ["--steps", "5", "--data", str(tmp_path / "x.jsonl")],
             "data.sources.1.name: 'synthetic:wlb-128k' -> 'x.jsonl'",
         ),
+        (argv + ["--steps", "5"], "optimizer.lr_decay_steps: 4 -> 5"),
+        (
+            argv + ["--steps", "5", "--lr-decay-steps", "4", "--lr", "1e-3"],
+            "optimizer.lr: 0.01 -> 0.001",
+        ),
     ]:
         rc, out = train_here(case + ck + ["--resume"], capsys)
         assert rc == 2 and out.strip().splitlines()[-1].startswith("pretrain.py: error: ")
         assert message in out.strip().splitlines()[-1]
+    # Allowed, a changed learning rate takes effect: past the 4-step decay, 10% of the new 1e-3
+    # (the checkpoint saved 1e-2).
+    allowed = ["--steps", "5", "--lr-decay-steps", "4", "--lr", "1e-3", "--allow-changed-setup"]
+    rc, out = train_here(argv + allowed + ck + run + ["--resume"], capsys)
+    assert rc == 0, out
+    assert rows(tmp_path / "run.jsonl")[-1]["lr"] == pytest.approx(1e-4)
     rc, out = train_here(argv + ck, capsys)
-    assert rc == 2 and "already holds checkpoints (step_00000004 and 1 more)" in out
+    assert rc == 2 and "already holds checkpoints (step_00000005 and 2 more)" in out
 
 
 @pytest.mark.parametrize(

@@ -164,3 +164,15 @@ def test_calibrate_threads(capsys, threads):
         calibrate_main, ["measure", "--out", "p.json", "--threads", threads], capsys
     )
     assert "argument --threads: " in line
+
+
+@pytest.mark.parametrize("sync", ["wave", "peer"])
+def test_a_model_that_cannot_fit_suggests_only_what_would_change(sync):
+    from hdp import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, CostModel
+    from planner import PlanningError, choose_sync
+
+    cluster = ClusterSpec(num_ranks=1, ranks_per_node=1, gpu=GPU_PRESETS["h100"])
+    cost = CostModel(MODEL_PRESETS["llama-70b"], cluster)
+    with pytest.raises(PlanningError, match="no room for activations") as err:
+        choose_sync(cost, "peer", 1024, sync)
+    assert ("--sync wave" in str(err.value)) == (sync != "wave")
