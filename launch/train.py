@@ -35,6 +35,7 @@ from hdp import ClusterSpec, CostModel, GPUProfile, gpu_preset, model_preset
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
+from .calibrate_tables import PROFILE_BACKEND
 from .checkpoint import CheckpointError
 from .model import Llama
 from .resume import Resume, find_resume, fingerprint, open_metrics
@@ -198,9 +199,24 @@ def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -
     return CostModel(
         spec,
         cluster,
+        attention_backend=priced_attention_backend(args, device, gpu),
         activation_checkpointing=args.activation_checkpointing,
         capacity_override=args.capacity,
     )
+
+
+def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:
+    """The attention rows of ``gpu``'s profile that price the kernels ``dist_attn`` will run here
+    (cuDNN's on Hopper, FlashAttention's on older GPUs, ...), or ``None`` for the profile's own
+    backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
+    forced backend cannot run (:func:`check_attention_backend` reports that)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        backend = resolve_backend(forced_attention_backend(args), device, dtype)
+    except (ValueError, BackendUnavailable):
+        return None
+    rows = PROFILE_BACKEND.get(backend.name, backend.name)
+    return rows if rows in gpu.tables.attention_backends else None
 
 
 def rank0_log(rank: int) -> Callable[[str], None]:

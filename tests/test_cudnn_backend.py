@@ -350,3 +350,20 @@ def test_training_refuses_a_forced_backend_that_cannot_run():
     check_attention_backend(Namespace(attention_backend="reference"), torch.device("cpu"))
     with pytest.raises(ValueError, match="--attention-backend cudnn: .* use 'auto' or 'reference'"):
         check_attention_backend(Namespace(attention_backend="cudnn"), torch.device("cpu"))
+
+
+def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
+    from argparse import Namespace
+
+    from hdp import gpu_preset
+    from launch.train import priced_attention_backend
+
+    cpu, h100 = torch.device("cpu"), gpu_preset("h100")
+    assert priced_attention_backend(Namespace(), cpu, gpu_preset("cpu")) == "reference"
+    assert priced_attention_backend(Namespace(), cpu, h100) is None  # no reference rows: default
+    _fresh(monkeypatch)  # a Hopper GPU where cuDNN's ops run
+    monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: None)
+    cuda = torch.device("cuda")
+    assert priced_attention_backend(Namespace(), cuda, h100) == "cudnn"
+    forced = Namespace(attention_backend="torch_flash")
+    assert priced_attention_backend(forced, cuda, h100) == "flash"
