@@ -32,8 +32,14 @@ run() {  # run NAME COMMAND...: record pass/fail, keep the log
   local log="$OUT_DIR/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_').log"
   if "$@" 2>&1 | tee "$log"; then summary+=("PASS  $name"); else summary+=("FAIL  $name"); fi
 }
-run "GPU kernel and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_dist_attn.py -k "gpu or cuda"
+run "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
+  tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
 run "block-size benchmark" $PY scripts/bench_attention.py --gpu
+# Each attention backend's forward and backward TFLOP/s on the shard shapes, side by side
+# (llama-1b's head_dim 64, and 128).
+for d in 64 128; do
+  run "attention backends on shard shapes, head_dim $d" $PY scripts/bench_attention.py --backends --head-dim "$d"
+done
 # The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
 # the measured one checked against the shared H100 tables (when ../shared is beside the checkout).
 run "hdp-calibrate measure (CUDA)" $PY -m launch.calibrate measure --out "$OUT_DIR/profile.json"
@@ -43,8 +49,10 @@ for table in ../shared/data/profiles/h100_measured.csv ../shared/data/profiles/h
   run "hdp-calibrate check measured $(basename "$table")" \
     $PY -m launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
 done
-# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the flash backend in dist_attn;
-# then measured / predicted of every step (the target: 0.85-1.15 after the first two).
+# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the auto-selected attention
+# backend in dist_attn (cuDNN on Hopper); then measured / predicted of every step (the target:
+# 0.85-1.15 after the first two); then the plain packed-sequence loop (torch varlen flash, fused
+# AdamW, full checkpointing) on the same batches, its tokens/s and MFU printed beside hdp's.
 for seq in 32K 128K; do
   tokens=$([ "$seq" = 32K ] && echo 64K || echo 128K)
   workload=$([ "$seq" = 32K ] && echo wlb-128k || echo byted-2m)
@@ -53,6 +61,8 @@ for seq in 32K 128K; do
     --tokens-per-step "$tokens" --steps 8 --warmup 2 --activation-checkpointing \
     --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
   run "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics "$OUT_DIR/train_metrics_$seq.jsonl"
+  run "plain loop at $seq beside hdp" $PY scripts/plain_loop.py --model llama-1b --workload "$workload" \
+    --max-seq "$seq" --tokens-per-step "$tokens" --steps 8 --compare "$OUT_DIR/train_metrics_$seq.jsonl"
 done
 # One rank's attention from real 1024-rank plans, run with the project's kernels (target: 0.9-1.1).
 run "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention --gpus 1024 \
