@@ -3,24 +3,38 @@
 
 The aten ops take dense ``(B, H, L, d)`` tensors: every batch element has the same query and key
 length, and key heads equal query heads. :class:`CudnnBackend` turns one packed varlen call into
-one dense call per distinct segment shape (Note [cuDNN varlen by grouping]).
+one dense call per distinct (bucketed) segment shape (Note [cuDNN varlen by grouping]).
 
 Note [cuDNN varlen by grouping]
 -------------------------------
 A call's segments are independent: segment ``i``'s queries attend only to segment ``i``'s keys.
-Segments with the same ``(len_q, len_k)`` can therefore be stacked as the batch dimension of one
-dense call, and the result is exactly that of one call per segment: the kernel treats batch
-elements independently, with no padding and no mask involved. Grouping is only ever done on equal
-shapes; padding unequal segments to a common length would be exact for padded *queries* (their
-rows are dropped) but not for padded keys without an additional bias mask, so it is not done.
+Segments of the same shape can therefore be stacked as the batch dimension of one dense call, and
+the result is exactly that of one call per segment: the kernel treats batch elements
+independently.
 
-``dist_attn``'s calls are where this pays: the causal diagonal blocks and the full blocks of a rank
-are often of a fixed size (a plan's block granularity), so a call over many blocks becomes a few
-launches, where one launch per block would leave small blocks latency-bound. A call whose segments
-all differ degenerates to the loop over segments, and each segment's rows are then a view of the
-packed tensor (no copy). A group whose segments are adjacent in the packed tensor is a view as
-well; otherwise its rows are gathered (the same bytes ``dist_attn`` already gathers per call,
-small against the attention FLOPs of blocks of 512 tokens and more).
+Shapes are also *bucketed*, because torch builds a cuDNN graph for every new shape (tens to
+hundreds of milliseconds each, reported for torch's and other projects' cuDNN attention), and the
+lengths of a packed batch's documents rarely repeat: one graph per raw length would be built
+again and again. Each length is rounded up to a bucket (:func:`bucket`: a multiple of 16 below
+512, at most 15 rows more; above, 16-32 buckets per octave, under 6.25% more rows), so a run
+meets a few hundred lengths (under 400 up to 256K tokens), each graph built once. The padding is
+exact where it is applied:
+
+* causal diagonal blocks (square) are padded at the end of both queries and keys: a real query
+  ``i < L`` sees keys ``j <= i < L`` only, so padded keys never reach it;
+* full blocks are padded in their queries only: padded query rows are dropped. Their keys keep
+  their exact length (padding keys would need a mask; the shapes of full blocks do vary);
+* backward: padded rows carry ``q = 0``, ``dO = 0``, ``O = 0`` and ``lse = 0``, so their scores are
+  0, their probabilities ``exp(0 - 0) = 1`` (finite) and ``dS = P * (dP - rowsum(dO * O)) = 0``:
+  they add nothing to dK, dV or any real row's dQ.
+
+``dist_attn``'s calls are where grouping pays: the causal diagonal blocks and the full blocks of a
+rank are often of similar sizes, so a call over many blocks becomes a few launches, where one
+launch per block would leave small blocks latency-bound. A call whose segments all differ
+degenerates to the loop over segments. A group whose segments already have the bucket's length
+and are adjacent in the packed tensor is a view (no copy); otherwise its rows are gathered into
+the padded batch (about the bytes ``dist_attn`` already gathers per call, small against the
+attention FLOPs of blocks of 512 tokens and more).
 
 Layout: a packed ``[T, H, d]`` tensor's rows of a group are ``[B, L, H, d]``, passed to the op
 as its ``transpose(1, 2)``: ``(B, H, L, d)`` with the strides of the BSHD layout that model code
@@ -35,10 +49,8 @@ and backward sums the repeated heads' dK/dV back over each group, in fp32.
 
 Causal masks: aten's cuDNN attention aligns the causal mask top-left when ``L_q != L_k``, while
 the interface of :mod:`attention.kernels` is bottom-right aligned. That difference never arises
-here: causal calls only ever carry diagonal blocks, which are square (checked per segment).
-
-The first call of each new shape builds a cuDNN graph (cached by torch afterwards); plans whose
-block lengths change every step pay that build again. ``scripts/bench_attention.py`` measures it.
+here: causal calls only ever carry diagonal blocks, which are square (checked per segment) and
+stay square when padded.
 """
 
 from __future__ import annotations
@@ -108,19 +120,32 @@ def check_schema(fwd, bwd) -> None:
         )
 
 
+def bucket(n: int) -> int:
+    """``n`` rounded up to its shape bucket: a multiple of 16 below 512, else of ``2**(b - 5)``
+    for an ``n`` of ``b`` bits (16-32 buckets per octave; Note [cuDNN varlen by grouping])."""
+    step = max(16, 1 << max(0, n.bit_length() - 5))
+    return -(-n // step) * step
+
+
 @dataclass
 class Group:
-    """Segments of one call with the same shape: their first query and key rows."""
+    """Segments of one call that run as one dense batch of ``len_q`` x ``len_k`` (bucketed): their
+    first query and key rows and their own lengths."""
 
     len_q: int
     len_k: int
     q_starts: list[int]
     k_starts: list[int]
+    q_lens: list[int]
+    k_lens: list[int]
 
 
-def group_segments(cu_q: list[int], cu_k: list[int], causal: bool) -> list[Group]:
-    """The call's non-empty segments grouped by ``(len_q, len_k)``, in order of first appearance
-    (Note [cuDNN varlen by grouping])."""
+def group_segments(
+    cu_q: list[int], cu_k: list[int], causal: bool, buckets: bool = True
+) -> list[Group]:
+    """The call's non-empty segments grouped by their dense shape, in order of first appearance:
+    causal blocks padded to ``bucket(len)`` both ways, full blocks padded in their queries only
+    (``buckets=False``: exact shapes; Note [cuDNN varlen by grouping])."""
     groups: dict[tuple[int, int], Group] = {}
     for i in range(len(cu_q) - 1):
         nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
@@ -130,49 +155,60 @@ def group_segments(cu_q: list[int], cu_k: list[int], causal: bool) -> list[Group
             raise ValueError(
                 f"cudnn backend: causal segment {i} is {nq} x {nk}; causal blocks must be square"
             )
-        g = groups.setdefault((nq, nk), Group(nq, nk, [], []))
+        pq = bucket(nq) if buckets else nq
+        pk = pq if causal else nk
+        g = groups.setdefault((pq, pk), Group(pq, pk, [], [], [], []))
         g.q_starts.append(cu_q[i])
         g.k_starts.append(cu_k[i])
+        g.q_lens.append(nq)
+        g.k_lens.append(nk)
     return list(groups.values())
 
 
 class Rows:
-    """The packed rows of a group's segments (``len(starts)`` runs of ``n`` rows): a slice when
-    they are adjacent, else an index."""
+    """A group's rows: in the packed tensor, ``len(starts)`` runs of ``lens`` rows; in the dense
+    batch, run ``b`` at rows ``b * n`` to ``b * n + lens[b]``, zeros after it. A slice of the
+    packed tensor when the runs fill their ``n`` rows and are adjacent, else two indices."""
 
-    def __init__(self, starts: list[int], n: int, device: torch.device) -> None:
-        self.starts, self.n, self.batch = starts, n, len(starts)
-        adjacent = all(b - a == n for a, b in zip(starts[:-1], starts[1:]))
+    def __init__(self, starts: list[int], lens: list[int], n: int, device) -> None:
+        self.batch, self.n = len(starts), n
+        self.padded = any(m != n for m in lens)
+        adjacent = not self.padded and all(b - a == n for a, b in zip(starts[:-1], starts[1:]))
         self.span = slice(starts[0], starts[0] + self.batch * n) if adjacent else None
-        self.index = (
-            None
-            if adjacent
-            else (
-                torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(n)[None, :]
-            ).reshape(-1)
-        )
-        if self.index is not None:
+        self.index = self.dense = None
+        if self.span is None:
+            self.index = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens)])
             self.index = self.index.to(device)
+        if self.padded:
+            runs = [torch.arange(b * n, b * n + m) for b, m in enumerate(lens)]
+            self.dense = torch.cat(runs).to(device)
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """``x``'s rows along ``dim`` (0: ``[B, n, ...]``; 1, for ``[H, T]``: ``[H, B, n]``)."""
+        """``x``'s rows along ``dim`` as the dense batch (0: ``[B, n, ...]``; 1, for ``[H, T]``:
+        ``[H, B, n]``), padding rows zero."""
         if self.span is not None:
             part = x[self.span] if dim == 0 else x[:, self.span]
         else:
             part = x.index_select(dim, self.index)
+        if self.padded:
+            shape = list(x.shape)
+            shape[dim] = self.batch * self.n
+            part = x.new_zeros(shape).index_copy_(dim, self.dense, part)
         shape = list(part.shape)
         shape[dim : dim + 1] = [self.batch, self.n]
         return part.reshape(shape)
 
     def put(self, dst: torch.Tensor, value: torch.Tensor, dim: int = 0) -> None:
-        """Write ``value`` (rows flattened along ``dim``) into ``dst``'s rows."""
-        if self.span is not None:
-            if dim == 0:
-                dst[self.span] = value
-            else:
-                dst[:, self.span] = value
-        else:
+        """Write the dense batch's real rows (``value``, rows flattened along ``dim``) into
+        ``dst``'s rows."""
+        if self.padded:
+            value = value.index_select(dim, self.dense)
+        if self.span is None:
             dst.index_copy_(dim, self.index, value)
+        elif dim == 0:
+            dst[self.span] = value
+        else:
+            dst[:, self.span] = value
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -198,7 +234,10 @@ class CudnnBackend:
 
     name = "cudnn"
 
-    def __init__(self, fwd: Callable | None = None, bwd: Callable | None = None) -> None:
+    def __init__(
+        self, fwd: Callable | None = None, bwd: Callable | None = None, buckets: bool = True
+    ) -> None:
+        self.buckets = buckets
         aten = torch.ops.aten
         try:
             ops = (
@@ -231,11 +270,12 @@ class CudnnBackend:
         self._check(q)
         T, H, d = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal)
+        groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets)
         out = torch.zeros_like(q)
         lse = torch.full((H, T), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
         for g in groups:
-            qr, kr = Rows(g.q_starts, g.len_q, q.device), Rows(g.k_starts, g.len_k, q.device)
+            qr = Rows(g.q_starts, g.q_lens, g.len_q, q.device)
+            kr = Rows(g.k_starts, g.k_lens, g.len_k, q.device)
             res = self._fwd(
                 _dense(qr.take(q)),
                 _dense(_repeat_heads(kr.take(k), H)),
@@ -261,9 +301,11 @@ class CudnnBackend:
         dq = torch.zeros_like(q)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
-        for g in group_segments(cu_q.tolist(), cu_k.tolist(), causal):
-            qr, kr = Rows(g.q_starts, g.len_q, q.device), Rows(g.k_starts, g.len_k, q.device)
-            # [H, B, L] -> (B, H, L, 1), the layout the forward returned (fp32 for fp16/bf16).
+        for g in group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets):
+            qr = Rows(g.q_starts, g.q_lens, g.len_q, q.device)
+            kr = Rows(g.k_starts, g.k_lens, g.len_k, q.device)
+            # [H, B, L] -> (B, H, L, 1), the layout the forward returned (fp32 for fp16/bf16);
+            # padding rows get lse 0 (Note [cuDNN varlen by grouping]).
             lse_b = qr.take(lse, dim=1).permute(1, 0, 2)[..., None].to(ad).contiguous()
             gq, gk, gv = self._bwd(
                 _dense(qr.take(dout)),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from attention import BackendUnavailable, dist_attn, get_backend, kernels, resolve_backend
 from attention import cudnn as cudnn_mod
-from attention.cudnn import CudnnBackend, Rows, check_schema, group_segments
+from attention.cudnn import CudnnBackend, Rows, bucket, check_schema, group_segments
 from hdp import Plan
 
 _SEED = torch.zeros((), dtype=torch.int64)
@@ -127,27 +127,65 @@ def test_installed_schema_is_accepted_and_changes_are_caught():
 
 def test_grouping_keeps_equal_shapes_together():
     cu = _cu(CAUSAL_LENS).tolist()
-    groups = group_segments(cu, cu, causal=True)
-    assert [(g.len_q, g.q_starts) for g in groups] == [(16, [0, 16, 37]), (5, [32, 53]), (32, [58])]
-    assert all(g.q_starts == g.k_starts for g in groups)
+    exact = group_segments(cu, cu, causal=True, buckets=False)
+    assert [(g.len_q, g.q_starts) for g in exact] == [(16, [0, 16, 37]), (5, [32, 53]), (32, [58])]
+    assert all(g.q_starts == g.k_starts for g in exact)
+    padded = group_segments(cu, cu, causal=True)  # 5 -> 16: one group more, none less
+    assert [(g.len_q, g.len_k, g.q_lens) for g in padded] == [
+        (16, 16, [16, 16, 5, 16, 5]),
+        (32, 32, [32]),
+    ]
+    full = group_segments(_cu(FULL_LENS_Q).tolist(), _cu(FULL_LENS_K).tolist(), causal=False)
+    assert [(g.len_q, g.len_k, g.q_lens) for g in full] == [(16, 24, [8, 8, 8]), (16, 7, [3, 3])]
     with pytest.raises(ValueError, match="must be square"):
         group_segments([0, 4], [0, 5], causal=True)
-    adjacent, apart = Rows([0, 16], 16, torch.device("cpu")), Rows([0, 16, 37], 16, "cpu")
-    assert adjacent.span == slice(0, 32) and adjacent.index is None
-    assert apart.span is None and apart.index.tolist()[16:18] == [16, 17]
+
+
+def test_buckets_bound_the_shapes_and_the_padding():
+    assert [bucket(n) for n in (1, 16, 17, 300, 512, 513, 1000, 8192, 8193)] == [
+        16,
+        16,
+        32,
+        304,
+        512,
+        544,
+        1024,
+        8192,
+        8704,
+    ]
+    sizes = range(1, 1 << 18)
+    assert all(n <= bucket(n) <= max(n + 15, n * 17 / 16) for n in sizes)
+    assert len({bucket(n) for n in sizes}) < 400
+
+
+def test_rows_are_views_where_they_can_be_and_padded_where_they_must():
+    cpu = torch.device("cpu")
     x = torch.arange(60.0)[:, None]
-    assert apart.take(x)[2, :, 0].tolist() == list(range(37, 53))
+    adjacent = Rows([0, 16], [16, 16], 16, cpu)
+    assert adjacent.span == slice(0, 32) and adjacent.index is None
+    assert adjacent.take(x).data_ptr() == x.data_ptr()  # a view
+    apart = Rows([0, 16, 37], [16, 16, 16], 16, cpu)
+    assert apart.span is None and apart.take(x)[2, :, 0].tolist() == list(range(37, 53))
+    padded = Rows([3, 40], [2, 3], 4, cpu)
+    dense = padded.take(x)
+    assert dense[:, :, 0].tolist() == [[3, 4, 0, 0], [40, 41, 42, 0]]
+    back = torch.zeros_like(x)
+    padded.put(back, dense.reshape(-1, 1))
+    assert back.nonzero()[:, 0].tolist() == [3, 4, 40, 41, 42]
+    lse = torch.arange(120.0).view(2, 60)  # [H, T]: padding rows of the dense batch get 0
+    assert padded.take(lse, dim=1)[1].tolist() == [[63, 64, 0, 0], [100, 101, 102, 0]]
 
 
+@pytest.mark.parametrize("buckets", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("H, Hk", [(4, 2), (2, 2)])
-def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk):
+def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets):
     lens_q = CAUSAL_LENS if causal else FULL_LENS_Q
     lens_k = CAUSAL_LENS if causal else FULL_LENS_K
     q, k, v = _inputs(lens_q, lens_k, H, Hk, 8, torch.float64)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     mq, mk, scale = max(lens_q), max(lens_k), 0.3
-    be, ref = CudnnBackend(fake_fwd, fake_bwd), get_backend("reference")
+    be, ref = CudnnBackend(fake_fwd, fake_bwd, buckets), get_backend("reference")
     out, lse = be.forward(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
     want, want_lse = ref.forward(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
     assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float64
