@@ -30,6 +30,7 @@ sys.path.insert(0, str(_HERE.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from attention import BACKEND_NAMES  # noqa: E402
 from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, format_size  # noqa: E402
 from hdp.argtypes import (  # noqa: E402
     choice,
@@ -190,6 +191,14 @@ def add_training_args(t) -> None:
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument("--activation-checkpointing", action="store_true")
     t.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
+    t.add_argument(
+        "--attention-backend",
+        type=choice(["auto", *BACKEND_NAMES], "attention backend"),
+        default="auto",
+        help="attention kernels of dist_attn: auto (default: cudnn on Hopper and later, else "
+        "flash_attn, else torch_flash; reference on CPU), or force one of "
+        f"{', '.join(BACKEND_NAMES)}",
+    )
 
 
 def add_planning_args(pl) -> None:
