@@ -405,3 +405,23 @@ def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
     assert priced_attention_backend(Namespace(), cuda, h100) == "cudnn"
     forced = Namespace(attention_backend="torch_flash")
     assert priced_attention_backend(forced, cuda, h100) == "flash"
+
+
+def test_pretrain_flag(capsys):
+    from launch.pretrain import main, parse_args
+
+    assert parse_args([]).attention_backend == "auto"
+    assert parse_args(["--attention-backend", "reference"]).attention_backend == "reference"
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-backend", "xformers"])
+    assert (
+        "unknown attention backend 'xformers': choose from auto, cudnn" in capsys.readouterr().err
+    )
+    argv = ["--model", "tiny", "--steps", "1", "--max-seq", "512", "--tokens-per-step", "1K"]
+    argv += ["--device", "cpu"]  # also where a GPU is present
+    assert main(argv + ["--synthetic-docs", "50", "--attention-backend", "torch_flash"]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [
+        "pretrain.py: error: --attention-backend torch_flash: attention backend 'torch_flash' "
+        "runs on CUDA in fp16/bf16, not on cpu in float32: use 'auto' or 'reference'"
+    ]
