@@ -114,7 +114,7 @@ def run_waves(
         t0 = time.perf_counter()
         rank = dist.get_rank(group) if distributed else 0
         forward_backward(
-            *(t.to(device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
+            *(to_device(t, device) for t in (wd.input_ids, wd.position_ids, wd.labels)),
             AttentionContext(plan, w, group, float(plan.offload[w, rank])),
         )
         t_busy += time.perf_counter() - t0
@@ -127,6 +127,16 @@ def run_waves(
     if distributed:
         dist.all_reduce(total, group=group)
     return StepResult(float(total), t_busy, len(mine))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor of the batch) on ``device``; to a GPU from pinned memory without
+    blocking the host, so the copy overlaps the work queued before it (issue #16 measured
+    pageable host-to-device copies at 4% of the step). torch's pinned allocator keeps the
+    staging buffer until the copy is done."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def exit_without_teardown(code: int) -> NoReturn:
