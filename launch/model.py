@@ -4,6 +4,18 @@ RMSNorm, rotary position embeddings computed from ``position_ids`` (positions in
 sequence, so RoPE is exact wherever a sequence's tokens live), SwiGLU MLP, grouped-query attention,
 tied or untied embeddings; shapes from a :class:`hdp.ModelSpec`. A forward pass takes one rank's
 packed tokens of one wave (``[T]``) and the plan that says where the rest of each sequence is.
+
+Note [Selective activation checkpointing]
+-----------------------------------------
+Full activation checkpointing keeps each layer's input and runs the whole layer again in
+backward, attention included: its P2P exchange and a second attention forward, the most expensive
+part of a long sequence's layer. ``keep_attention`` checkpoints the two cheap regions around
+attention instead (RMSNorm, the projections and RoPE before it; the output projection, the
+residual and the MLP after it) and keeps what attention's backward needs anyway: its q, k, v, its
+output and log-sum-exp (``dist_attn`` saves them). Backward then recomputes the two regions and
+never attention. The price is memory: per token and layer, q, k, v and the output
+(``2 * (heads + kv_heads) * head_dim`` values) and the fp32 LSE beside the layer's input, which
+the cost model's memory estimate (full checkpointing) does not count, so it is opt-in.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from attention import dist_attn
 from hdp import ModelSpec, Plan
@@ -71,16 +84,21 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        T = x.shape[0]
-        s = self.spec
+        out = self.attend(*self.qkv(x, position_ids), ctx)
+        return self.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
+
+    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """Queries and keys (rotated) and values of ``x``: ``[T, heads or kv_heads, head_dim]``."""
+        T, s = x.shape[0], self.spec
         q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)
         k = rope(self.k_proj(x).view(T, s.kv_heads, s.head_dim), position_ids)
-        v = self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+        return q, k, self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+
+    def attend(self, q, k, v, ctx: AttentionContext) -> torch.Tensor:
+        """The attention output ``[T, heads, head_dim]`` of the rank's tokens."""
         if ctx.plan is None:  # token-less pass: keep every weight in the graph, talk to nobody
-            out = q * 0 + (k.sum() + v.sum()) * 0
-        else:
-            out = dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group, backend=self.backend)
-        return self.o_proj(out.reshape(T, s.heads * s.head_dim))
+            return q * 0 + (k.sum() + v.sum()) * 0
+        return dist_attn(q, k, v, ctx.plan, ctx.wave, ctx.group, backend=self.backend)
 
 
 class MLP(nn.Module):
@@ -101,11 +119,28 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(spec, attention_backend)
         self.mlp_norm = RMSNorm(spec.hidden)
         self.mlp = MLP(spec)
+        self.keep_attention = False  # selective checkpointing (set by Llama)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        if self.keep_attention and self.training and torch.is_grad_enabled():
+            return self._selective(x, position_ids, ctx)
         x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def _selective(self, x: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+        """The layer with everything but attention recomputed in backward (Note [Selective
+        activation checkpointing])."""
+        q, k, v = checkpoint(self._qkv, x, position_ids, use_reentrant=False)
+        out = self.attn.attend(q, k, v, ctx)
+        return checkpoint(self._after_attention, x, out, use_reentrant=False)
+
+    def _qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
+        return self.attn.qkv(self.attn_norm(x), position_ids)
+
+    def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -117,7 +152,9 @@ class Llama(nn.Module):
     and cross-entropy are recomputed in backward (with a 128K vocabulary, 32K tokens of fp32 logits
     alone are 16 GiB). The cost model's memory estimate assumes the same chunk
     (``CostModel.loss_chunk_tokens``). ``attention_backend`` forces the attention kernels
-    (:data:`attention.BACKEND_NAMES`; ``None``: chosen per device and dtype).
+    (:data:`attention.BACKEND_NAMES`; ``None``: chosen per device and dtype). With
+    ``activation_checkpointing``, ``keep_attention`` recomputes everything but attention (Note
+    [Selective activation checkpointing]).
     """
 
     def __init__(
@@ -126,10 +163,12 @@ class Llama(nn.Module):
         activation_checkpointing: bool = False,
         loss_chunk_tokens: int = 4096,
         attention_backend: str | None = None,
+        keep_attention: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
+        self.keep_attention = activation_checkpointing and keep_attention
         self.loss_chunk_tokens = loss_chunk_tokens
         self.embed = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleList(
@@ -137,6 +176,8 @@ class Llama(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        for layer in self.layers:
+            layer.keep_attention = self.keep_attention
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -163,10 +204,8 @@ class Llama(nn.Module):
                 if i < offloaded
                 else nullcontext()
             ):
-                if self.activation_checkpointing and self.training:
-                    x = torch.utils.checkpoint.checkpoint(
-                        layer, x, position_ids, ctx, use_reentrant=False
-                    )
+                if self.activation_checkpointing and self.training and not self.keep_attention:
+                    x = checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
                 else:
                     x = layer(x, position_ids, ctx)
         h = self.norm(x)
@@ -177,9 +216,7 @@ class Llama(nn.Module):
         total = None
         for a in range(0, h.shape[0], self.loss_chunk_tokens):
             b = a + self.loss_chunk_tokens
-            part = torch.utils.checkpoint.checkpoint(
-                self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False
-            )
+            part = checkpoint(self._chunk_loss, h[a:b], labels[a:b], use_reentrant=False)
             total = part if total is None else total + part
         return total
 

@@ -296,6 +296,9 @@ def build_model(args, *, cost: CostModel, sync: str, device: torch.device) -> Ll
         activation_checkpointing=args.activation_checkpointing,
         loss_chunk_tokens=cost.loss_chunk_tokens,
         attention_backend=forced_attention_backend(args),
+        # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
+        # model's memory estimate assumes full checkpointing (absent flag: full).
+        keep_attention=getattr(args, "keep_attention", False),
     ).to(device)
     if args.compile:
         apply_compile(model)
