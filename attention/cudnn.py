@@ -43,9 +43,12 @@ The op's output follows the query's layout; its log-sum-exp is ``(B, H, L_q, 1)`
 Backward gets the *final* output and log-sum-exp of every query row (over all of its key blocks,
 as the merge in ``dist_attn`` needs), in the same layout as the forward's inputs.
 
-Grouped-query attention: key/value heads are repeated to the query heads before the call (the
-ops' schema says nothing of ``H_kv != H``, and the recorded H100 probe only ran ``H_kv == H``),
-and backward sums the repeated heads' dK/dV back over each group, in fp32.
+Grouped-query attention: the ops take ``H_kv`` key/value heads for ``H`` query heads where
+``H % H_kv == 0`` (cuDNN's own grouped-query support, accepted by torch's cuDNN attention since
+pytorch/pytorch#150337; dK/dV come back with ``H_kv`` heads), so K/V are passed as they are. The
+recorded H100 probe only ran ``H_kv == H``: should the op refuse other head counts, the backend
+warns once and from then on repeats K/V heads to the query heads, summing the repeated heads'
+dK/dV back in fp32 (``native_gqa=False`` asks for that from the start).
 
 Causal masks: aten's cuDNN attention aligns the causal mask top-left when ``L_q != L_k``, while
 the interface of :mod:`attention.kernels` is bottom-right aligned. That difference never arises
@@ -56,6 +59,7 @@ stay square when padded.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -216,11 +220,11 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[B, L, H_kv, d]`` -> ``[B, L, heads, d]``: KV head ``j`` serves query heads
-    ``j * G .. j * G + G - 1`` (``G = heads / H_kv``)."""
+def _heads(x: torch.Tensor, heads: int, native: bool) -> torch.Tensor:
+    """``[B, L, H_kv, d]`` as it is (``native``) or repeated to ``[B, L, heads, d]``: KV head ``j``
+    serves query heads ``j * G .. j * G + G - 1`` (``G = heads / H_kv``)."""
     B, L, hk, d = x.shape
-    if hk == heads:
+    if native or hk == heads:
         return x.contiguous()
     return x[:, :, :, None, :].expand(B, L, hk, heads // hk, d).reshape(B, L, heads, d)
 
@@ -235,9 +239,13 @@ class CudnnBackend:
     name = "cudnn"
 
     def __init__(
-        self, fwd: Callable | None = None, bwd: Callable | None = None, buckets: bool = True
+        self,
+        fwd: Callable | None = None,
+        bwd: Callable | None = None,
+        buckets: bool = True,
+        native_gqa: bool = True,
     ) -> None:
-        self.buckets = buckets
+        self.buckets, self.native_gqa = buckets, native_gqa
         aten = torch.ops.aten
         try:
             ops = (
@@ -276,17 +284,13 @@ class CudnnBackend:
         for g in groups:
             qr = Rows(g.q_starts, g.q_lens, g.len_q, q.device)
             kr = Rows(g.k_starts, g.k_lens, g.len_k, q.device)
-            res = self._fwd(
-                _dense(qr.take(q)),
-                _dense(_repeat_heads(kr.take(k), H)),
-                _dense(_repeat_heads(kr.take(v), H)),
-                None,
-                True,
-                0.0,
-                causal,
-                False,
-                scale=scale,
-            )
+
+            def call(native: bool, qr=qr, kr=kr):
+                kb, vb = (_heads(kr.take(x), H, native) for x in (k, v))
+                args = (_dense(qr.take(q)), _dense(kb), _dense(vb), None, True, 0.0, causal)
+                return self._fwd(*args, False, scale=scale)
+
+            res = self._gqa(call, k.shape[1], H)
             qr.put(out, _dense(res[0]).reshape(-1, H, d))
             # (B, H, L, 1) -> [H, B * L]
             qr.put(lse, res[1][..., 0].transpose(0, 1).reshape(H, -1).to(lse.dtype), dim=1)
@@ -307,30 +311,42 @@ class CudnnBackend:
             # [H, B, L] -> (B, H, L, 1), the layout the forward returned (fp32 for fp16/bf16);
             # padding rows get lse 0 (Note [cuDNN varlen by grouping]).
             lse_b = qr.take(lse, dim=1).permute(1, 0, 2)[..., None].to(ad).contiguous()
-            gq, gk, gv = self._bwd(
-                _dense(qr.take(dout)),
-                _dense(qr.take(q)),
-                _dense(_repeat_heads(kr.take(k), H)),
-                _dense(_repeat_heads(kr.take(v), H)),
-                _dense(qr.take(out)),
-                lse_b,
-                seed,
-                seed,
-                None,
-                None,
-                None,
-                g.len_q,
-                g.len_k,
-                0.0,
-                causal,
-                scale=scale,
-            )[:3]
+            dense_q = [_dense(qr.take(x)) for x in (dout, q, out)]
+
+            def call(native: bool, g=g, kr=kr, lse_b=lse_b, dense_q=dense_q):
+                kb, vb = (_dense(_heads(kr.take(x), H, native)) for x in (k, v))
+                do_b, q_b, o_b = dense_q
+                args = (do_b, q_b, kb, vb, o_b, lse_b, seed, seed, None, None, None)
+                grads = self._bwd(*args, g.len_q, g.len_k, 0.0, causal, scale=scale)[:3]
+                # dK/dV (B, H or H_kv, L, d) -> [B * L, H_kv, d]; repeated heads summed in fp32.
+                return grads[0], *(
+                    _dense(x).to(ad).unflatten(2, (hk, -1)).sum(3) for x in grads[1:]
+                )
+
+            gq, gk, gv = self._gqa(call, hk, H)
             qr.put(dq, _dense(gq).reshape(-1, H, d).to(dq.dtype))
-            for grad, dst in ((gk, dk), (gv, dv)):
-                # Sum the repeated heads of each KV head (fp32), [B, L, H, d] -> [B * L, H_kv, d].
-                summed = _dense(grad).to(ad).reshape(-1, hk, H // hk, d).sum(2)
-                kr.put(dst, summed.to(dst.dtype))
+            kr.put(dk, gk.reshape(-1, hk, d).to(dk.dtype))
+            kr.put(dv, gv.reshape(-1, hk, d).to(dv.dtype))
         return dq, dk, dv
+
+    def _gqa(self, call: Callable[[bool], tuple], hk: int, heads: int) -> tuple:
+        """``call(native)``: with ``hk`` KV heads passed as they are (cuDNN's native grouped-query
+        attention) while the op takes them, else repeated to ``heads``. The first refusal of
+        ``H_kv != H`` switches this backend to repeating for good."""
+        if hk == heads or not self.native_gqa:
+            return call(False)
+        try:
+            return call(True)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            warnings.warn(
+                f"cudnn backend: the op refused {hk} KV heads for {heads} query heads "
+                f"({' '.join(str(e).split())[:200]}); repeating KV heads from now on",
+                stacklevel=2,
+            )
+            self.native_gqa = False
+            return call(False)
 
 
 def cuda_unavailable() -> str | None:

@@ -24,13 +24,19 @@ def _masked_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
-def _check_dense(query, key, value, causal: bool) -> None:
-    """What the backend must hand the op: dense (B, H, L, d) with key heads already repeated."""
+def _check_dense(query, key, value, causal: bool) -> int:
+    """What the backend must hand the op: dense (B, H, L, d) queries and (B, H_kv, L, d) keys and
+    values, ``H % H_kv == 0``; returns the group size ``H / H_kv``."""
     B, H, Lq, d = query.shape
-    assert key.dim() == 4 and key.shape[:2] == (B, H) and key.shape[3] == d
+    assert key.dim() == 4 and key.shape[0] == B and key.shape[3] == d and H % key.shape[1] == 0
     assert value.shape == key.shape
     assert query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
     assert not causal or Lq == key.shape[2], "causal calls must be square"
+    SEEN_KV_HEADS.append(key.shape[1])
+    return H // key.shape[1]
+
+
+SEEN_KV_HEADS = []  # the KV head counts the fake ops were given
 
 
 def fake_fwd(
@@ -46,9 +52,10 @@ def fake_fwd(
     scale=None,
 ):
     """The aten op's contract, computed with float64 SDPA and the explicit score matrix."""
-    _check_dense(query, key, value, is_causal)
+    g = _check_dense(query, key, value, is_causal)
     assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
-    q, k, v = (t.double() for t in (query, key, value))
+    q = query.double()
+    k, v = (t.double().repeat_interleave(g, 1) for t in (key, value))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     lse = torch.logsumexp(_masked_scores(q, k, is_causal, scale), -1, keepdim=True)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -76,17 +83,20 @@ def fake_bwd(
     scale=None,
 ):
     """Gradients of the block given the final ``out`` and ``logsumexp`` of each row (float64)."""
-    _check_dense(query, key, value, is_causal)
+    g = _check_dense(query, key, value, is_causal)
     B, H, Lq, _ = query.shape
     assert grad_out.shape == out.shape == query.shape
     assert logsumexp.shape == (B, H, Lq, 1) and logsumexp.dtype in (torch.float32, torch.float64)
     assert (max_q, max_k) == (Lq, key.shape[2]) and dropout_p == 0.0
     assert attn_bias is None and cum_seq_q is None and cum_seq_k is None
-    q, k, v, o, do = (t.double() for t in (query, key, value, out, grad_out))
+    q, o, do = (t.double() for t in (query, out, grad_out))
+    k, v = (t.double().repeat_interleave(g, 1) for t in (key, value))
     p = torch.exp(_masked_scores(q, k, is_causal, scale) - logsumexp.double())
     dv = p.transpose(-1, -2) @ do
     ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
     dq, dk = ds @ k * scale, ds.transpose(-1, -2) @ q * scale
+    # Grouped heads: each KV head's gradient is the sum over the query heads it serves.
+    dk, dv = (x.unflatten(1, (-1, g)).sum(2) for x in (dk, dv))
     return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
 
 
@@ -176,17 +186,20 @@ def test_rows_are_views_where_they_can_be_and_padded_where_they_must():
     assert padded.take(lse, dim=1)[1].tolist() == [[63, 64, 0, 0], [100, 101, 102, 0]]
 
 
-@pytest.mark.parametrize("buckets", [True, False])
+@pytest.mark.parametrize("buckets, native_gqa", [(True, True), (False, False)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("H, Hk", [(4, 2), (2, 2)])
-def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets):
+def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets, native_gqa):
     lens_q = CAUSAL_LENS if causal else FULL_LENS_Q
     lens_k = CAUSAL_LENS if causal else FULL_LENS_K
     q, k, v = _inputs(lens_q, lens_k, H, Hk, 8, torch.float64)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     mq, mk, scale = max(lens_q), max(lens_k), 0.3
-    be, ref = CudnnBackend(fake_fwd, fake_bwd, buckets), get_backend("reference")
+    be = CudnnBackend(fake_fwd, fake_bwd, buckets, native_gqa)
+    ref = get_backend("reference")
+    SEEN_KV_HEADS.clear()
     out, lse = be.forward(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
+    assert set(SEEN_KV_HEADS) == {Hk if native_gqa else H}
     want, want_lse = ref.forward(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
     assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float64
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))  # rows without keys: -inf
@@ -202,6 +215,32 @@ def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets):
     wants = ref.backward(do, q, k, v, final_out, final_lse, cu_q, cu_k, mq, mk, causal, scale)
     for a, b in zip(got, wants):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-11)
+
+
+def test_an_op_without_grouped_query_attention_gets_repeated_heads():
+    def refuse(op):
+        qi = 1 if op is fake_bwd else 0  # where the query is; the key follows it
+
+        def call(*args, **kw):
+            if args[qi].shape[1] != args[qi + 1].shape[1]:
+                raise RuntimeError("cuDNN: number of heads of q and k differ")
+            return op(*args, **kw)
+
+        return call
+
+    lens = [16, 9, 16]
+    q, k, v = _inputs(lens, lens, 4, 1, 8, torch.float64)
+    cu, m = _cu(lens), max(lens)
+    be = CudnnBackend(refuse(fake_fwd), refuse(fake_bwd))
+    with pytest.warns(UserWarning, match="refused 1 KV heads for 4 query heads"):
+        out, lse = be.forward(q, k, v, cu, cu, m, m, True, 0.5)
+    assert not be.native_gqa
+    want, want_lse = get_backend("reference").forward(q, k, v, cu, cu, m, m, True, 0.5)
+    assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    grads = be.backward(out, q, k, v, out, lse, cu, cu, m, m, True, 0.5)
+    wants = get_backend("reference").backward(out, q, k, v, out, lse, cu, cu, m, m, True, 0.5)
+    for a, b in zip(grads, wants):
+        assert torch.allclose(a, b, atol=1e-11)
 
 
 def test_fake_cudnn_in_bfloat16_keeps_the_dtypes():
@@ -308,9 +347,11 @@ def _cudnn_or_skip():
         pytest.skip(str(e))
 
 
+@pytest.mark.parametrize("native_gqa", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_cudnn_matches_float64_sdpa_per_segment(causal):
-    be = _cudnn_or_skip()
+def test_gpu_cudnn_matches_float64_sdpa_per_segment(causal, native_gqa):
+    _cudnn_or_skip()
+    be = CudnnBackend(native_gqa=native_gqa)
     lens_q = [512, 512, 1, 127, 512, 300, 2048] if causal else [256, 256, 64, 1000, 256]
     lens_k = lens_q if causal else [1024, 1024, 8192, 3000, 1024]
     q, k, v = (t.cuda() for t in _inputs(lens_q, lens_k, 8, 2, 64, torch.bfloat16))
@@ -329,6 +370,7 @@ def test_gpu_cudnn_matches_float64_sdpa_per_segment(causal):
         want_lse.append(torch.logsumexp(_masked_scores(qs, ks, causal, 0.125), -1))
     want = torch.cat(want, 1).transpose(0, 1)
     want.backward(do.double())
+    assert be.native_gqa == native_gqa, "the op refused 2 KV heads for 8 query heads"
     assert lse.shape == (8, q.shape[0]) and lse.dtype == torch.float32
     assert (out.double() - want).abs().max() < 2e-2
     assert (lse.double() - torch.cat(want_lse, 1)).abs().max() < 1e-2
