@@ -316,6 +316,41 @@ def compare_backends(
             f"    {be.name:>12}: forward + backward {first * 1e3:.1f} ms first, "
             f"{steady * 1e3:.2f} ms after"
         )
+    packed_steps(backends, H, Hk, d, device, dtype)
+
+
+def packed_steps(backends, H: int, Hk: int, d: int, device, dtype, steps: int = 8) -> None:
+    """Causal attention of packed wlb-128k batches (64K tokens, documents up to 32K), new lengths
+    every step as in training: the steps after the first two show whether shape changes (cuDNN
+    graph builds) still cost once the buckets are warm."""
+    from hdp.workloads import get_workload
+
+    w = get_workload("wlb-128k")
+    batches = [w.sample_batch(np.random.default_rng(s), 65536, 32768) for s in range(steps)]
+    print(f"  packed wlb-128k batches, 64K tokens, new lengths each of {steps} steps (causal):")
+    for be in backends:
+        times, flops = [], []
+        for lens in batches:
+            cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+            T, m = int(lens.sum()), int(lens.max())
+            q = torch.randn(T, H, d, device=device, dtype=dtype)
+            k, v = (torch.randn(T, Hk, d, device=device, dtype=dtype) for _ in range(2))
+            args = (cu.to(device), cu.to(device), m, m, True, d**-0.5)
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            be.backward(q, q, k, v, *be.forward(q, k, v, *args), *args)  # dout: q, any tensor
+            sync()
+            t = time.perf_counter() - t0
+            times.append(t)
+            flops.append(3.5 * 4.0 * float((lens * (lens + 1) / 2).sum()) * H * d)
+        late = slice(2, None) if steps > 2 else slice(None)
+        rate = sum(flops[late]) / sum(times[late]) / 1e12
+        print(
+            f"    {be.name:>12}: steps 1-2 {sum(times[:2]) * 1e3:.0f} ms, then "
+            f"{1e3 * sum(times[late]) / len(times[late]):.1f} ms a step, {rate:.0f} TFLOP/s "
+            "forward + backward"
+        )
 
 
 def main() -> int:
