@@ -182,10 +182,10 @@ class Rows:
         self.index = self.dense = None
         if self.span is None:
             self.index = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens)])
-            self.index = self.index.to(device)
+            self.index = _to_device(self.index, device)
         if self.padded:
             runs = [torch.arange(b * n, b * n + m) for b, m in enumerate(lens)]
-            self.dense = torch.cat(runs).to(device)
+            self.dense = _to_device(torch.cat(runs), device)
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """``x``'s rows along ``dim`` as the dense batch (0: ``[B, n, ...]``; 1, for ``[H, T]``:
@@ -213,6 +213,15 @@ class Rows:
             dst[self.span] = value
         else:
             dst[:, self.span] = value
+
+
+def _to_device(index: torch.Tensor, device) -> torch.Tensor:
+    """A host index on ``device``; to a GPU through pinned memory without waiting for the
+    stream (a pageable copy would synchronise it before every group's call)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
