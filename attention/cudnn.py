@@ -34,7 +34,9 @@ launch per block would leave small blocks latency-bound. A call whose segments a
 degenerates to the loop over segments. A group whose segments already have the bucket's length
 and are adjacent in the packed tensor is a view (no copy); otherwise its rows are gathered into
 the padded batch (about the bytes ``dist_attn`` already gathers per call, small against the
-attention FLOPs of blocks of 512 tokens and more).
+attention FLOPs of blocks of 512 tokens and more). ``grouping=False`` makes every call that loop,
+one launch per segment: ``scripts/bench_attention.py --backends`` times it (``cudnn_loop``) beside
+the grouped calls on calls of many equal blocks, which is the measurement that decides.
 
 Layout: a packed ``[T, H, d]`` tensor's rows of a group are ``[B, L, H, d]``, passed to the op
 as its ``transpose(1, 2)``: ``(B, H, L, d)`` with the strides of the BSHD layout that model code
@@ -145,12 +147,13 @@ class Group:
 
 
 def group_segments(
-    cu_q: list[int], cu_k: list[int], causal: bool, buckets: bool = True
+    cu_q: list[int], cu_k: list[int], causal: bool, buckets: bool = True, grouping: bool = True
 ) -> list[Group]:
     """The call's non-empty segments grouped by their dense shape, in order of first appearance:
     causal blocks padded to ``bucket(len)`` both ways, full blocks padded in their queries only
-    (``buckets=False``: exact shapes; Note [cuDNN varlen by grouping])."""
-    groups: dict[tuple[int, int], Group] = {}
+    (``buckets=False``: exact shapes; ``grouping=False``: one group per segment, the loop that
+    grouping is measured against; Note [cuDNN varlen by grouping])."""
+    groups: dict[tuple[int, ...], Group] = {}
     for i in range(len(cu_q) - 1):
         nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
         if nq == 0 or nk == 0:
@@ -161,7 +164,7 @@ def group_segments(
             )
         pq = bucket(nq) if buckets else nq
         pk = pq if causal else nk
-        g = groups.setdefault((pq, pk), Group(pq, pk, [], [], [], []))
+        g = groups.setdefault((pq, pk) if grouping else (pq, pk, i), Group(pq, pk, [], [], [], []))
         g.q_starts.append(cu_q[i])
         g.k_starts.append(cu_k[i])
         g.q_lens.append(nq)
@@ -253,8 +256,9 @@ class CudnnBackend:
         bwd: Callable | None = None,
         buckets: bool = True,
         native_gqa: bool = True,
+        grouping: bool = True,
     ) -> None:
-        self.buckets, self.native_gqa = buckets, native_gqa
+        self.buckets, self.native_gqa, self.grouping = buckets, native_gqa, grouping
         aten = torch.ops.aten
         try:
             ops = (
@@ -287,7 +291,7 @@ class CudnnBackend:
         self._check(q)
         T, H, d = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets)
+        groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets, self.grouping)
         out = torch.zeros_like(q)
         lse = torch.full((H, T), -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
         for g in groups:
@@ -314,7 +318,7 @@ class CudnnBackend:
         dq = torch.zeros_like(q)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: unread
-        for g in group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets):
+        for g in group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets, self.grouping):
             qr = Rows(g.q_starts, g.q_lens, g.len_q, q.device)
             kr = Rows(g.k_starts, g.k_lens, g.len_k, q.device)
             # [H, B, L] -> (B, H, L, 1), the layout the forward returned (fp32 for fp16/bf16);

@@ -281,6 +281,13 @@ def compare_backends(
             backends.append(get_backend(name))
         except BackendUnavailable as e:
             print(f"  {name}: {e}")
+    if any(be.name == "cudnn" for be in backends):
+        # The loop over segments that grouping equal (bucketed) shapes is measured against.
+        from attention.cudnn import CudnnBackend
+
+        loop = CudnnBackend(grouping=False)
+        loop.name = "cudnn_loop"
+        backends.insert(1, loop)
     where = torch.cuda.get_device_name() if device.type == "cuda" else device.type
     print(
         f"{where}, torch {torch.__version__}, {str(dtype).removeprefix('torch.')}, H={H} "

@@ -147,6 +147,15 @@ def test_grouping_keeps_equal_shapes_together():
     ]
     full = group_segments(_cu(FULL_LENS_Q).tolist(), _cu(FULL_LENS_K).tolist(), causal=False)
     assert [(g.len_q, g.len_k, g.q_lens) for g in full] == [(16, 24, [8, 8, 8]), (16, 7, [3, 3])]
+    loop = group_segments(cu, cu, causal=True, grouping=False)
+    assert [(g.len_q, g.q_starts) for g in loop] == [
+        (16, [0]),
+        (16, [16]),
+        (16, [32]),
+        (16, [37]),
+        (16, [53]),
+        (32, [58]),
+    ]
     with pytest.raises(ValueError, match="must be square"):
         group_segments([0, 4], [0, 5], causal=True)
 
@@ -186,16 +195,18 @@ def test_rows_are_views_where_they_can_be_and_padded_where_they_must():
     assert padded.take(lse, dim=1)[1].tolist() == [[63, 64, 0, 0], [100, 101, 102, 0]]
 
 
-@pytest.mark.parametrize("buckets, native_gqa", [(True, True), (False, False)])
+@pytest.mark.parametrize(
+    "buckets, native_gqa, grouping", [(True, True, True), (False, False, True), (True, True, False)]
+)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("H, Hk", [(4, 2), (2, 2)])
-def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets, native_gqa):
+def test_fake_cudnn_matches_the_reference_in_float64(causal, H, Hk, buckets, native_gqa, grouping):
     lens_q = CAUSAL_LENS if causal else FULL_LENS_Q
     lens_k = CAUSAL_LENS if causal else FULL_LENS_K
     q, k, v = _inputs(lens_q, lens_k, H, Hk, 8, torch.float64)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     mq, mk, scale = max(lens_q), max(lens_k), 0.3
-    be = CudnnBackend(fake_fwd, fake_bwd, buckets, native_gqa)
+    be = CudnnBackend(fake_fwd, fake_bwd, buckets, native_gqa, grouping)
     ref = get_backend("reference")
     SEEN_KV_HEADS.clear()
     out, lse = be.forward(q, k, v, cu_q, cu_k, mq, mk, causal, scale)
