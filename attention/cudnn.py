@@ -52,6 +52,11 @@ recorded H100 probe only ran ``H_kv == H``: should the op refuse other head coun
 warns once and from then on repeats K/V heads to the query heads, summing the repeated heads'
 dK/dV back in fp32 (``native_gqa=False`` asks for that from the start).
 
+Refusals: a call the op refuses (a RuntimeError other than running out of memory: an
+unsupported shape or configuration) runs with PyTorch's FlashAttention instead, with a warning
+the first time its reason is seen, so one shape cuDNN cannot take does not stop a run; the
+GPU tests require that nothing was refused.
+
 Causal masks: aten's cuDNN attention aligns the causal mask top-left when ``L_q != L_k``, while
 the interface of :mod:`attention.kernels` is bottom-right aligned. That difference never arises
 here: causal calls only ever carry diagonal blocks, which are square (checked per segment) and
@@ -277,6 +282,7 @@ class CudnnBackend:
         self._fwd = fwd or ops[0]
         self._bwd = bwd or ops[1]
         self.dtypes = (torch.float16, torch.bfloat16) if fwd is None else None
+        self.refusals: list[str] = []
 
     def _check(self, q: torch.Tensor) -> None:
         d = q.shape[-1]
@@ -289,6 +295,45 @@ class CudnnBackend:
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         self._check(q)
+        try:
+            return self._forward(q, k, v, cu_q, cu_k, causal, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            return self._refused(e, q).forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        self._check(q)
+        args = (q, k, v, out, lse, cu_q, cu_k)
+        try:
+            return self._backward(dout, *args, causal, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            return self._refused(e, q).backward(dout, *args, max_q, max_k, causal, scale)
+
+    def _refused(self, e: RuntimeError, q: torch.Tensor):
+        """The backend that runs a call the cuDNN op refused: PyTorch's FlashAttention on a GPU
+        where it runs, else the reference; a warning names the reason the first time it is seen
+        (:attr:`refusals` keeps every one, for tests). Backward may so run with another backend
+        than forward: every backend's backward needs only the final out and LSE."""
+        from .kernels import BackendUnavailable, get_backend
+
+        why = " ".join(str(e).split())[:300]
+        if why not in self.refusals:
+            warnings.warn(
+                f"cudnn backend: the op refused a call ({why}); running it with another backend",
+                stacklevel=3,
+            )
+        self.refusals.append(why)
+        for name in ("torch_flash", "reference") if q.is_cuda else ("reference",):
+            try:
+                return get_backend(name)
+            except BackendUnavailable:
+                continue
+        raise e
+
+    def _forward(self, q, k, v, cu_q, cu_k, causal, scale):
         T, H, d = q.shape
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         groups = group_segments(cu_q.tolist(), cu_k.tolist(), causal, self.buckets, self.grouping)
@@ -309,8 +354,7 @@ class CudnnBackend:
             qr.put(lse, res[1][..., 0].transpose(0, 1).reshape(H, -1).to(lse.dtype), dim=1)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        self._check(q)
+    def _backward(self, dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         H, d, hk = q.shape[1], q.shape[2], k.shape[1]
         ad = acc_dtype(q.dtype)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -344,8 +388,9 @@ class CudnnBackend:
 
     def _gqa(self, call: Callable[[bool], tuple], hk: int, heads: int) -> tuple:
         """``call(native)``: with ``hk`` KV heads passed as they are (cuDNN's native grouped-query
-        attention) while the op takes them, else repeated to ``heads``. The first refusal of
-        ``H_kv != H`` switches this backend to repeating for good."""
+        attention) while the op takes them, else repeated to ``heads``. A call refused with
+        ``H_kv`` heads that runs with repeated ones switches this backend to repeating for good;
+        one refused both ways raises the first refusal (it was not about the heads)."""
         if hk == heads or not self.native_gqa:
             return call(False)
         try:
@@ -353,13 +398,17 @@ class CudnnBackend:
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as e:
+            try:
+                result = call(False)
+            except RuntimeError:
+                raise e from None
             warnings.warn(
                 f"cudnn backend: the op refused {hk} KV heads for {heads} query heads "
                 f"({' '.join(str(e).split())[:200]}); repeating KV heads from now on",
                 stacklevel=2,
             )
             self.native_gqa = False
-            return call(False)
+            return result
 
 
 def cuda_unavailable() -> str | None:

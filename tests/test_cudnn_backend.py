@@ -254,6 +254,31 @@ def test_an_op_without_grouped_query_attention_gets_repeated_heads():
         assert torch.allclose(a, b, atol=1e-11)
 
 
+def test_a_call_the_op_refuses_runs_with_another_backend():
+    def small_only(op, qi):
+        def call(*args, **kw):
+            if args[qi].shape[2] > 16:
+                raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+            return op(*args, **kw)
+
+        return call
+
+    lens = [16, 40, 16]
+    q, k, v = _inputs(lens, lens, 2, 1, 8, torch.float64)
+    cu, m = _cu(lens), max(lens)
+    be = CudnnBackend(small_only(fake_fwd, 0), small_only(fake_bwd, 1))
+    with pytest.warns(UserWarning, match="refused a call .*No valid execution plans"):
+        out, lse = be.forward(q, k, v, cu, cu, m, m, True, 0.5)
+    grads = be.backward(out, q, k, v, out, lse, cu, cu, m, m, True, 0.5)
+    ref = get_backend("reference")
+    want, want_lse = ref.forward(q, k, v, cu, cu, m, m, True, 0.5)
+    assert torch.allclose(out, want, atol=1e-12) and torch.allclose(lse, want_lse, atol=1e-12)
+    for a, b in zip(grads, ref.backward(out, q, k, v, out, lse, cu, cu, m, m, True, 0.5)):
+        assert torch.allclose(a, b, atol=1e-11)
+    assert len(be.refusals) == 2  # forward and backward, warned once
+    assert be.native_gqa  # refused with repeated heads too: not about grouped-query attention
+
+
 def test_fake_cudnn_in_bfloat16_keeps_the_dtypes():
     q, k, v = _inputs(CAUSAL_LENS, CAUSAL_LENS, 4, 1, 16, torch.bfloat16)
     cu, m = _cu(CAUSAL_LENS), max(CAUSAL_LENS)
@@ -382,6 +407,7 @@ def test_gpu_cudnn_matches_float64_sdpa_per_segment(causal, native_gqa):
     want = torch.cat(want, 1).transpose(0, 1)
     want.backward(do.double())
     assert be.native_gqa == native_gqa, "the op refused 2 KV heads for 8 query heads"
+    assert be.refusals == [], "the op refused calls, run by another backend"
     assert lse.shape == (8, q.shape[0]) and lse.dtype == torch.float32
     assert (out.double() - want).abs().max() < 2e-2
     assert (lse.double() - torch.cat(want_lse, 1)).abs().max() < 1e-2
