@@ -232,6 +232,13 @@ def _to_device(index: torch.Tensor, device) -> torch.Tensor:
     return index.pin_memory().to(device, non_blocking=True)
 
 
+def _kv_grad(x: torch.Tensor, hk: int, ad: torch.dtype) -> torch.Tensor:
+    """dK or dV from the op, ``(B, H or H_kv, L, d)``, as ``[B, L, H_kv, d]``: repeated heads
+    summed in ``ad`` (fp32), KV heads passed as they were left as they are (no copy)."""
+    x = _dense(x)
+    return x if x.shape[2] == hk else x.to(ad).unflatten(2, (hk, -1)).sum(3)
+
+
 def _dense(x: torch.Tensor) -> torch.Tensor:
     """``[B, L, H, d]`` rows as the op's ``(B, H, L, d)`` (BSHD strides)."""
     return x.transpose(1, 2)
@@ -375,10 +382,7 @@ class CudnnBackend:
                 do_b, q_b, o_b = dense_q
                 args = (do_b, q_b, kb, vb, o_b, lse_b, seed, seed, None, None, None)
                 grads = self._bwd(*args, g.len_q, g.len_k, 0.0, causal, scale=scale)[:3]
-                # dK/dV (B, H or H_kv, L, d) -> [B * L, H_kv, d]; repeated heads summed in fp32.
-                return grads[0], *(
-                    _dense(x).to(ad).unflatten(2, (hk, -1)).sum(3) for x in grads[1:]
-                )
+                return grads[0], *(_kv_grad(x, hk, ad) for x in grads[1:])
 
             gq, gk, gv = self._gqa(call, hk, H)
             qr.put(dq, _dense(gq).reshape(-1, H, d).to(dq.dtype))
