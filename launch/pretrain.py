@@ -79,6 +79,8 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             f"--lr-decay-steps {args.lr_decay_steps} is not above --warmup {args.warmup}: "
             "the decay must end after the warm-up"
         )
+    if args.keep_attention and not args.activation_checkpointing:
+        p.error("--keep-attention applies with --activation-checkpointing")
     if args.allow_changed_setup and not args.resume:
         p.error("--allow-changed-setup only applies with --resume")
     if args.kv_exchange != "auto" and args.strategy != "hdp":
@@ -190,6 +192,13 @@ def add_training_args(t) -> None:
     t.add_argument("--weight-decay", type=number(0.0), default=0.1)
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument("--activation-checkpointing", action="store_true")
+    t.add_argument(
+        "--keep-attention",
+        action="store_true",
+        help="with --activation-checkpointing, keep attention's output and LSE instead of "
+        "recomputing attention in backward (more memory than the cost model plans for: lower "
+        "--capacity if memory runs out)",
+    )
     t.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
     t.add_argument(
         "--attention-backend",

@@ -141,6 +141,8 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
     for step_idx in range(start, args.steps):
         t0 = time.perf_counter()
         data = next(run.loader)
+        if step_idx == start and run.rank == 0:
+            run.log(first_step_line(cost, data, step_idx + 1))
         res, grad_norm = train_step(
             data,
             model=run.model,
@@ -504,6 +506,17 @@ def step_line(record: dict, data: StepData) -> str:
         f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
         f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
         f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
+    )
+
+
+def first_step_line(cost: CostModel, data: StepData, step: int) -> str:
+    """What the run's first step holds and how long the cost model expects it to take, so a
+    step of minutes (a 2M-token step on CPU) is not mistaken for a hang."""
+    lens = data.plan.seq_lens
+    predicted = cost.evaluate(data.plan).step_time_s
+    return (
+        f"step {step}: {len(lens)} sequences, longest {int(lens.max(initial=0)):,} tokens; "
+        f"predicted {predicted:.3g} s by the cost model ({cost.cluster.gpu.name} profile)"
     )
 
 
