@@ -516,7 +516,7 @@ def first_step_line(cost: CostModel, data: StepData, step: int) -> str:
     predicted = cost.evaluate(data.plan).step_time_s
     return (
         f"step {step}: {len(lens)} sequences, longest {int(lens.max(initial=0)):,} tokens; "
-        f"predicted {predicted:.3g} s by the cost model ({cost.cluster.gpu.name} profile)"
+        f"predicted {predicted:,.1f} s by the cost model ({cost.cluster.gpu.name} profile)"
     )
 
 
