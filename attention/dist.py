@@ -305,9 +305,9 @@ def dist_attn(
     ``q`` ``[T_local, H, d]``, ``k``/``v`` ``[T_local, H_kv, d]``, rows in
     ``plan.shards(rank, wave)`` order, where ``rank`` is this process's rank in ``group`` (default:
     the world). A collective: every rank of the group calls it with the same plan and wave.
-    ``softmax_scale`` defaults to ``1 / sqrt(d)``; ``backend`` (``reference``, ``torch_flash``,
-    ``flash_attn``) defaults to the fastest for the device and dtype. Returns ``[T_local, H, d]``
-    in ``q.dtype``.
+    ``softmax_scale`` defaults to ``1 / sqrt(d)``; ``backend`` (``reference``, ``cudnn``,
+    ``torch_flash``, ``flash_attn``) defaults to the fastest for the device and dtype (see
+    :func:`attention.select_backend`). Returns ``[T_local, H, d]`` in ``q.dtype``.
     """
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
