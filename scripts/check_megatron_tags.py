@@ -1,13 +1,14 @@
 """Run Megatron-LM's own training code at its release tags on what ``HDPDataLoaderWrapper`` yields.
 
-For each tag, on gloo CPU ranks: the tag's ``parse_args`` / ``validate_args`` read the documented
-hybrid-CP flag line, the tag's ``parallel_state`` builds the groups, hdp's wrapper (with the
-layout ``dataloader.megatron.versions`` picks for the tag's megatron-core version) feeds the tag's
-``hybrid_context_parallel_forward_backward``, which calls the tag's ``pretrain_gpt.forward_step``
-and so its ``get_batch``. The model is a recorder: it keeps what ``forward_step`` hands it. The
-parent process then compares every record with an expectation computed here from the batch alone
-(which document each sub-sample is, its CP size and partners from the schedule, zigzag chunks,
-padding to a multiple of 2 x CP).
+For each tag: the tag's ``parse_args`` / ``validate_args`` read every flag line of docs/megatron.md
+exactly as written (``--flags-only``: only this); then, on gloo CPU ranks, they read a hybrid-CP
+flag line like the documented one, the tag's ``parallel_state`` builds the groups, hdp's wrapper
+(with the layout ``dataloader.megatron.versions`` picks for the tag's megatron-core version) feeds
+the tag's ``hybrid_context_parallel_forward_backward``, which calls the tag's
+``pretrain_gpt.forward_step`` and so its ``get_batch``. The model is a recorder: it keeps what
+``forward_step`` hands it. The parent process then compares every record with an expectation
+computed here from the batch alone (which document each sub-sample is, its CP size and partners from
+the schedule, zigzag chunks, padding to a multiple of 2 x CP).
 
 Not part of CI: it needs Megatron-LM's sources, which are not in the megatron-core wheel, and a
 few packages they import that hdp's venv lacks. Prepare them once:
@@ -30,6 +31,8 @@ import argparse
 import math
 import os
 import pickle
+import re
+import shlex
 import socket
 import sys
 import tempfile
@@ -83,6 +86,74 @@ def flag_line(tp: int, cp: int) -> list[str]:
         "--no-bias-dropout-fusion",
         "--no-rope-fusion",
     ]
+
+
+# What the flag lines in docs/megatron.md leave to the user: a model, a micro-batch size (which
+# every run must give), and the parallel sizes.
+MODEL_FLAGS = [
+    f for f in flag_line(1, 1) if f.startswith(("--num-", "--hidden", "--seq", "--max-p"))
+]
+MODEL_FLAGS += ["--tokenizer-type=NullTokenizer", "--vocab-size=128", "--transformer-impl=local"]
+MODEL_FLAGS += ["--micro-batch-size=1"]
+# (ranks, extra flags, minor versions) under which each documented line is parsed: CP 2, TP 2,
+# and for the PackedBatchIterator line (--dataloader-type external) on 0.18 / 0.19 with TP,
+# --sft as docs/megatron.md says.
+FLAG_VARIANTS = (
+    (4, ["--context-parallel-size=2"], None),
+    (4, ["--tensor-model-parallel-size=2"], None),
+    (4, ["--tensor-model-parallel-size=2", "--sft"], ((0, 18), (0, 19))),
+)
+
+
+def documented_flag_lines(doc: Path = REPO / "docs/megatron.md") -> list[list[str]]:
+    """Every fenced block of docs/megatron.md that is a flag line (starts with ``--``), exactly as
+    written there, split as a shell would."""
+    blocks = re.findall(r"^[ \t]*```[a-z]*\n(.*?)^[ \t]*```", doc.read_text(), re.M | re.S)
+    blocks = [b.replace("\\\n", " ") for b in blocks if b.strip().startswith("--")]
+    return [shlex.split(b) for b in blocks]
+
+
+def flags_main(case: dict, out: str) -> None:
+    """One documented flag line through the tag's own ``parse_args`` and ``validate_args``."""
+    os.environ.update(RANK="0", WORLD_SIZE=str(case["world"]), LOCAL_RANK="0")
+    os.environ.update(CUDA_DEVICE_MAX_CONNECTIONS="1")
+    sys.path[:0] = [case["tree"], case["extra"], str(REPO)]
+    warnings.simplefilter("ignore")
+    _shim_imports()
+    _cuda_on_cpu()
+    try:
+        from megatron.training import arguments
+
+        sys.argv = ["pretrain_gpt.py", *case["argv"]]
+        arguments.validate_args(arguments.parse_args())
+        result = "PASS"
+    except BaseException as e:  # SystemExit from argparse included
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        result = f"FAIL {type(e).__name__}: {str(e)[:300]} at {where.filename}:{where.lineno}"
+    Path(out).write_text(result)
+
+
+def check_flag_lines(tree: Path, extra: str, timeout: float) -> list[tuple[str, str]]:
+    """(flag line, PASS or FAIL ...) for each documented line and variant, in the tag's tree."""
+    version = (tree / "megatron/core/package_info.py").read_text()
+    minor = tuple(int(re.search(rf"^{k} = (\d+)", version, re.M)[1]) for k in ("MAJOR", "MINOR"))
+    results = []
+    for line in documented_flag_lines():
+        for world, more, minors in FLAG_VARIANTS:
+            if minors is not None and (minor not in minors or "external" not in line):
+                continue
+            argv = [*line, *MODEL_FLAGS, *more]
+            with tempfile.TemporaryDirectory() as tmp:
+                case = dict(tree=str(tree), extra=extra, world=world, argv=argv)
+                proc = mp.get_context("spawn").Process(target=flags_main, args=(case, f"{tmp}/out"))
+                proc.start()
+                proc.join(timeout)
+                if proc.is_alive():
+                    proc.kill()
+                out = Path(tmp, "out")
+                got = out.read_text() if out.exists() else "FAIL: wrote nothing"
+            results.append((f"{' '.join(line)} [+ {' '.join(more)}, {world} ranks]", got))
+    return results
 
 
 def replica_batch(seed: int, replica: int, n_hdp: int) -> list[dict[str, torch.Tensor]]:
@@ -444,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tags", nargs="+", default=list(TAGS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    parser.add_argument(
+        "--flags-only", action="store_true", help="only parse the documented flag lines"
+    )
     opts = parser.parse_args(argv)
     missing = [n for n in NEEDED if not any(Path(opts.extra).glob(f"{n}*"))]
     if missing:
@@ -460,6 +534,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"model_provider.py and megatron/ of the tag: git archive {tag} | tar -x)"
             )
             failed += 1
+            continue
+        for line, got in check_flag_lines(tree, opts.extra, opts.timeout):
+            failed += not got.startswith("PASS")
+            print(f"{tag} flags {line}: {got}", flush=True)
+        if opts.flags_only:
             continue
         for world, tp, cp, forward_only in CASES:
             case = dict(tree=str(tree), extra=opts.extra, world=world, tp=tp, cp=cp)

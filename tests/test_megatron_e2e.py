@@ -5,13 +5,29 @@ gloo ranks, fed by ``HDPDataLoaderWrapper``, with each release's ``get_batch`` c
 all of it between them.
 
 Megatron's CUDA calls (``.cuda()``, ``device="cuda"``, ``pin_memory``) run on the CPU here.
+
+``test_newest_release_forward_backward`` runs the ``packed`` case again on the newest
+megatron-core release (``NEWEST``), whose wheels need Python 3.12: it downloads the wheel once
+(cached under ``~/.cache/hdp``), and runs this file's case in a subprocess with the unpacked
+wheel on ``PYTHONPATH`` ahead of the installed megatron-core. Its code runs on Python 3.11 as it
+is; the one thing its import needs that this CPU venv lacks is Triton (see
+``_stand_in_for_triton_kernels``).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import inspect
+import os
+import subprocess
+import sys
+import tempfile
+import types
 import warnings
+import zipfile
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +36,34 @@ import torch
 from distributed import run_ranks
 
 from planner.hybridcp import megatron_available
+
+NEWEST = "0.19.2"  # the newest megatron-core release (cp312 wheels only)
+# Set in the subprocess of test_newest_release_forward_backward (and so in its rank processes):
+# the megatron-core version that must be the one imported.
+ON_PATH = "HDP_TEST_MEGATRON_CORE"
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _stand_in_for_triton_kernels() -> None:
+    """megatron-core 0.19's pipeline schedules import its MoE paged-stash module, which defines
+    two Triton kernels at import; hdp's CPU venv has no Triton. A module with the same names
+    stands in (nothing here runs MoE; calling one raises). Only where Triton is missing, only in
+    the processes of test_newest_release_forward_backward."""
+    if importlib.util.find_spec("triton") is not None:
+        return
+    stand_in = types.ModuleType(PAGED_STASH)
+    stand_in.__spec__ = importlib.machinery.ModuleSpec(PAGED_STASH, None)
+
+    def no_triton(*_args, **_kwargs):
+        raise RuntimeError("Triton is not installed: the paged-stash kernel is a test stand-in")
+
+    stand_in.GLOBAL_BLOCK_SIZE = 1024
+    stand_in.paged_stash_copy_kernel = stand_in.paged_stash_pop_kernel = no_triton
+    sys.modules[PAGED_STASH] = stand_in
+
+
+if os.environ.get(ON_PATH):
+    _stand_in_for_triton_kernels()
 
 pytestmark = pytest.mark.skipif(
     not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
@@ -130,8 +174,13 @@ def _ranks(rank, world, contract, cp, seed, out):
     from megatron.core.pipeline_parallel import hybrid_cp_schedule
     from megatron_contracts import GET_BATCH
 
-    from dataloader.megatron import HDPDataLoaderWrapper
+    from dataloader.megatron import HDPDataLoaderWrapper, installed_version
 
+    if os.environ.get(ON_PATH):  # the newest release from its wheel, and its own contract
+        import megatron.core
+
+        found = (megatron.core.__version__, installed_version().contract)
+        assert found == (os.environ[ON_PATH], contract), f"imported {found} from {megatron.core}"
     ps.initialize_model_parallel(context_parallel_size=cp, hybrid_context_parallel=True)
     config = SimpleNamespace(
         max_seqlen_per_dp_cp_rank=CAP,
@@ -192,6 +241,48 @@ def test_forward_backward_runs_hdp_schedule(tmp_path, contract, world, cp, seed)
     seen = eval(out.read_text())  # noqa: S307 -- written by the test above
     assert len({d for d, _ in seen}) == len(seen), "a sub-sample ran with two CP sizes"
     assert any(k > 1 for _, k in seen), "no sub-sample was split over CP partners"
+
+
+def _newest_wheel() -> Path:
+    """megatron-core ``NEWEST`` unpacked, downloaded once into ``~/.cache/hdp`` (or
+    ``$XDG_CACHE_HOME/hdp``); skips the test when pip cannot download it."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hdp"
+    unpacked = cache / f"megatron-core-{NEWEST}"
+    if (unpacked / "megatron/core/package_info.py").exists():
+        return unpacked
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--python-version", "3.12"]
+        cmd += ["--only-binary=:all:", "--retries", "1", "--timeout", "20", "-d", tmp]
+        try:
+            got = subprocess.run(
+                [*cmd, f"megatron-core=={NEWEST}"], capture_output=True, text=True, timeout=180
+            )
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"pip download of megatron-core {NEWEST} took over 180 s")
+        wheels = list(Path(tmp).glob("megatron_core-*.whl"))
+        if got.returncode or not wheels:
+            why = (got.stderr.strip().splitlines() or ["no wheel"])[-1]
+            pytest.skip(f"cannot download megatron-core {NEWEST}: {why}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(Path(tmp, "unpacked"))
+        os.replace(Path(tmp, "unpacked"), unpacked)  # whole or not at all
+    return unpacked
+
+
+def test_newest_release_forward_backward():
+    """The packed case above on megatron-core NEWEST's own code (its wheels need Python 3.12;
+    its code runs on 3.11): in a subprocess with the unpacked wheel ahead of the installed
+    megatron-core on PYTHONPATH."""
+    wheel = _newest_wheel()
+    here = Path(__file__).resolve()
+    case = f"{here}::test_forward_backward_runs_hdp_schedule[packed-4-2-2]"
+    path = [str(wheel), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **{ON_PATH: NEWEST})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case]
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    tail = (ran.stdout + ran.stderr)[-4000:]
+    assert ran.returncode == 0 and "1 passed" in ran.stdout, tail
 
 
 def test_contract_doubles_refuse_the_other_layout():
