@@ -79,6 +79,8 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             f"--lr-decay-steps {args.lr_decay_steps} is not above --warmup {args.warmup}: "
             "the decay must end after the warm-up"
         )
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = args.steps
     if args.keep_attention and not args.activation_checkpointing:
         p.error("--keep-attention applies with --activation-checkpointing")
     if args.allow_changed_setup and not args.resume:

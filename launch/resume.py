@@ -81,7 +81,7 @@ def fingerprint(args, sources: list, *, vocab: int) -> dict:
         "optimizer": {
             "lr": args.lr,
             "warmup": args.warmup,
-            "lr_decay_steps": args.lr_decay_steps or args.steps,
+            "lr_decay_steps": args.lr_decay_steps,
             "weight_decay": args.weight_decay,
             "grad_clip": args.grad_clip,
         },

@@ -212,9 +212,8 @@ def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str
     (cuDNN's on Hopper, FlashAttention's on older GPUs, ...), or ``None`` for the profile's own
     backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
     forced backend cannot run (:func:`check_attention_backend` reports that)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        backend = resolve_backend(forced_attention_backend(args), device, dtype)
+        backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
     except (ValueError, BackendUnavailable):
         return None
     rows = PROFILE_BACKEND.get(backend.name, backend.name)
@@ -309,6 +308,11 @@ def build_model(args, *, cost: CostModel, sync: str, device: torch.device) -> Ll
     return model
 
 
+def training_dtype(device: torch.device) -> torch.dtype:
+    """The dtype attention runs in: bf16 autocast on CUDA, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def forced_attention_backend(args) -> str | None:
     """The attention backend ``--attention-backend`` forces, or ``None`` (``auto``, or a caller
     without the flag): the fastest for the device and dtype."""
@@ -322,9 +326,8 @@ def check_attention_backend(args, device: torch.device) -> None:
     name = forced_attention_backend(args)
     if name is None:
         return
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        resolve_backend(name, device, dtype)
+        resolve_backend(name, device, training_dtype(device))
     except (ValueError, BackendUnavailable) as e:
         raise ValueError(f"--attention-backend {name}: {e}") from None
 
@@ -346,8 +349,9 @@ def build_optimizer(args, *, model: Llama) -> tuple[Optimizer, LRScheduler]:
     optimizer = torch.optim.AdamW(
         params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused
     )
-    decay = args.lr_decay_steps or args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, decay))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.warmup, args.lr_decay_steps)
+    )
     return optimizer, scheduler
 
 

@@ -15,7 +15,7 @@ def test_batch_copies_and_the_optimizer_keep_cpu_runs_as_they_were():
     t = torch.arange(5)
     assert to_device(t, torch.device("cpu")) is t  # no pinning, no copy off the GPU
     model = Llama(model_preset("tiny"))
-    args = Namespace(lr=1e-3, weight_decay=0.1, warmup=1, steps=4, lr_decay_steps=None)
+    args = Namespace(lr=1e-3, weight_decay=0.1, warmup=1, steps=4, lr_decay_steps=4)
     optimizer, _ = build_optimizer(args, model=model)
     assert (
         optimizer.param_groups[0]["fused"] is None
