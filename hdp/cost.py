@@ -230,7 +230,9 @@ class CostModel:
     def ckpt_bytes_per_token(self) -> float:
         """Activation bytes per token kept across layers (layer inputs; offloadable)."""
         m = self.model
-        return float(m.layers * m.hidden * m.dtype_bytes) if self.activation_checkpointing else 0.0
+        if not self.activation_checkpointing:
+            return 0.0
+        return float(m.layers * m.hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
 
     @cached_property
     def working_bytes_per_token(self) -> float:
@@ -239,7 +241,8 @@ class CostModel:
         per_layer = (
             6 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
         ) * m.dtype_bytes
-        return float(per_layer * (1 if self.activation_checkpointing else m.layers))
+        layers = 1 if self.activation_checkpointing else m.layers
+        return float(per_layer * layers) * self.cluster.gpu.activation_memory_scale
 
     @cached_property
     def loss_buffer_bytes(self) -> float:
@@ -265,14 +268,19 @@ class CostModel:
     ) -> np.ndarray:
         """Peak bytes of a rank holding ``tokens`` tokens in a wave (arrays broadcast)."""
         t = np.asarray(tokens, dtype=np.float64)
-        act = t * (
-            self.ckpt_bytes_per_token * (1.0 - np.asarray(offload)) + self.working_bytes_per_token
-        )
         return (
             self.static_bytes(sync)
             + np.where(t > 0, self.loss_buffer_bytes, 0.0)
-            + act
+            + self.activation_bytes(t, offload)
             + self.kv_buffer_bytes(max_in_block, relay_block)
+        )
+
+    def activation_bytes(self, tokens, offload=0.0) -> np.ndarray:
+        """Activation bytes of a rank holding ``tokens`` tokens, ``offload`` of the checkpointed
+        layer inputs in host memory (arrays broadcast)."""
+        t = np.asarray(tokens, dtype=np.float64)
+        return t * (
+            self.ckpt_bytes_per_token * (1.0 - np.asarray(offload)) + self.working_bytes_per_token
         )
 
     def activation_budget(self, sync: str, kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS) -> float:

@@ -188,6 +188,8 @@ class GPUProfile:
     live in ``hdp/data/profiles/``: ``h100`` holds tables measured on an H100, ``h200`` and the
     A100s are scaled from it (each file's ``source`` says how), ``cpu`` was measured on this
     project's CI machine by ``hdp-calibrate measure --device cpu``. ``peak_flops`` serves MFU.
+    ``activation_memory_scale`` is what a training step's activations measure over what the cost
+    model counts for them on this device (``scripts/bench_fidelity.py metrics`` reports it).
     """
 
     name: str
@@ -202,6 +204,7 @@ class GPUProfile:
     usable_memory_fraction: float = 0.92
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
+    activation_memory_scale: float = 1.0
     attention_backend: str = "flash"
     tables: KernelTables = field(default_factory=KernelTables)
     source: str = ""

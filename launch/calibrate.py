@@ -37,7 +37,7 @@ PROG = "hdp-calibrate"
 # Dense bf16 tensor-core peaks by device name (first match wins); others use the best GEMM rate.
 KNOWN_PEAKS = (("H100 PCIE", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 LINK_FIELDS = ("pcie_bw", "nvlink_bw", "nic_bw", "nvlink_latency", "nic_latency")
-BASE_FIELDS = (*LINK_FIELDS, "usable_memory_fraction", "reserved_bytes")
+BASE_FIELDS = (*LINK_FIELDS, "usable_memory_fraction", "reserved_bytes", "activation_memory_scale")
 # The cpu preset is itself measured by this tool; until it exists, its links come from here (a
 # modest machine: gloo over loopback, memory copies as "PCIe").
 FALLBACK_BASES = {
@@ -47,8 +47,9 @@ FALLBACK_BASES = {
         nic_bw=1e9,
         nvlink_latency=20e-6,
         nic_latency=50e-6,
-        usable_memory_fraction=0.92,
+        usable_memory_fraction=0.8,
         reserved_bytes=0.5e9,
+        activation_memory_scale=1.0,
     )
 }
 MEASURE_DESCRIPTION = """\
@@ -57,7 +58,8 @@ the kernels the runtime calls: attention calls (causal documents and full blocks
 GEMMs, memory-bound ops, the AdamW step and, where two local devices (or CPU
 processes) can talk, collectives. Every time is forward + backward, the median of
 a few repeats after warm-up, in bf16 on CUDA and fp32 on CPU. Shapes come from the
-model presets; links and the memory reserve are copied from a base preset.
+model presets; links, the memory reserve and the activation memory scale come
+from a base preset.
 Progress goes to stderr, one line per table.
 """
 MEASURE_EXAMPLES = """examples:
@@ -249,7 +251,7 @@ def _default_base(device: torch.device) -> str:
 
 
 def _base_fields(name: str) -> dict[str, float]:
-    """The links and memory reserve of the preset ``name`` (or a profile JSON path)."""
+    """The links and memory fields of the preset ``name`` (or a profile JSON path)."""
     try:
         profile = gpu_profile(name)
     except ValueError as e:
@@ -356,6 +358,7 @@ def measure(setup: Setup, quick: bool, collectives: bool, argv: list[str]) -> di
         "memory_bytes": float(memory),
         "usable_memory_fraction": setup.base["usable_memory_fraction"],
         "reserved_bytes": setup.base["reserved_bytes"],
+        "activation_memory_scale": setup.base["activation_memory_scale"],
         "hbm_bw": tables.sig(hbm),
         **{f: tables.sig(v) for f, v in links.items()},
         "layer_overhead_s": tables.sig(overhead),

@@ -37,6 +37,7 @@ from planner import OFFLOADING, PlanningError, choose_sync
 from . import checkpoint
 from .calibrate_tables import PROFILE_BACKEND
 from .checkpoint import CheckpointError
+from .memory import PeakMemory, rank_profile
 from .model import Llama
 from .resume import Resume, find_resume, fingerprint, open_metrics
 from .runtime import StepResult, run_waves, shard_model
@@ -68,11 +69,31 @@ class Run:
     setup: dict  # the fingerprint saved with each checkpoint
     totals: Totals
     log: Callable[[str], None]
+    memory: PeakMemory
+
+
+@dataclass
+class RankStats:
+    """What the ranks measured in one step, gathered on every rank (lists: one entry a rank)."""
+
+    busy_s: list[float]
+    peak_mem_bytes: list[float]  # :class:`PeakMemory`
+    comm_bytes: float  # what all ranks sent
+
+
+@dataclass
+class Predicted:
+    """What the cost model priced for the step's plan, per rank (rank 0 only; else empty)."""
+
+    rank_s: list[float]  # busy time: compute, exposed communication and offload
+    mem_bytes: list[float]  # peak over the waves
+    activation_bytes: list[float]  # the activation part of ``mem_bytes``
 
 
 def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
     """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0, or 2 for a bad setup."""
     log = rank0_log(rank)
+    memory = PeakMemory(device)  # before anything big is built
     cost = build_cost_model(args, world=world, per_node=per_node, device=device)
     spec, cluster = cost.model, cost.cluster
     try:
@@ -103,6 +124,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         setup,
         Totals(),
         log,
+        memory,
     )
     start = restore(run, resume)
     params = sum(p.numel() for p in model.parameters())
@@ -151,9 +173,10 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
             grad_clip=args.grad_clip,
             autocast=autocast,
             kill=kill_at == (run.rank, step_idx + 1),
+            memory=run.memory,
         )
         step_time = time.perf_counter() - t0
-        busy_s, comm = gather_stats(res, world=run.world, device=run.device)
+        stats = gather_stats(res, world=run.world, device=run.device, memory=run.memory)
         totals.trained_tokens += data.tokens
         totals.truncated_tokens += data.truncated_tokens
         peak = step_time * run.world * cost.cluster.gpu.peak_flops
@@ -162,13 +185,12 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
             res,
             step=step_idx + 1,
             step_time=step_time,
-            busy_s=busy_s,
-            comm=comm,
+            stats=stats,
             lr=run.scheduler.get_last_lr()[0],
             grad_norm=float(grad_norm),
             mfu=cost.model_flops(data.plan.seq_lens) / peak,
             trained=totals.trained_tokens,
-            predicted_rank_s=predicted_rank_s(cost, data) if run.rank == 0 else [],
+            predicted=predict(cost, data) if run.rank == 0 else Predicted([], [], []),
         )
         write_record(metrics_file, record)
         if (step_idx + 1) % args.log_every == 0:
@@ -197,6 +219,7 @@ def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -
         gpu = GPUProfile.load(args.gpu_profile)
     else:
         gpu = gpu_preset(args.gpu or detect_gpu(device))
+    gpu = rank_profile(gpu, device=device, local_ranks=per_node)
     cluster = ClusterSpec(world, min(args.gpus_per_node or per_node, world), gpu)
     return CostModel(
         spec,
@@ -416,10 +439,12 @@ def train_step(
     scheduler: LRScheduler,
     grad_clip: float,
     autocast: torch.dtype | None,
+    memory: PeakMemory,
     kill: bool = False,
 ) -> tuple[StepResult, torch.Tensor]:
     """One optimizer step on ``data``; returns the waves' result and the gradient norm."""
     COMM.reset()
+    memory.start_step()
     res = run_waves(model, data, autocast_dtype=autocast)
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -432,19 +457,26 @@ def train_step(
     return res, grad_norm
 
 
-def gather_stats(res: StepResult, *, world: int, device: torch.device) -> tuple[list[float], float]:
-    """Every rank's busy time and the bytes all ranks sent, gathered on every rank."""
+def gather_stats(
+    res: StepResult, *, world: int, device: torch.device, memory: PeakMemory
+) -> RankStats:
+    """Every rank's busy time, peak memory and sent bytes, gathered on every rank."""
     # On the training device: NCCL has no CPU tensors.
-    stats = torch.tensor(
-        [res.busy_s, COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
+    mine = torch.tensor(
+        [res.busy_s, memory.step_peak(), COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
         dtype=torch.float64,
         device=device,
     )
-    if not dist.is_initialized():
-        return [res.busy_s], float(stats[1])
-    busy = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world)]
-    dist.all_gather(busy, stats)
-    return [float(b[0]) for b in busy], sum(float(b[1]) for b in busy)
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(ranks, mine)
+    rows = [r.tolist() for r in ranks]
+    return RankStats(
+        busy_s=[r[0] for r in rows],
+        peak_mem_bytes=[r[1] for r in rows],
+        comm_bytes=sum(r[2] for r in rows),
+    )
 
 
 def metrics_record(
@@ -453,17 +485,17 @@ def metrics_record(
     *,
     step: int,
     step_time: float,
-    busy_s: list[float],
-    comm: float,
+    stats: RankStats,
     lr: float,
     grad_norm: float,
     mfu: float,
     trained: int,
-    predicted_rank_s: list[float],
+    predicted: Predicted,
 ) -> dict:
     """The step's line of the ``--metrics`` file: measured figures and, beside them, what the
-    cost model predicted (``predicted_step_s`` and ``predicted_rank_s``, each rank's busy time,
-    to compare with ``busy_s``)."""
+    cost model predicted (``predicted_step_s``; per rank ``predicted_rank_s`` beside ``busy_s``
+    and ``predicted_mem_bytes`` beside ``peak_mem_bytes``)."""
+    busy_s = stats.busy_s
     return {
         "step": step,
         "loss": res.loss,
@@ -474,7 +506,7 @@ def metrics_record(
         "imbalance": max(busy_s) / (sum(busy_s) / len(busy_s)) if sum(busy_s) > 0 else 1.0,
         "plan_time_s": data.plan_time_s,
         "data_wait_s": data.wait_s,
-        "comm_bytes": comm,
+        "comm_bytes": stats.comm_bytes,
         "kv_exchange": data.plan.kv_exchange,
         "predicted_nic_bytes": data.plan.predicted.get("nic_bytes", float("nan")),
         "waves": data.plan.num_waves,
@@ -483,16 +515,24 @@ def metrics_record(
         "mfu": mfu,
         "predicted_step_s": data.plan.predicted.get("step_time_s", float("nan")),
         "busy_s": busy_s,
-        "predicted_rank_s": predicted_rank_s,
+        "predicted_rank_s": predicted.rank_s,
+        "peak_mem_bytes": stats.peak_mem_bytes,
+        "predicted_mem_bytes": predicted.mem_bytes,
+        "predicted_activation_bytes": predicted.activation_bytes,
         "trained_tokens": trained,
         "truncated_tokens": data.truncated_tokens,
     }
 
 
-def predicted_rank_s(cost: CostModel, data: StepData) -> list[float]:
-    """Each rank's busy time in the step (compute, exposed communication and offload) as the
-    cost model prices the step's plan, seconds."""
-    return cost.evaluate(data.plan).busy_s.sum(axis=0).tolist()
+def predict(cost: CostModel, data: StepData) -> Predicted:
+    """Each rank's busy time and peak memory as the cost model prices the step's plan."""
+    report = cost.evaluate(data.plan)
+    activations = cost.activation_bytes(report.tokens, data.plan.offload)
+    return Predicted(
+        rank_s=report.busy_s.sum(axis=0).tolist(),
+        mem_bytes=report.mem_bytes.max(axis=0).tolist(),
+        activation_bytes=activations.max(axis=0).tolist(),
+    )
 
 
 def write_record(metrics_file, record: dict) -> None:

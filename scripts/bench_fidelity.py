@@ -1,8 +1,10 @@
 r"""Predicted against measured: training steps, and one rank's attention in real plans.
 
 ``metrics``: a ``launch/pretrain.py --metrics`` file; per step the measured step time over the
-cost model's ``predicted_step_s`` and each rank's measured busy time over ``predicted_rank_s``,
-then one JSON line summarising the steps after ``--skip``.
+cost model's ``predicted_step_s``, each rank's measured busy time over ``predicted_rank_s`` and
+its peak memory over ``predicted_mem_bytes``, then one JSON line summarising the steps after
+``--skip`` (``activation_ratio``: measured activations over the model's, the factor that sets a
+profile's ``activation_memory_scale``).
 
 ``attention``: plans real batches with hdp (``--gpus`` ranks), takes ranks with long shards,
 short shards and whole documents, runs each rank's attention calls with the project's kernels
@@ -47,14 +49,39 @@ def metrics_report(path: Path, skip: int) -> dict:
         print(
             f"step {r['step']:3d}  measured {r['step_time_s']:8.3f} s  predicted "
             f"{r['predicted_step_s']:8.3f} s  ratio {ratio:5.2f}  per rank busy ratio {ranks}"
+            f"  memory ratio {' '.join(f'{x:.2f}' for x in memory_ratios(r))}"
         )
     kept = [r["step_time_s"] / r["predicted_step_s"] for r in rows[skip:]]
+    activations = [x for r in rows[skip:] for x in activation_ratios(r)]
     return {
         "steps": len(kept),
         "median_ratio": statistics.median(kept) if kept else float("nan"),
         "min_ratio": min(kept, default=float("nan")),
         "max_ratio": max(kept, default=float("nan")),
+        "max_memory_ratio": max(
+            (x for r in rows[skip:] for x in memory_ratios(r)), default=float("nan")
+        ),
+        # The factor to multiply the profile's activation_memory_scale by for its activations
+        # to match the largest measured.
+        "activation_ratio": max(activations, default=float("nan")),
     }
+
+
+def memory_ratios(row: dict) -> list[float]:
+    """Each rank's measured peak memory over the cost model's (rows without them: none)."""
+    pairs = zip(row.get("peak_mem_bytes", []), row.get("predicted_mem_bytes", []))
+    return [m / p for m, p in pairs if p > 0]
+
+
+def activation_ratios(row: dict) -> list[float]:
+    """Each rank's measured activations over the cost model's: the measured peak less what the
+    model counts besides activations (states, loss buffer, K/V in flight), over its activations."""
+    triples = zip(
+        row.get("peak_mem_bytes", []),
+        row.get("predicted_mem_bytes", []),
+        row.get("predicted_activation_bytes", []),
+    )
+    return [(m - (p - a)) / a for m, p, a in triples if a > 0]
 
 
 def pick_ranks(plan: Plan) -> dict[str, tuple[int, int]]:
