@@ -81,8 +81,10 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
     if args.lr_decay_steps is None:
         args.lr_decay_steps = args.steps
-    if args.keep_attention and not args.activation_checkpointing:
-        p.error("--keep-attention applies with --activation-checkpointing")
+    if args.keep_attention:
+        if args.activation_checkpointing is False:
+            p.error("--keep-attention applies with --activation-checkpointing")
+        args.activation_checkpointing = True
     if args.allow_changed_setup and not args.resume:
         p.error("--allow-changed-setup only applies with --resume")
     if args.kv_exchange != "auto" and args.strategy != "hdp":
@@ -193,7 +195,13 @@ def add_training_args(t) -> None:
     )
     t.add_argument("--weight-decay", type=number(0.0), default=0.1)
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
-    t.add_argument("--activation-checkpointing", action="store_true")
+    t.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each layer in backward (default: only where --max-seq does not fit the "
+        "ranks without it)",
+    )
     t.add_argument(
         "--keep-attention",
         action="store_true",

@@ -8,6 +8,7 @@ Then it writes one metrics record (:func:`metrics_record`) and checkpoints when 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -94,6 +95,12 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
     """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0, or 2 for a bad setup."""
     log = rank0_log(rank)
     memory = PeakMemory(device)  # before anything big is built
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = checkpointing_needed(
+            args, world=world, per_node=per_node, device=device
+        )
+        if args.activation_checkpointing:
+            log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
     cost = build_cost_model(args, world=world, per_node=per_node, device=device)
     spec, cluster = cost.model, cost.cluster
     try:
@@ -228,6 +235,18 @@ def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -
         activation_checkpointing=args.activation_checkpointing,
         capacity_override=args.capacity,
     )
+
+
+def checkpointing_needed(args, *, world: int, per_node: int, device: torch.device) -> bool:
+    """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
+    ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
+    without = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
+    cost = build_cost_model(without, world=world, per_node=per_node, device=device)
+    try:
+        choose_sync(cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING)
+    except PlanningError:
+        return True
+    return False
 
 
 def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:

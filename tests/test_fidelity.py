@@ -37,5 +37,7 @@ def test_a_measured_cpu_profile_predicts_training_steps(tmp_path):
     ratios = [r["step_time_s"] / r["predicted_step_s"] for r in rows[2:]]
     error = statistics.median(abs(x - 1) for x in ratios)
     assert error <= 0.25, f"measured / predicted over steps 3-8: {[round(x, 2) for x in ratios]}"
-    # Every rank's predicted busy time is reported beside its measured one.
+    # Every rank's predicted busy time and peak memory are reported beside its measured ones.
     assert all(len(r["predicted_rank_s"]) == len(r["busy_s"]) == 2 for r in rows)
+    assert all(len(r["predicted_mem_bytes"]) == len(r["peak_mem_bytes"]) == 2 for r in rows)
+    assert all(m > 0 for r in rows for m in r["peak_mem_bytes"])

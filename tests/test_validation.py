@@ -61,7 +61,10 @@ def test_parse_size_refuses_what_is_not_finite(text):
         (["--resume-step", "3"], "--resume-step needs --checkpoint-dir"),
         (["--resume-step", "0"], "argument --resume-step: must be >= 1, got 0"),
         (["--lr-decay-steps", "5", "--warmup", "5"], "--lr-decay-steps 5 is not above --warmup"),
-        (["--keep-attention"], "--keep-attention applies with --activation-checkpointing"),
+        (
+            ["--keep-attention", "--no-activation-checkpointing"],
+            "--keep-attention applies with --activation-checkpointing",
+        ),
         (["--checkpoint-dir", "{file}"], "argument --checkpoint-dir: {file} exists and is not a"),
         (["--metrics", "{file}/m.jsonl"], "argument --metrics: cannot create {file}/m.jsonl: "),
     ],
@@ -79,19 +82,35 @@ def test_a_bad_kill_point_names_the_variable(monkeypatch, capsys):
 
 def test_the_headline_command_fits_one_sequence_per_step():
     """`torchrun --nproc-per-node 2 launch/pretrain.py --max-seq 2M`: the default step holds one
-    2M sequence, and two CPU ranks of the tiny model hold it."""
+    2M sequence, and two CPU ranks of the tiny model hold it, with activation checkpointing
+    turned on for it, within the host's memory shared by both."""
     import torch
 
-    from launch.train import build_cost_model
+    from launch.memory import host_memory_bytes
+    from launch.train import build_cost_model, checkpointing_needed
     from planner import choose_sync
 
+    cpu = torch.device("cpu")
     args = parse_args(["--max-seq", "2M"])
     assert args.tokens_per_step == 2 << 20
     assert parse_args([]).tokens_per_step == 64 << 10
     assert parse_args(["--max-seq", "4K"]).tokens_per_step == 64 << 10
-    cost = build_cost_model(args, world=2, per_node=2, device=torch.device("cpu"))
+    assert args.activation_checkpointing is None
+    assert checkpointing_needed(args, world=2, per_node=2, device=cpu)
+    assert not checkpointing_needed(
+        parse_args(["--max-seq", "64K"]), world=2, per_node=2, device=cpu
+    )
+    args.activation_checkpointing = True
+    cost = build_cost_model(args, world=2, per_node=2, device=cpu)
     sync, cap = choose_sync(cost, "peer", args.max_seq, None, offload=True)
-    assert sync in ("peer", "wave") and cap > 0
+    assert sync in ("peer", "wave") and 2 * cap >= args.max_seq
+    assert 2 * (cost.memory(cap, sync=sync) + cost.cluster.gpu.reserved_bytes) < host_memory_bytes()
+
+
+def test_activation_checkpointing_flags():
+    assert parse_args(["--activation-checkpointing"]).activation_checkpointing is True
+    assert parse_args(["--no-activation-checkpointing"]).activation_checkpointing is False
+    assert parse_args(["--keep-attention"]).activation_checkpointing is True
 
 
 def test_pretrain_help_lists_every_strategy(capsys):
