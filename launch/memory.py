@@ -10,7 +10,6 @@ the host's RAM (this machine's, or the profile's where that is smaller) over its
 from __future__ import annotations
 
 import os
-import resource
 from dataclasses import replace
 
 import torch
@@ -37,23 +36,40 @@ class PeakMemory:
     footprint, which the profile's ``reserved_bytes`` stands for).
 
     On a GPU: the caching allocator's peak allocation during the step. On CPU: the process's
-    peak resident size so far above its size before the model was built (the operating system
-    keeps no per-step peak).
+    peak resident size in the step (Linux's high-water mark, reset at each step's start) above
+    its size before the model was built.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.baseline = 0.0 if device.type == "cuda" else _peak_rss_bytes()
+        self.baseline = 0.0 if device.type == "cuda" else _status_bytes("VmRSS")
 
     def start_step(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_peak_rss()
 
     def step_peak(self) -> float:
         if self.device.type == "cuda":
             return float(torch.cuda.max_memory_allocated(self.device))
-        return max(0.0, _peak_rss_bytes() - self.baseline)
+        return max(0.0, _status_bytes("VmHWM") - self.baseline)
 
 
-def _peak_rss_bytes() -> float:
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+def _status_bytes(field: str) -> float:
+    """A size from ``/proc/self/status`` (in kB there), bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    # "5" resets the high-water mark (proc(5)); where the kernel refuses, the peak stays the
+    # process's own, which still bounds the step's.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
