@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
@@ -547,10 +548,12 @@ def predict(cost: CostModel, data: StepData) -> Predicted:
     """Each rank's busy time and peak memory as the cost model prices the step's plan."""
     report = cost.evaluate(data.plan)
     activations = cost.activation_bytes(report.tokens, data.plan.offload)
+    fullest = report.mem_bytes.argmax(axis=0)  # each rank's peak wave
+    ranks = np.arange(report.mem_bytes.shape[1])
     return Predicted(
         rank_s=report.busy_s.sum(axis=0).tolist(),
-        mem_bytes=report.mem_bytes.max(axis=0).tolist(),
-        activation_bytes=activations.max(axis=0).tolist(),
+        mem_bytes=report.mem_bytes[fullest, ranks].tolist(),
+        activation_bytes=activations[fullest, ranks].tolist(),
     )
 
 
