@@ -31,8 +31,32 @@ from typing import Protocol
 
 import torch
 
+# The reference backend's largest blocks: query rows x key rows (on a GPU; smaller on a CPU).
 Q_CHUNK = 1024
 K_CHUNK = 2048
+# Most fp32 scores of one block on a CPU (4 MiB; Note [Reference attention blocks on a CPU]).
+CPU_BLOCK_SCORES = 1 << 20
+
+
+def chunks(heads: int, device: torch.device) -> tuple[int, int]:
+    """Query and key rows of the reference backend's blocks for ``heads`` query heads: at most
+    ``Q_CHUNK`` x ``K_CHUNK``; on a CPU also at most ``CPU_BLOCK_SCORES`` scores, keys twice the
+    queries, powers of two.
+
+    Note [Reference attention blocks on a CPU]
+    ------------------------------------------
+    Every op of a block allocates a temporary as large as its scores. glibc serves allocations
+    of 32 MiB and more with a fresh ``mmap``, so blocks of 1024 x 2048 rows (32 MiB for four heads)
+    page-fault on every op: the kernel's share of the time was larger than the arithmetic's, and
+    varied from run to run. Blocks of at most 4 MiB come from the heap and stay in cache
+    (``docs/benchmarks.md`` has the timings). A GPU's caching allocator has neither problem, and
+    larger blocks mean fewer launches there.
+    """
+    if device.type != "cpu":
+        return Q_CHUNK, K_CHUNK
+    rows = 1 << (math.isqrt(CPU_BLOCK_SCORES // (2 * max(1, heads))).bit_length() - 1)
+    rows = max(16, rows)
+    return min(Q_CHUNK, rows), min(K_CHUNK, 2 * rows)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -77,11 +101,13 @@ def _scores(
     return s
 
 
-def _key_blocks(k, v, k0: int, nk: int, b: int, shift: int, causal: bool, ad: torch.dtype):
-    """Chunks ``(c, e, k, v)`` of a segment's keys that query rows before ``b`` can see."""
+def _key_blocks(
+    k, v, k0: int, nk: int, b: int, shift: int, causal: bool, ad: torch.dtype, size: int
+):
+    """Chunks ``(c, e, k, v)`` of ``size`` keys of a segment that query rows before ``b`` see."""
     k_stop = min(nk, b + shift) if causal else nk
-    for c in range(0, k_stop, K_CHUNK):
-        e = min(k_stop, c + K_CHUNK)
+    for c in range(0, k_stop, size):
+        e = min(k_stop, c + size)
         yield c, e, k[k0 + c : k0 + e].to(ad), v[k0 + c : k0 + e].to(ad)
 
 
@@ -102,19 +128,20 @@ class ReferenceBackend:
         g = H // hk
         ad = acc_dtype(q.dtype)
         out = torch.zeros(T, H, d, dtype=ad, device=q.device)
+        q_chunk, k_chunk = chunks(H, q.device)
         lse = torch.full((H, T), -math.inf, dtype=ad, device=q.device)
         for q0, q1, k0, k1 in self._segments(cu_q, cu_k):
             nq, nk = q1 - q0, k1 - k0
             if nq == 0 or nk == 0:
                 continue
             shift = nk - nq  # causal: query i sees keys j <= i + shift (bottom-right aligned)
-            for a in range(0, nq, Q_CHUNK):
-                b = min(nq, a + Q_CHUNK)
+            for a in range(0, nq, q_chunk):
+                b = min(nq, a + q_chunk)
                 qc = q[q0 + a : q0 + b].to(ad).view(b - a, hk, g, d)
                 m = torch.full((hk, g, b - a), -math.inf, dtype=ad, device=q.device)
                 s_sum = torch.zeros((hk, g, b - a), dtype=ad, device=q.device)
                 acc = torch.zeros((hk, g, b - a, d), dtype=ad, device=q.device)
-                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad):
+                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad, k_chunk):
                     s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -145,6 +172,7 @@ class ReferenceBackend:
         g = H // hk
         ad = acc_dtype(q.dtype)
         dq = torch.zeros(T, H, d, dtype=ad, device=q.device)
+        q_chunk, k_chunk = chunks(H, q.device)
         dk = torch.zeros(k.shape, dtype=ad, device=q.device)
         dv = torch.zeros(v.shape, dtype=ad, device=q.device)
         for q0, q1, k0, k1 in self._segments(cu_q, cu_k):
@@ -152,8 +180,8 @@ class ReferenceBackend:
             if nq == 0 or nk == 0:
                 continue
             shift = nk - nq
-            for a in range(0, nq, Q_CHUNK):
-                b = min(nq, a + Q_CHUNK)
+            for a in range(0, nq, q_chunk):
+                b = min(nq, a + q_chunk)
                 rows = slice(q0 + a, q0 + b)
                 qc = q[rows].to(ad).view(b - a, hk, g, d)
                 doc = dout[rows].to(ad).view(b - a, hk, g, d)
@@ -164,7 +192,7 @@ class ReferenceBackend:
                     torch.isinf(L), torch.full_like(L, math.inf), L
                 )  # rows without keys: p = 0
                 dqc = torch.zeros((b - a, hk, g, d), dtype=ad, device=q.device)
-                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad):
+                for c, e, kc, vc in _key_blocks(k, v, k0, nk, b, shift, causal, ad, k_chunk):
                     s = _scores(qc, kc, a, b, c, e, shift, causal, scale)
                     p = torch.exp(s - L[..., None])
                     dv[k0 + c : k0 + e] += torch.einsum("hgqk,qhgd->khd", p, doc)

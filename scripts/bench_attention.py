@@ -15,6 +15,11 @@ packed many to a call; plus the first call of a new shape (cuDNN builds a graph 
     python scripts/bench_attention.py --ranks 4 --tokens 16384
     python scripts/bench_attention.py --gpu
     python scripts/bench_attention.py --backends --head-dim 64
+    python scripts/bench_attention.py --cpu-blocks
+
+CPU (``--cpu-blocks``): the reference backend's forward + backward on one causal document with the
+blocks it uses on a CPU against the GPU-sized ones (Note [Reference attention blocks on a CPU]),
+side by side: wall and kernel (system) seconds, page faults, and the speed-up.
 """
 
 from __future__ import annotations
@@ -360,6 +365,56 @@ def packed_steps(backends, H: int, Hk: int, d: int, device, dtype, steps: int = 
         )
 
 
+def _time_reference(be, shape: tuple[int, int, int, int], reps: int) -> tuple[float, float, int]:
+    """Median wall seconds of the reference backend's forward + backward on one causal document
+    of ``shape`` (tokens, heads, kv_heads, head_dim); system seconds and page faults per call."""
+    import resource
+    import statistics
+
+    T, H, hk, d = shape
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, d, generator=g) for h in (H, hk, hk))
+    cu = torch.tensor([0, T], dtype=torch.int32)
+
+    def call() -> None:
+        out, lse = be.forward(q, k, v, cu, cu, T, T, True, d**-0.5)
+        be.backward(torch.ones_like(out), q, k, v, out, lse, cu, cu, T, T, True, d**-0.5)
+
+    call()  # warm-up
+    r0, times = resource.getrusage(resource.RUSAGE_SELF), []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    faults = (r1.ru_minflt - r0.ru_minflt) // reps
+    return statistics.median(times), (r1.ru_stime - r0.ru_stime) / reps, faults
+
+
+def cpu_blocks(shapes: list[tuple[int, int, int, int]], reps: int) -> None:
+    """Reference attention, forward + backward of one causal document per ``(tokens, heads,
+    kv_heads, head_dim)``, in fp32 on one thread: GPU-sized blocks, then the CPU's."""
+    from attention import kernels
+
+    torch.set_num_threads(1)
+    be = kernels.ReferenceBackend()
+    cpu_budget = kernels.CPU_BLOCK_SCORES
+    print(f"reference attention, one CPU thread, causal document, forward + backward, {reps} reps")
+    for shape in shapes:
+        T, H, hk, d = shape
+        seconds = {}
+        for label, budget in (("gpu-sized", 1 << 62), ("cpu", cpu_budget)):
+            kernels.CPU_BLOCK_SCORES = budget
+            qc, kc = kernels.chunks(H, torch.device("cpu"))
+            seconds[label], system, faults = _time_reference(be, shape, reps)
+            print(
+                f"  T {T} H {H}/{hk} d {d}, {label:>9} blocks {qc} x {kc}: {seconds[label]:.3f} s, "
+                f"system {system:.3f} s, page faults {faults}"
+            )
+        kernels.CPU_BLOCK_SCORES = cpu_budget
+        print(f"  T {T} H {H}/{hk} d {d}: speed-up {seconds['gpu-sized'] / seconds['cpu']:.2f}x")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
@@ -370,7 +425,15 @@ def main() -> int:
         "--backends", action="store_true", help="compare the GPU attention backends instead"
     )
     p.add_argument("--head-dim", type=int, default=128, help="head_dim of --backends")
+    p.add_argument(
+        "--cpu-blocks",
+        action="store_true",
+        help="time the reference backend's CPU blocks against GPU-sized ones instead",
+    )
     args = p.parse_args()
+    if args.cpu_blocks:
+        cpu_blocks([(4096, 4, 2, 16), (2048, 32, 8, 64)], max(3, args.reps))
+        return 0
     if args.backends:
         if not torch.cuda.is_available():
             print("no CUDA GPU: nothing to measure", file=sys.stderr)

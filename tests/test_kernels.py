@@ -63,6 +63,17 @@ def test_reference_crosses_chunk_boundaries(monkeypatch, causal):
         assert torch.allclose(got, want, atol=1e-11)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 32, 64, 128])
+def test_cpu_blocks_stay_small_and_gpu_blocks_large(heads):
+    # Note [Reference attention blocks on a CPU]: a CPU block's fp32 scores stay under the budget
+    # (heap-allocated, no page faults per op); a GPU keeps the large blocks.
+    q, k = kernels.chunks(heads, torch.device("cpu"))
+    assert k == 2 * q and q & (q - 1) == 0
+    assert heads * q * k <= kernels.CPU_BLOCK_SCORES
+    assert heads * (2 * q) * (2 * k) > kernels.CPU_BLOCK_SCORES or q == kernels.Q_CHUNK
+    assert kernels.chunks(heads, torch.device("meta")) == (kernels.Q_CHUNK, kernels.K_CHUNK)
+
+
 def test_rows_without_keys_and_float32():
     be = get_backend("reference")
     q = torch.randn(5, 2, 4)
