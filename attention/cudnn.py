@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import acc_dtype
+from .kernels import acc_dtype, to_device
 
 FWD_ARGS = (
     "query",
@@ -190,10 +190,10 @@ class Rows:
         self.index = self.dense = None
         if self.span is None:
             self.index = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens)])
-            self.index = _to_device(self.index, device)
+            self.index = to_device(self.index, device)
         if self.padded:
             runs = [torch.arange(b * n, b * n + m) for b, m in enumerate(lens)]
-            self.dense = _to_device(torch.cat(runs), device)
+            self.dense = to_device(torch.cat(runs), device)
 
     def take(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """``x``'s rows along ``dim`` as the dense batch (0: ``[B, n, ...]``; 1, for ``[H, T]``:
@@ -221,15 +221,6 @@ class Rows:
             dst[self.span] = value
         else:
             dst[:, self.span] = value
-
-
-def _to_device(index: torch.Tensor, device) -> torch.Tensor:
-    """A host index on ``device``; to a GPU through pinned memory without waiting for the
-    stream (a pageable copy would synchronise it before every group's call)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _kv_grad(x: torch.Tensor, hk: int, ad: torch.dtype) -> torch.Tensor:
@@ -261,6 +252,7 @@ class CudnnBackend:
     contract on CPU); without them the backend needs torch's CUDA kernel of the ops and cuDNN."""
 
     name = "cudnn"
+    host_lengths = True  # shapes are grouped on the host (Note [cuDNN varlen by grouping])
 
     def __init__(
         self,

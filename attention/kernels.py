@@ -64,8 +64,20 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without waiting for the
+    stream (torch synchronises the stream after a copy from pageable memory)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class AttentionBackend(Protocol):
     name: str
+    # Whether the backend reads ``cu_q``/``cu_k`` only on the host (as Python lists): callers then
+    # pass host tensors, and a GPU call does not wait for the stream to copy them back.
+    host_lengths: bool
 
     def forward(
         self, q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float
@@ -115,6 +127,7 @@ class ReferenceBackend:
     """Exact pure-torch attention for any device and dtype, chunked to bound memory."""
 
     name = "reference"
+    host_lengths = True
 
     @staticmethod
     def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor):
@@ -208,6 +221,7 @@ class TorchFlashBackend:
     """PyTorch's built-in FlashAttention-2 varlen kernels (CUDA; fp16/bf16)."""
 
     name = "torch_flash"
+    host_lengths = False
 
     def __init__(self) -> None:
         fwd = torch.ops.aten._flash_attention_forward.default._schema
@@ -291,6 +305,7 @@ class FlashAttnBackend:
     """The ``flash_attn`` package's varlen kernels (CUDA; fp16/bf16)."""
 
     name = "flash_attn"
+    host_lengths = False
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_interface as fai

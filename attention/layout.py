@@ -16,6 +16,8 @@ import torch
 
 from hdp import Plan, Shard
 
+from .kernels import to_device
+
 
 @dataclass
 class Segments:
@@ -27,6 +29,12 @@ class Segments:
     cu_k: torch.Tensor  # int32 [n + 1]
     max_q: int
     max_k: int
+    # ``cu_q`` and ``cu_k`` on the host, kept by :meth:`to` for backends that read them there.
+    host_cu: tuple[torch.Tensor, torch.Tensor]
+
+    def cu(self, *, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_q, cu_k)`` on the host, or on the device of the rows."""
+        return self.host_cu if host else (self.cu_q, self.cu_k)
 
     @classmethod
     def build(cls, pairs: list[tuple[list[range], list[range]]]) -> Segments | None:
@@ -47,23 +55,25 @@ class Segments:
             return None
         nq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
         nk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+        host_cu = (torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32))
         return cls(
             torch.tensor(q_rows, dtype=torch.int64),
             torch.tensor(k_rows, dtype=torch.int64),
-            torch.tensor(cu_q, dtype=torch.int32),
-            torch.tensor(cu_k, dtype=torch.int32),
+            *host_cu,
             max(nq),
             max(nk),
+            host_cu,
         )
 
     def to(self, device: torch.device) -> Segments:
         return Segments(
-            self.q_rows.to(device),
-            self.k_rows.to(device),
-            self.cu_q.to(device),
-            self.cu_k.to(device),
+            to_device(self.q_rows, device),
+            to_device(self.k_rows, device),
+            to_device(self.cu_q, device),
+            to_device(self.cu_k, device),
             self.max_q,
             self.max_k,
+            self.host_cu,
         )
 
 

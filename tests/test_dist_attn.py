@@ -275,6 +275,20 @@ def test_single_process_without_distributed():
     assert torch.allclose(k.grad, local(plan, 0, 0, [r[2] for r in ref]), atol=1e-12)
 
 
+def test_host_reading_backends_get_host_lengths():
+    # A backend that reads the lengths on the host (cuDNN's grouping, the reference) gets them
+    # from the host: on a GPU, lengths fetched back from the device would wait for the stream.
+    from attention.layout import Segments
+
+    seg = Segments.build([([range(0, 3)], [range(0, 3)]), ([range(3, 8)], [range(3, 5)])])
+    moved = seg.to(torch.device("meta"))
+    cu_q, cu_k = moved.cu(host=True)
+    assert cu_q.device.type == cu_k.device.type == "cpu"
+    assert cu_q.tolist() == [0, 3, 8] and cu_k.tolist() == [0, 3, 5]
+    assert all(t.device.type == "meta" for t in moved.cu(host=False))
+    assert all(t.device.type == "meta" for t in (moved.q_rows, moved.k_rows))
+
+
 def test_bad_inputs_are_clear():
     from attention import dist_attn
 
