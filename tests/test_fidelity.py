@@ -1,7 +1,8 @@
 """The cost model predicts real training steps on this machine (issue #15's CPU fidelity test).
 
 A profile measured here by ``hdp-calibrate measure --device cpu --quick`` prices the steps of a
-2-rank ``tiny`` run; the median of |measured / predicted - 1| over steps 3-8 must stay within 25%.
+2-rank ``tiny`` run, with activation checkpointing and without; the median of
+|measured / predicted - 1| over steps 3-8 must stay within 25%.
 Each rank gets one thread, as torchrun gives each of several ranks on a node, and the profile is
 measured with one thread for the same reason.
 """
@@ -13,24 +14,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def test_a_measured_cpu_profile_predicts_training_steps(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    profile, metrics = tmp_path / "cpu.json", tmp_path / "metrics.jsonl"
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory) -> Path:
+    profile = tmp_path_factory.mktemp("profile") / "cpu.json"
     measure = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu", "--quick"]
     done = subprocess.run(
-        [*measure, "--out", str(profile)], cwd=ROOT, env=env, capture_output=True, text=True
+        [*measure, "--out", str(profile)], cwd=ROOT, env=ENV, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+    return profile
+
+
+# With checkpointing the runtime recomputes each layer's forward in backward, and the model must
+# price that recompute too: the flag reaches both.
+@pytest.mark.parametrize(
+    "checkpointing", ["--no-activation-checkpointing", "--activation-checkpointing"]
+)
+def test_a_measured_cpu_profile_predicts_training_steps(tmp_path, cpu_profile, checkpointing):
+    metrics = tmp_path / "metrics.jsonl"
     train = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         str(ROOT / "launch" / "pretrain.py"),
         *("--model", "tiny", "--tokens-per-step", "16K", "--max-seq", "4K", "--steps", "8"),
-        *("--gpu-profile", str(profile), "--metrics", str(metrics)),
+        *("--gpu-profile", str(cpu_profile), "--metrics", str(metrics), checkpointing),
     ]
-    done = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(train, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
