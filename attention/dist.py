@@ -269,7 +269,7 @@ def _attend(
     qp = q.index_select(0, seg.q_rows)
     kp = k.index_select(0, seg.k_rows)
     vp = v.index_select(0, seg.k_rows)
-    cu_q, cu_k = seg.cu(host=getattr(backend, "host_lengths", False))
+    cu_q, cu_k = seg.cu(host=backend.host_lengths)
     out, lse = backend.forward(qp, kp, vp, cu_q, cu_k, seg.max_q, seg.max_k, causal, scale)
     acc.merge(seg.q_rows, out, lse)
 
@@ -286,7 +286,7 @@ def _grad(
     lp = lse.index_select(1, seg.q_rows)
     if backend.name != "reference":
         lp = lp.float()
-    cu_q, cu_k = seg.cu(host=getattr(backend, "host_lengths", False))
+    cu_q, cu_k = seg.cu(host=backend.host_lengths)
     return backend.backward(
         dop, qp, kp, vp, op, lp, cu_q, cu_k, seg.max_q, seg.max_k, causal, scale
     )

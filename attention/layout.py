@@ -25,16 +25,18 @@ class Segments:
 
     q_rows: torch.Tensor  # int64, concatenated query row indices (each row at most once)
     k_rows: torch.Tensor  # int64, concatenated key row indices into the key source
-    cu_q: torch.Tensor  # int32 [n + 1]
-    cu_k: torch.Tensor  # int32 [n + 1]
+    cu_q: torch.Tensor  # int32 [n + 1], on the host
+    cu_k: torch.Tensor  # int32 [n + 1], on the host
     max_q: int
     max_k: int
-    # ``cu_q`` and ``cu_k`` on the host, kept by :meth:`to` for backends that read them there.
-    host_cu: tuple[torch.Tensor, torch.Tensor]
 
     def cu(self, *, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cu_q, cu_k)`` on the host, or on the device of the rows."""
-        return self.host_cu if host else (self.cu_q, self.cu_k)
+        """``(cu_q, cu_k)`` on the host, or copied to the device of the rows (for backends that
+        read them there; a host-reading backend on a GPU would wait for the stream to fetch a
+        device copy back)."""
+        if host:
+            return self.cu_q, self.cu_k
+        return to_device(self.cu_q, self.q_rows.device), to_device(self.cu_k, self.q_rows.device)
 
     @classmethod
     def build(cls, pairs: list[tuple[list[range], list[range]]]) -> Segments | None:
@@ -55,25 +57,24 @@ class Segments:
             return None
         nq = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
         nk = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
-        host_cu = (torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32))
         return cls(
             torch.tensor(q_rows, dtype=torch.int64),
             torch.tensor(k_rows, dtype=torch.int64),
-            *host_cu,
+            torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32),
             max(nq),
             max(nk),
-            host_cu,
         )
 
     def to(self, device: torch.device) -> Segments:
+        """The rows on ``device``; the lengths stay on the host (:meth:`cu` copies them)."""
         return Segments(
             to_device(self.q_rows, device),
             to_device(self.k_rows, device),
-            to_device(self.cu_q, device),
-            to_device(self.cu_k, device),
+            self.cu_q,
+            self.cu_k,
             self.max_q,
             self.max_k,
-            self.host_cu,
         )
 
 
