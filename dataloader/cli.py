@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 
-from hdp import MODEL_PRESETS, model_preset
-from hdp.argtypes import choice, input_file, integer, size
+from hdp import model_spec
+from hdp.argtypes import input_file, integer, model, size
 from hdp.workloads import split_long
 
 from .sources import DataError, open_source
@@ -123,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     vocab.add_argument(
         "--model",
-        type=choice(list(MODEL_PRESETS), "model preset"),
+        type=model,
         default=None,
-        help="check token ids against this model preset's vocabulary, as pretrain.py --model does",
+        metavar="NAME|CONFIG",
+        help="check token ids against this model's vocabulary (a preset, or a transformers "
+        "config.json), as pretrain.py --model does",
     )
     args = p.parse_args(argv)
-    vocab_size = model_preset(args.model).vocab if args.model else args.vocab_size
+    vocab_size = model_spec(args.model).vocab if args.model else args.vocab_size
     try:
         res = stats(args.paths, args.max_seq, args.skip_bad_records, args.tokenizer, vocab_size)
     except (DataError, ValueError) as e:

@@ -6,6 +6,7 @@ Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with
 
 from .cost import CostModel, KVTraffic, StepReport
 from .exchange import KV_EXCHANGES, KVTransfer, Shard
+from .hf_config import ConfigError, RoPE
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan, PlanError
 from .profile import KernelTables, ProfileError
 from .rounds import edge_colour_rounds
@@ -19,6 +20,7 @@ from .specs import (
     gpu_preset,
     gpu_profile,
     model_preset,
+    model_spec,
     parse_size,
 )
 
@@ -26,6 +28,7 @@ __all__ = [
     "BLOCK_TOKENS",
     "DEFAULT_KV_BLOCK_TOKENS",
     "ClusterSpec",
+    "ConfigError",
     "CostModel",
     "GPUProfile",
     "GPU_PRESETS",
@@ -38,6 +41,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProfileError",
+    "RoPE",
     "Shard",
     "StepReport",
     "edge_colour_rounds",
@@ -45,5 +49,6 @@ __all__ = [
     "gpu_preset",
     "gpu_profile",
     "model_preset",
+    "model_spec",
     "parse_size",
 ]

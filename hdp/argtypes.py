@@ -34,6 +34,37 @@ def size(min_value: int = 1) -> Callable[[str], int]:
     return parse
 
 
+_BYTE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+
+
+def byte_size(text: str) -> int:
+    """A byte count as Hugging Face writes it: ``5GB`` (5 * 10**9), ``500MB``, ``2GiB``."""
+    s = text.strip().upper()
+    digits = s.rstrip("BKMGTI")
+    unit = s[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        raise _Error(f"{text!r} is not a size such as 5GB, 500MB or 2GiB") from None
+    if unit not in _BYTE_UNITS:
+        raise _Error(f"{text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    result = value * _BYTE_UNITS[unit]
+    if not math.isfinite(result) or result < 1:
+        raise _Error(f"{text!r}: must be at least 1 byte")
+    return int(result)
+
+
 def integer(min_value: int | None = None, max_value: int | None = None) -> Callable[[str], int]:
     """A whole number in ``[min_value, max_value]`` (either bound optional)."""
 
@@ -147,6 +178,45 @@ def input_file(text: str) -> Path:
     return path
 
 
+def input_dir(text: str) -> Path:
+    """A directory to read: exists, is a directory, is readable."""
+    path = Path(text)
+    if not path.exists():
+        raise _Error(f"{path}: no such directory")
+    if not path.is_dir():
+        raise _Error(f"{path} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise _Error(f"directory {path} is not readable")
+    return path
+
+
+def input_file_or_dir(text: str) -> Path:
+    """A file or a directory to read (``--tokenizer``: tokenizer.json or the folder holding it)."""
+    return input_dir(text) if Path(text).is_dir() else input_file(text)
+
+
+def model(text: str) -> str:
+    """A model preset's name, or a transformers ``config.json`` (or its directory), whose
+    architecture :func:`hdp.model_spec` reads."""
+    from .specs import model_spec
+
+    try:
+        model_spec(text)
+    except ValueError as e:
+        raise _Error(str(e)) from None
+    return text
+
+
+def rope_scaling(text: str) -> dict:
+    """``--rope-scaling``: a JSON object of transformers' RoPE scaling keys."""
+    from .hf_config import parse_rope_scaling
+
+    try:
+        return parse_rope_scaling(text)
+    except ValueError as e:
+        raise _Error(str(e)) from None
+
+
 def choice(names: list[str] | tuple[str, ...], what: str) -> Callable[[str], str]:
     """One of ``names`` (a registry's keys), named in the error as ``what``."""
 
@@ -160,13 +230,18 @@ def choice(names: list[str] | tuple[str, ...], what: str) -> Callable[[str], str
 
 
 __all__ = [
+    "byte_size",
     "choice",
+    "input_dir",
     "input_file",
+    "input_file_or_dir",
+    "model",
     "integer",
     "number",
     "number_list",
     "output_dir",
     "output_file",
     "output_file_in_existing_dir",
+    "rope_scaling",
     "size",
 ]

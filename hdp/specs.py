@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .hf_config import RoPE, spec_from_config, spec_from_path
 from .profile import FORMAT, KernelTables, ProfileError, read_profile_json
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -65,7 +66,11 @@ class ModelSpec:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
 
     ``dtype_bytes`` is the size of one element of parameters and activations used in compute
-    (2 for bf16 on GPUs, 4 for fp32 on CPU).
+    (2 for bf16 on GPUs, 4 for fp32 on CPU). ``architecture`` is the transformers ``model_type``
+    the decoder computes and exports as (``llama``, ``mistral``, ``qwen2``, ``qwen3``); the fields
+    after it are what those differ in: RMSNorm epsilon, RoPE, biases, Qwen3's per-head q/k norm,
+    and the embedding row that gets no gradient (transformers' ``pad_token_id``).
+    :meth:`from_hf_config` reads them from a ``config.json``.
     """
 
     name: str
@@ -78,6 +83,23 @@ class ModelSpec:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    architecture: str = "llama"
+    norm_eps: float = 1e-5
+    rope: RoPE = field(default_factory=RoPE)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    padding_idx: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any] | str | Path, name: str | None = None):
+        """The spec of a transformers ``config.json``: a dict, the file, or its directory.
+        Raises :class:`hdp.hf_config.ConfigError` naming the field it cannot represent."""
+        if isinstance(config, dict):
+            return spec_from_config(config, name=name or str(config.get("model_type")))
+        spec = spec_from_path(config)
+        return replace(spec, name=name) if name else spec
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -92,7 +114,9 @@ class ModelSpec:
         q_out = self.heads * self.head_dim
         kv_out = 2 * self.kv_heads * self.head_dim
         attn = self.hidden * q_out + self.hidden * kv_out + q_out * self.hidden
-        mlp = 3 * self.hidden * self.ffn
+        attn += (q_out + kv_out) * self.qkv_bias + self.hidden * self.o_bias
+        attn += 2 * self.head_dim * self.qk_norm
+        mlp = 3 * self.hidden * self.ffn + (2 * self.ffn + self.hidden) * self.mlp_bias
         return attn + mlp + 2 * self.hidden
 
     @property
@@ -110,7 +134,18 @@ class ModelSpec:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
-# Real shapes: Llama 3.2 1B, Llama 2 7B/13B, LLaMA 30B (32.5B), Llama 2 70B.
+# Llama 3.1's RoPE (Llama 3.2 1B's has factor 32).
+_LLAMA31_ROPE = RoPE(
+    theta=500000.0,
+    type="llama3",
+    factor=8.0,
+    original_max_positions=8192,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+)
+
+# Real shapes: Llama 3.2 1B, Llama 2 7B/13B, LLaMA 30B (32.5B), Llama 2 70B, Llama 3 8B/70B,
+# Llama 3.1 8B, Mistral 7B v0.3, Qwen2.5 7B/72B, Qwen3 8B.
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
@@ -135,6 +170,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             ffn=8192,
             vocab=128256,
             tied_embeddings=True,
+            rope=replace(_LLAMA31_ROPE, factor=32.0),
         ),
         ModelSpec(
             "llama-7b",
@@ -175,6 +211,93 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             head_dim=128,
             ffn=28672,
             vocab=32000,
+        ),
+        ModelSpec(
+            "llama3-8b",
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            ffn=14336,
+            vocab=128256,
+            rope=RoPE(theta=500000.0),
+        ),
+        ModelSpec(
+            "llama3.1-8b",
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            ffn=14336,
+            vocab=128256,
+            rope=_LLAMA31_ROPE,
+        ),
+        ModelSpec(
+            "llama3-70b",
+            layers=80,
+            hidden=8192,
+            heads=64,
+            kv_heads=8,
+            head_dim=128,
+            ffn=28672,
+            vocab=128256,
+            rope=RoPE(theta=500000.0),
+        ),
+        ModelSpec(
+            "mistral-7b",
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            ffn=14336,
+            vocab=32768,
+            architecture="mistral",
+            rope=RoPE(theta=1e6),
+        ),
+        ModelSpec(
+            "qwen2.5-7b",
+            layers=28,
+            hidden=3584,
+            heads=28,
+            kv_heads=4,
+            head_dim=128,
+            ffn=18944,
+            vocab=152064,
+            architecture="qwen2",
+            norm_eps=1e-6,
+            rope=RoPE(theta=1e6),
+            qkv_bias=True,
+        ),
+        ModelSpec(
+            "qwen2.5-72b",
+            layers=80,
+            hidden=8192,
+            heads=64,
+            kv_heads=8,
+            head_dim=128,
+            ffn=29568,
+            vocab=152064,
+            architecture="qwen2",
+            norm_eps=1e-6,
+            rope=RoPE(theta=1e6),
+            qkv_bias=True,
+        ),
+        ModelSpec(
+            "qwen3-8b",
+            layers=36,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            head_dim=128,
+            ffn=12288,
+            vocab=151936,
+            architecture="qwen3",
+            norm_eps=1e-6,
+            rope=RoPE(theta=1e6),
+            qk_norm=True,
         ),
     ]
 }
@@ -332,4 +455,19 @@ def gpu_profile(name_or_path: str | Path) -> GPUProfile:
     raise ValueError(
         f"unknown GPU profile {str(name_or_path)!r}: give a profile JSON file or one of "
         f"{', '.join(sorted(GPU_PRESETS))}"
+    )
+
+
+def model_spec(name_or_path: str | Path) -> ModelSpec:
+    """A preset by name, or the architecture of a transformers ``config.json`` (the file or its
+    directory; ``--model``). ``ValueError`` (a :class:`hdp.hf_config.ConfigError` for a config
+    hdp cannot train) says what is wrong."""
+    if str(name_or_path) in MODEL_PRESETS:
+        return MODEL_PRESETS[str(name_or_path)]
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.is_dir() or path.exists():
+        return ModelSpec.from_hf_config(path)
+    raise ValueError(
+        f"unknown model {str(name_or_path)!r}: give a transformers config.json (or its "
+        f"directory) or one of {', '.join(MODEL_PRESETS)}"
     )

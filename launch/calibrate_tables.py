@@ -12,9 +12,9 @@ Rows (columns as in ``hdp.profile/1``):
   mask (one segment).
 * gemm: ``F.linear(x [tokens, in], w [out, in])`` and both backward products.
 * memory_bound: ``rmsnorm`` (:class:`launch.model.RMSNorm`), ``swiglu`` (``F.silu(g) * u``),
-  ``residual_add`` (``x + y``), ``rope`` (:func:`launch.model.rope` on ``[tokens, width / head_dim,
-  head_dim]``) and ``cast`` (fp32 to the run dtype; on CPU, where the run dtype is fp32, a cast to
-  bf16 and back), each on ``[tokens, width]``.
+  ``residual_add`` (``x + y``), ``rope`` (:class:`launch.rope.Rotary` on ``[tokens,
+  width / head_dim, head_dim]``) and ``cast`` (fp32 to the run dtype; on CPU, where the run
+  dtype is fp32, a cast to bf16 and back), each on ``[tokens, width]``.
 * optimizer: one AdamW step over ``params`` fp32 parameters (tensors of at most 16M elements,
   gradients set): fused on CUDA, foreach otherwise.
 """
@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from attention.kernels import AttentionBackend
-from hdp import ModelSpec, Plan
+from hdp import ModelSpec, Plan, RoPE
 
-from .model import AttentionContext, DecoderLayer, RMSNorm, rope
+from .model import AttentionContext, DecoderLayer, RMSNorm
+from .rope import Rotary
 
 # Kernel names as a profile spells them.
 PROFILE_BACKEND = {"reference": "reference", "torch_flash": "flash", "flash_attn": "flash"}
@@ -339,7 +340,8 @@ def _memory_op(bench: Bench, op: str, width: int, tokens: int, head_dim: int):
     if op == "rope":
         x = bench.randn(tokens, width // head_dim, head_dim, grad=True)
         pos = torch.arange(tokens, device=bench.device)
-        return (lambda: rope(x, pos)), (x,)
+        rotary = Rotary(RoPE(), head_dim)
+        return (lambda: rotary(x, pos)), (x,)
     if op == "cast":
         x = bench.randn(tokens, width, grad=True, dtype=torch.float32)
         if bench.dtype == torch.float32:  # CPU: no narrower run dtype; a bf16 round trip

@@ -3,8 +3,9 @@ step, the LR schedule, the dataloader position, the run's token accounting, its 
 and each rank's RNG state, so a resumed run trains on exactly the tokens the uninterrupted run
 would have.
 
-Layout: ``DIR/step_00000042/`` holds the DCP shards, ``train_state.json``, ``rng_rank*.pt`` and,
-written last and atomically, ``manifest.json``: the size and SHA-256 of every other file. A
+Layout: ``DIR/step_00000042/`` holds the DCP shards, ``train_state.json``, ``rng_rank*.pt``, the
+caller's extra files (``hf/``: the config and tokenizer ``hdp-export`` writes out) and, written
+last and atomically, ``manifest.json``: the size and SHA-256 of every other file. A
 checkpoint is valid when its manifest is there and every file it lists has its size and checksum;
 anything else (a save killed half-way, a missing or truncated shard, a flipped byte) is damaged.
 ``DIR/latest`` names the newest checkpoint for people and tools; resuming does not trust it: it
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 FORMAT = "hdp.checkpoint/1"
 MANIFEST = "manifest.json"
+HF_FOLDER = "hf"
 STATE = "train_state.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
 
@@ -153,10 +155,18 @@ def _prepare_target(path: Path) -> str | None:
     return None
 
 
-def save(folder: str | Path, step: int, model, optimizer, scheduler, state: dict) -> Path:
+def save(
+    folder: str | Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    state: dict,
+    files: dict[str, bytes | Path] | None = None,
+) -> Path:
     """Save everything needed to continue after ``step`` optimizer steps (a collective).
     ``state`` (JSON) holds the schedule-independent rest: data position, accounting,
-    fingerprint."""
+    fingerprint. ``files`` ({name: contents or a file to copy}) go into ``hf/``."""
     folder = Path(folder)
     path = folder / f"step_{step:08d}"
     refusal = None
@@ -175,8 +185,9 @@ def save(folder: str | Path, step: int, model, optimizer, scheduler, state: dict
     if _rank() == 0:
         meta = {"step": step, "scheduler": scheduler.state_dict(), **state}
         _write_atomic(path / STATE, json.dumps(meta))
+        _write_files(path / HF_FOLDER, files or {})
     _barrier()
-    names = agree(sorted(n for n in os.listdir(path) if n != MANIFEST and not n.endswith(".tmp")))
+    names = agree(_listing(path))
     sums = _hash_shared(path, names)
     if _rank() == 0:
         files = {n: {"size": (path / n).stat().st_size, "sha256": sums[n]} for n in names}
@@ -184,6 +195,26 @@ def save(folder: str | Path, step: int, model, optimizer, scheduler, state: dict
         _write_atomic(folder / "latest", path.name + "\n")
     _barrier()
     return path
+
+
+def _write_files(folder: Path, files: dict[str, bytes | Path]) -> None:
+    if not files:
+        return
+    folder.mkdir(exist_ok=True)
+    for name, contents in files.items():
+        data = contents if isinstance(contents, bytes) else Path(contents).read_bytes()
+        (folder / name).write_bytes(data)
+
+
+def _listing(path: Path) -> list[str]:
+    """The files of a checkpoint the manifest covers, as paths relative to it."""
+    names = []
+    for root, _, files in os.walk(path):
+        for n in files:
+            rel = os.path.relpath(os.path.join(root, n), path)
+            if rel != MANIFEST and not n.endswith(".tmp"):
+                names.append(rel.replace(os.sep, "/"))
+    return sorted(names)
 
 
 def check_listing(path: Path) -> tuple[dict | None, str | None]:

@@ -1,9 +1,12 @@
 """A Llama-style decoder whose attention is :func:`attention.dist_attn`.
 
 RMSNorm, rotary position embeddings computed from ``position_ids`` (positions inside each
-sequence, so RoPE is exact wherever a sequence's tokens live), SwiGLU MLP, grouped-query attention,
-tied or untied embeddings; shapes from a :class:`hdp.ModelSpec`. A forward pass takes one rank's
-packed tokens of one wave (``[T]``) and the plan that says where the rest of each sequence is.
+sequence, so RoPE is exact wherever a sequence's tokens live; scaled as :mod:`launch.rope` says),
+SwiGLU MLP, grouped-query attention, tied or untied embeddings, and what Mistral, Qwen2 and Qwen3
+add (biases, per-head q/k RMSNorm); shapes from a :class:`hdp.ModelSpec`, which can come from a
+Hugging Face ``config.json`` (:mod:`launch.hf_weights` loads its weights). A forward pass takes
+one rank's packed tokens of one wave (``[T]``) and the plan that says where the rest of each
+sequence is.
 
 Note [Selective activation checkpointing]
 -----------------------------------------
@@ -31,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from attention import dist_attn
 from hdp import ModelSpec, Plan
 
+from .rope import Rotary
+
 
 @dataclass
 class AttentionContext:
@@ -56,30 +61,25 @@ class RMSNorm(nn.Module):
         ) * self.weight
 
 
-def rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` by the angles of ``position_ids`` ``[T]`` (Llama's
-    half-split convention), computed in fp32."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = position_ids.to(torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention through :func:`attention.dist_attn`; ``backend`` names its
     kernels (``None``: the fastest for the device and dtype, :func:`attention.select_backend`)."""
 
-    def __init__(self, spec: ModelSpec, backend: str | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, rotary: Rotary | None = None, backend: str | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.backend = backend
+        self.rotary = rotary or Rotary(spec.rope, spec.head_dim)
         h, hd = spec.hidden, spec.head_dim
-        self.q_proj = nn.Linear(h, spec.heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(spec.heads * hd, h, bias=False)
+        self.q_proj = nn.Linear(h, spec.heads * hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.heads * hd, h, bias=spec.o_bias)
+        if spec.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
+            self.q_norm = RMSNorm(hd, spec.norm_eps)
+            self.k_norm = RMSNorm(hd, spec.norm_eps)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
@@ -90,8 +90,11 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
         """Queries and keys (rotated) and values of ``x``: ``[T, heads or kv_heads, head_dim]``."""
         T, s = x.shape[0], self.spec
-        q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)
-        k = rope(self.k_proj(x).view(T, s.kv_heads, s.head_dim), position_ids)
+        q = self.q_proj(x).view(T, s.heads, s.head_dim)
+        k = self.k_proj(x).view(T, s.kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         return q, k, self.v_proj(x).view(T, s.kv_heads, s.head_dim)
 
     def attend(self, q, k, v, ctx: AttentionContext) -> torch.Tensor:
@@ -104,20 +107,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=False)
-        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=False)
+        self.gate_proj = nn.Linear(spec.hidden, spec.ffn, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, attention_backend: str | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, rotary: Rotary | None = None, attention_backend: str | None = None
+    ) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(spec.hidden)
-        self.attn = Attention(spec, attention_backend)
-        self.mlp_norm = RMSNorm(spec.hidden)
+        self.attn_norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.attn = Attention(spec, rotary, attention_backend)
+        self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp = MLP(spec)
         self.keep_attention = False  # selective checkpointing (set by Llama)
 
@@ -170,11 +175,13 @@ class Llama(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.keep_attention = activation_checkpointing and keep_attention
         self.loss_chunk_tokens = loss_chunk_tokens
-        self.embed = nn.Embedding(spec.vocab, spec.hidden)
+        # transformers' padding row gets no gradient; a checkpoint's must stay as trained.
+        self.embed = nn.Embedding(spec.vocab, spec.hidden, padding_idx=spec.padding_idx)
+        rotary = Rotary(spec.rope, spec.head_dim)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, attention_backend) for _ in range(spec.layers)
+            DecoderLayer(spec, rotary, attention_backend) for _ in range(spec.layers)
         )
-        self.norm = RMSNorm(spec.hidden)
+        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         for layer in self.layers:
             layer.keep_attention = self.keep_attention
@@ -182,10 +189,20 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
+    def materialize(self, device: torch.device) -> None:
+        """Storage on ``device`` for a model built on the meta device (values undefined until a
+        checkpoint fills them). ``to_empty`` gives each module a new parameter off the meta device,
+        which unties a tied LM head; it is tied again here."""
+        self.to_empty(device=device)
+        if self.spec.tied_embeddings and self.lm_head.weight is not self.embed.weight:
+            self.lm_head.weight = self.embed.weight
+
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(
         self,

@@ -34,16 +34,20 @@ from attention import BACKEND_NAMES  # noqa: E402
 from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, format_size  # noqa: E402
 from hdp.argtypes import (  # noqa: E402
     choice,
-    input_file,
+    input_dir,
+    input_file_or_dir,
     integer,
+    model,
     number,
     number_list,
     output_dir,
     output_file,
+    rope_scaling,
     size,
 )
 from hdp.profile import ProfileError  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
+from launch.model_source import DEFAULT_MODEL, model_source  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
 from launch.train import kill_point, train  # noqa: E402
 from planner import STRATEGIES  # noqa: E402
@@ -59,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    add_data_args(p.add_argument_group("model and data"))
+    add_model_args(p.add_argument_group("model"))
+    add_data_args(p.add_argument_group("data"))
     add_training_args(p.add_argument_group("training"))
     add_planning_args(p.add_argument_group("planning"))
     add_output_args(p.add_argument_group("output"))
@@ -109,6 +114,7 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             )
     try:
         kill_point()
+        model_source(args)
     except ValueError as e:
         p.error(str(e))
     if args.gpu_profile:
@@ -118,10 +124,41 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
             p.error(str(e))
 
 
-def add_data_args(g) -> None:
+def add_model_args(g) -> None:
     g.add_argument(
-        "--model", default="tiny", choices=list(MODEL_PRESETS), help="model preset (default tiny)"
+        "--model",
+        type=model,
+        default=None,
+        metavar="NAME|CONFIG",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}; default {DEFAULT_MODEL}) or a "
+        "transformers config.json (or its directory) to train from random weights",
     )
+    g.add_argument(
+        "--init-from",
+        type=input_dir,
+        default=None,
+        metavar="DIR",
+        help="start from a Hugging Face checkpoint: DIR holds config.json and model.safetensors "
+        "(or shards with model.safetensors.index.json); llama, mistral, qwen2, qwen3",
+    )
+    g.add_argument(
+        "--rope-theta",
+        type=number(0.0, exclusive=True),
+        default=None,
+        help="RoPE base for context extension (default: the model's)",
+    )
+    g.add_argument(
+        "--rope-scaling",
+        type=rope_scaling,
+        default=None,
+        metavar="JSON",
+        help="RoPE scaling in transformers' keys, replacing the model's, e.g. "
+        '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}\' '
+        "(linear, llama3, yarn; null: none)",
+    )
+
+
+def add_data_args(g) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument(
         "--data",
@@ -145,9 +182,10 @@ def add_data_args(g) -> None:
     )
     g.add_argument(
         "--tokenizer",
-        type=input_file,
+        type=input_file_or_dir,
         default=None,
-        help="tokenizer.json for 'text' records (default: UTF-8 bytes)",
+        help="tokenizer.json, or a Hugging Face tokenizer directory, for 'text' records "
+        "(default: the --init-from directory's, else UTF-8 bytes)",
     )
     g.add_argument(
         "--synthetic-docs", type=integer(1), default=20000, help="documents of the synthetic corpus"

@@ -1,7 +1,8 @@
 """Starting a run where it should: the checkpoint to resume from, whether it may continue this
 run's setup, the tokens it already counted, and a metrics file without the rows it redoes.
 
-A checkpoint records a fingerprint of the run's setup (:func:`fingerprint`): the model, the data
+A checkpoint records a fingerprint of the run's setup (:func:`fingerprint`): the model (with its
+RoPE), the data
 (each source's file name, size and document lengths, the tokenizer, the weights, the vocabulary,
 the batch shape and seed), the planning flags and the optimizer's (learning rate, its schedule,
 weight decay, gradient clipping). Resuming with a different one is refused with one line naming
@@ -56,10 +57,12 @@ def describe_source(src) -> dict:
     return out
 
 
-def fingerprint(args, sources: list, *, vocab: int) -> dict:
-    """The setup a checkpoint continues: ``model``, ``data`` and ``planning`` sections."""
+def fingerprint(args, sources: list, *, vocab: int, model: dict) -> dict:
+    """The setup a checkpoint continues: ``model`` (:meth:`ModelSource.fingerprint
+    <launch.model_source.ModelSource.fingerprint>`), ``data``, ``planning`` and ``optimizer``
+    sections."""
     return {
-        "model": {"model": args.model},
+        "model": model,
         "data": {
             "sources": [describe_source(s) for s in sources],
             "tokenizers": sorted({s.tokenizer.id for s in sources if hasattr(s, "tokenizer")}),

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -33,7 +34,7 @@ from dataloader import (
     open_source,
 )
 from dataloader.loader import StepData
-from hdp import ClusterSpec, CostModel, GPUProfile, gpu_preset, model_preset
+from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
@@ -41,6 +42,7 @@ from .calibrate_tables import PROFILE_BACKEND
 from .checkpoint import CheckpointError
 from .memory import PeakMemory, rank_profile
 from .model import Llama
+from .model_source import ModelSource, model_source
 from .resume import Resume, find_resume, fingerprint, open_metrics
 from .runtime import StepResult, run_waves, shard_model
 
@@ -63,6 +65,7 @@ class Run:
     world: int
     device: torch.device
     cost: CostModel
+    model_source: ModelSource
     sources: list
     loader: HDPDataLoader
     model: Llama
@@ -96,27 +99,34 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
     """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0, or 2 for a bad setup."""
     log = rank0_log(rank)
     memory = PeakMemory(device)  # before anything big is built
+    try:
+        source = model_source(args)
+    except ValueError as e:
+        log(f"pretrain.py: error: {e}")
+        return 2
     if args.activation_checkpointing is None:
         args.activation_checkpointing = checkpointing_needed(
-            args, world=world, per_node=per_node, device=device
+            args, source.spec, world=world, per_node=per_node, device=device
         )
         if args.activation_checkpointing:
             log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
-    cost = build_cost_model(args, world=world, per_node=per_node, device=device)
+    cost = build_cost_model(args, source.spec, world=world, per_node=per_node, device=device)
     spec, cluster = cost.model, cost.cluster
     try:
         sync, cap = choose_sync(
             cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING
         )
-        sources, stream = build_data(args, vocab=spec.vocab)
-        setup = fingerprint(args, sources, vocab=spec.vocab)
+        sources, stream = build_data(args, source, vocab=spec.vocab)
+        setup = fingerprint(args, sources, vocab=spec.vocab, model=source.fingerprint())
         resume = find_resume(args, setup, log)
         check_attention_backend(args, device)
+        loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
+        model = build_model(
+            args, cost=cost, sync=sync, device=device, source=source, resuming=resume is not None
+        )
     except (PlanningError, DataError, ValueError, CheckpointError) as e:
         log(f"pretrain.py: error: {e}")
         return 2
-    loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
-    model = build_model(args, cost=cost, sync=sync, device=device)
     optimizer, scheduler = build_optimizer(args, model=model)
     run = Run(
         args,
@@ -124,6 +134,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         world,
         device,
         cost,
+        source,
         sources,
         loader,
         model,
@@ -137,7 +148,8 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
     start = restore(run, resume)
     params = sum(p.numel() for p in model.parameters())
     log(
-        f"{spec.name}: {params / 1e6:.1f}M parameters on {world} x {device.type} "
+        f"{spec.name} ({spec.architecture}, RoPE {spec.rope.describe()}): "
+        f"{params / 1e6:.1f}M parameters on {world} x {device.type} "
         f"({cluster.gpu.name} profile), {sync} sync, capacity {cap} tokens per rank per wave, "
         f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
     )
@@ -214,13 +226,22 @@ def save_checkpoint(run: Run, step: int) -> None:
         "accounting": asdict(run.totals),
         "fingerprint": run.setup,
     }
-    checkpoint.save(run.args.checkpoint_dir, step, run.model, run.optimizer, run.scheduler, state)
+    checkpoint.save(
+        run.args.checkpoint_dir,
+        step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        state,
+        files=run.model_source.hf_files(run.args.max_seq),
+    )
 
 
-def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -> CostModel:
-    """The cost model of what is trained (``--model``) on what (the ranks; ``--gpu-profile``,
+def build_cost_model(
+    args, spec: ModelSpec, *, world: int, per_node: int, device: torch.device
+) -> CostModel:
+    """The cost model of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
     ``--gpu``, or the preset of the detected device)."""
-    spec = model_preset(args.model)
     if device.type == "cpu" and spec.dtype_bytes != 4:
         spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
     if args.gpu_profile:
@@ -238,11 +259,13 @@ def build_cost_model(args, *, world: int, per_node: int, device: torch.device) -
     )
 
 
-def checkpointing_needed(args, *, world: int, per_node: int, device: torch.device) -> bool:
+def checkpointing_needed(
+    args, spec: ModelSpec, *, world: int, per_node: int, device: torch.device
+) -> bool:
     """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
     ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
     without = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
-    cost = build_cost_model(without, world=world, per_node=per_node, device=device)
+    cost = build_cost_model(without, spec, world=world, per_node=per_node, device=device)
     try:
         choose_sync(cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING)
     except PlanningError:
@@ -289,17 +312,23 @@ def detect_gpu(device: torch.device) -> str:
     return "h100"
 
 
-def build_sources(args, vocab: int) -> list:
-    """The ``--data`` sources, or one synthetic corpus with a workload's lengths."""
+def build_sources(args, source: ModelSource, vocab: int) -> list:
+    """The ``--data`` sources (``text`` records read with the model source's tokenizer), or one
+    synthetic corpus with a workload's lengths."""
     if args.data:
-        tok = load_tokenizer(args.tokenizer)
+        tok = load_tokenizer(source.tokenizer)
+        if source.tokenizer is not None and tok.vocab_size > vocab:
+            raise DataError(
+                f"tokenizer {source.tokenizer} has {tok.vocab_size} tokens, more than the "
+                f"model's vocabulary of {vocab}"
+            )
         return [open_source(p, tok, vocab, args.skip_bad_records) for p in args.data]
     return [SyntheticSource(args.workload or "wlb-128k", args.synthetic_docs, vocab, args.seed)]
 
 
-def build_data(args, *, vocab: int) -> tuple[list, BatchStream]:
+def build_data(args, source: ModelSource, *, vocab: int) -> tuple[list, BatchStream]:
     """The sources and the stream of global batches drawn from them."""
-    sources = build_sources(args, vocab)
+    sources = build_sources(args, source, vocab)
     stream = BatchStream(
         [s.lengths for s in sources],
         args.tokens_per_step,
@@ -332,22 +361,43 @@ def build_loader(
     )
 
 
-def build_model(args, *, cost: CostModel, sync: str, device: torch.device) -> Llama:
-    """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked."""
+def build_model(
+    args,
+    *,
+    cost: CostModel,
+    sync: str,
+    device: torch.device,
+    source: ModelSource | None = None,
+    resuming: bool = False,
+) -> Llama:
+    """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked: random
+    weights (the same on every rank), or, with ``--init-from``, built on the meta device, sharded,
+    and filled from the checkpoint's files (Note [Loading a checkpoint into shards] in
+    launch/hf_weights.py; not read when a checkpoint of the run is resumed instead). Raises
+    :class:`launch.hf_weights.WeightsError` naming the file and tensor when the checkpoint does
+    not fit."""
+    checkpoint = source.checkpoint if source is not None else None
     torch.manual_seed(args.seed)  # identical initial weights on every rank, sharded below
-    model = Llama(
-        cost.model,
-        activation_checkpointing=args.activation_checkpointing,
-        loss_chunk_tokens=cost.loss_chunk_tokens,
-        attention_backend=forced_attention_backend(args),
-        # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
-        # model's memory estimate assumes full checkpointing (absent flag: full).
-        keep_attention=getattr(args, "keep_attention", False),
-    ).to(device)
+    with torch.device("meta") if checkpoint is not None else nullcontext():
+        model = Llama(
+            cost.model,
+            activation_checkpointing=args.activation_checkpointing,
+            loss_chunk_tokens=cost.loss_chunk_tokens,
+            attention_backend=forced_attention_backend(args),
+            # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
+            # model's memory estimate assumes full checkpointing (absent flag: full).
+            keep_attention=getattr(args, "keep_attention", False),
+        )
+    if checkpoint is None:
+        model.to(device)
     if args.compile:
         apply_compile(model)
     if dist.is_initialized():
         shard_model(model, sync, mixed_precision=device.type == "cuda")
+    if checkpoint is not None:
+        model.materialize(device)
+        if not resuming:
+            checkpoint.load_into(model)
     return model
 
 

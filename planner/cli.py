@@ -15,9 +15,9 @@ from hdp import (
     ClusterSpec,
     GPUProfile,
     gpu_preset,
-    model_preset,
+    model_spec,
 )
-from hdp.argtypes import integer, output_file_in_existing_dir, size
+from hdp.argtypes import integer, model, output_file_in_existing_dir, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
@@ -48,8 +48,11 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--model",
+        type=model,
         default="llama-7b",
-        help=f"model preset: {', '.join(MODEL_PRESETS)} (default llama-7b)",
+        metavar="NAME|CONFIG",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}; default llama-7b) or a transformers "
+        "config.json (or its directory)",
     )
     g.add_argument(
         "--capacity",
@@ -92,7 +95,7 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
     gpu = GPUProfile.load(args.gpu_profile) if args.gpu_profile else gpu_preset(args.gpu)
-    return ClusterSpec(args.gpus, args.gpus_per_node, gpu), model_preset(args.model)
+    return ClusterSpec(args.gpus, args.gpus_per_node, gpu), model_spec(args.model)
 
 
 def _strategies(text: str) -> list[str]:

@@ -34,7 +34,7 @@ from dataloader import BatchStream, SyntheticSource  # noqa: E402
 from hdp import MODEL_PRESETS, ClusterSpec, CostModel, gpu_preset, model_preset  # noqa: E402
 from hdp.argtypes import choice, input_file, integer, number, size  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
-from launch.model import Attention, Llama, rope  # noqa: E402
+from launch.model import Attention, Llama  # noqa: E402
 from launch.train import detect_gpu  # noqa: E402
 
 WARMUP_STEPS = 2  # steps left out of the summary (allocator and kernel warm-up)
@@ -75,16 +75,13 @@ class VarlenAttention(nn.Module):
     def __init__(self, attn: Attention, backend) -> None:
         super().__init__()
         self.spec, self.backend = attn.spec, backend
-        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
-        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self.attn = attn
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: Packed) -> torch.Tensor:
         T, s = x.shape[0], self.spec
-        q = rope(self.q_proj(x).view(T, s.heads, s.head_dim), position_ids)
-        k = rope(self.k_proj(x).view(T, s.kv_heads, s.head_dim), position_ids)
-        v = self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+        q, k, v = self.attn.qkv(x, position_ids)
         out = _Varlen.apply(q, k, v, ctx.cu, ctx.max_len, s.head_dim**-0.5, self.backend)
-        return self.o_proj(out.reshape(T, s.heads * s.head_dim))
+        return self.attn.o_proj(out.reshape(T, s.heads * s.head_dim))
 
 
 def plain_model(spec, backend, loss_chunk_tokens: int, checkpointing: bool = True) -> Llama:
