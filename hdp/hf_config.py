@@ -20,8 +20,7 @@ For example, Llama 3.1 8B in 4.x form::
 
 reads as ``RoPE(theta=5e5, type="llama3", factor=8.0, original_max_positions=8192, ...)``, the
 same value as its 5.x form ``"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
-...}``. Values transformers derives are resolved here: a ``yarn`` ``factor`` left out is
-``max_position_embeddings / original_max_position_embeddings``, its ``attention_factor`` left out
+...}``. Values transformers derives are resolved here: a ``yarn`` ``attention_factor`` left out
 is ``0.1 ln(factor) + 1`` (or the ``mscale`` ratio), and an ``original_max_position_embeddings``
 left out is ``max_position_embeddings``. ``dynamic`` NTK scaling is refused: transformers changes
 its frequencies with the longest sequence seen so far, a state no distributed step shares.
@@ -174,8 +173,6 @@ def rope_from_dict(
 
     original = get("original_max_position_embeddings", max_positions)
     factor = get("factor")
-    if factor is None and kind == "yarn" and original and max_positions:
-        factor = max_positions / original
     if factor is None:
         raise ConfigError(f"{where}: rope_type {kind!r} needs 'factor'")
     rope = replace(rope, factor=_number(factor, "factor", where))
@@ -302,6 +299,11 @@ def spec_from_config(config: dict[str, Any], *, name: str, where: str = "config.
             raise ConfigError(
                 f"{where}: {key} {c[key]!r}: multi-head latent attention is not supported"
             )
+    if c.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ConfigError(
+            f"{where}: partial_rotary_factor {c['partial_rotary_factor']!r} is not supported: "
+            "hdp rotates the whole head"
+        )
     if (c.get("hidden_act") or "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (hdp: silu)")
     if c.get("attention_dropout") not in (None, 0, 0.0):

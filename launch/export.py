@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,7 +176,11 @@ def export(
             part = {}
             for t in group:
                 full = torch.empty(t.shape, dtype=torch.float32)
-                dcp.load({t.key: full}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+                with warnings.catch_warnings():  # "assuming the intent is to load in a single..."
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                    dcp.load(
+                        {t.key: full}, storage_reader=FileSystemReader(str(path)), no_dist=True
+                    )
                 part[t.name] = full.to(torch_dtype)
                 del full
             save_file(part, str(tmp / name), metadata={"format": "pt"})

@@ -145,3 +145,19 @@ def reference(model_dir: Path, docs: list[list[int]], *, grads: bool = False, **
         return float(loss.detach())
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-pair tokenizer of fewer tokens than ``VOCAB`` (``tokenizer.json`` and its config),
+    as a Hugging Face model directory holds them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "long context training needs every step balanced and every byte necessary".split()
+    tok.train_from_iterator(
+        words * 20, trainers.BpeTrainer(vocab_size=80, special_tokens=["[UNK]"])
+    )
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -20,6 +20,7 @@ from hf_models import (  # noqa: E402
     reference,
     write_checkpoint,
     write_corpus,
+    write_tokenizer,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,48 +45,44 @@ def models(tmp_path_factory):
 
 
 def _train_kinds(rank, world, dirs, corpus, capacity, out):
-    """Step 1 of ``--init-from`` training of every checkpoint: rank 0 saves the loss and the full
-    gradients (taken just before the optimizer steps)."""
+    """Step 1 of ``--init-from`` training of every checkpoint: rank 0 saves the loss, the widest
+    split of a document, and the full gradients (taken just before the optimizer steps)."""
     import launch.train as lt
     from launch.pretrain import parse_args
 
+    orig_optimizer, orig_step = lt.build_optimizer, lt.train_step
+    seen = {}
+
+    def build_optimizer(args, *, model):
+        optimizer, scheduler = orig_optimizer(args, model=model)
+
+        def keep(opt, a, k):
+            for name, p in model.named_parameters():
+                g = p.grad
+                seen["grads"][name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+
+        optimizer.register_step_pre_hook(keep)
+        return optimizer, scheduler
+
+    def train_step(data, **kw):
+        seen["split"] = _widest_split(data.plan)
+        return orig_step(data, **kw)
+
+    lt.build_optimizer, lt.train_step = build_optimizer, train_step
     results = {}
     for kind, directory in dirs.items():
         argv = ["--init-from", str(directory), "--data", str(corpus), "--steps", "1", *STEP]
         argv += ["--metrics", f"{out}.{kind}.jsonl"]
         if capacity:
             argv += ["--capacity", capacity]
-        grads = {}
-
-        def build_optimizer(args, *, model, _grads=grads):
-            optimizer, scheduler = orig(args, model=model)
-
-            def keep(opt, a, k):
-                for name, p in model.named_parameters():
-                    g = p.grad
-                    _grads[name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
-
-            optimizer.register_step_pre_hook(keep)
-            return optimizer, scheduler
-
-        spans = []
-
-        def train_step(data, _spans=spans, **kw):
-            _spans.append(_widest_split(data.plan))
-            return orig_step(data, **kw)
-
-        orig, orig_step = lt.build_optimizer, lt.train_step
-        lt.build_optimizer, lt.train_step = build_optimizer, train_step
-        try:
-            code = lt.train(
-                parse_args(argv), rank=rank, world=world, per_node=world, device=torch.device("cpu")
-            )
-        finally:
-            lt.build_optimizer, lt.train_step = orig, orig_step
-        assert code == 0
+        seen["grads"] = {}
+        args = parse_args(argv)
+        assert (
+            lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 0
+        )
         if rank == 0:
             row = json.loads(Path(f"{out}.{kind}.jsonl").read_text().splitlines()[0])
-            results[kind] = {"loss": row["loss"], "split": max(spans), "grads": grads}
+            results[kind] = {"loss": row["loss"], "split": seen["split"], "grads": seen["grads"]}
     if rank == 0:
         torch.save(results, out)
 
@@ -136,3 +133,112 @@ def _rope(directory: Path) -> dict:
     import transformers
 
     return dict(transformers.AutoConfig.from_pretrained(directory).rope_parameters)
+
+
+def _torchrun(argv: list[str], tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*cmd, str(ROOT / "launch" / "pretrain.py"), *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _export(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launch.export", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+SHAPE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+@pytest.mark.parametrize(
+    "kind, rope_flags, rope_check",
+    [
+        # 4.x spelling kept; the new theta written, the llama3 scaling kept.
+        (
+            "llama",
+            ["--rope-theta", "2e6"],
+            lambda c: c["rope_theta"] == 2e6 and c["rope_scaling"]["rope_type"] == "llama3",
+        ),
+        # 5.x spelling kept; tied embeddings; the yarn scaling replaced.
+        (
+            "qwen2",
+            [
+                "--rope-scaling",
+                '{"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 32}',
+            ],
+            lambda c: (
+                c["rope_parameters"]["factor"] == 2
+                and c["rope_parameters"]["original_max_position_embeddings"] == 32
+            ),
+        ),
+    ],
+)
+def test_export_round_trip(tmp_path, kind, rope_flags, rope_check):
+    """``--init-from`` -> 3 steps on 2 ranks with a checkpoint at step 2 -> ``hdp-export`` of
+    step 2 -> transformers loads it without a missing or unexpected weight, its loss on step 3's
+    documents equals hdp's step-3 loss, its config keeps the source's shape and tying and carries
+    the run's RoPE; the tokenizer files travel along."""
+    import transformers
+
+    source = write_checkpoint(kind, tmp_path / "source")
+    write_tokenizer(source)
+    docs = write_corpus(tmp_path / "corpus.jsonl")
+    _torchrun(
+        [
+            *("--init-from", str(source), "--data", str(tmp_path / "corpus.jsonl"), *STEP),
+            *("--steps", "3", "--save-every", "2", "--checkpoint-dir", str(tmp_path / "ck")),
+            *("--metrics", str(tmp_path / "m.jsonl"), "--capacity", "64", "--lr", "1e-2"),
+            *("--warmup", "1", *rope_flags),
+        ],
+        tmp_path,
+    )
+    out = tmp_path / "export"
+    done = _export(
+        [
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--step",
+            "2",
+            "--out",
+            str(out),
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "40KB",
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    assert (out / "model.safetensors.index.json").exists()  # sharded at 40KB
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+    transformers.AutoTokenizer.from_pretrained(out)
+
+    exported, src = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    assert {f: exported[f] for f in SHAPE_FIELDS} == {f: src[f] for f in SHAPE_FIELDS}
+    assert rope_check(exported), exported
+    transformers.logging.set_verbosity_warning()
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    step3 = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()][2]
+    assert step3["step"] == 3
+    expected = reference(out, docs)
+    assert abs(step3["loss"] - expected) <= 1e-5 * abs(expected), (step3["loss"], expected)

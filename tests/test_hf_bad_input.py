@@ -1,0 +1,297 @@
+"""Bad Hugging Face checkpoints and exports: one line naming the file and the tensor or field, exit
+status 2, nothing trained and nothing overwritten."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import write_checkpoint, write_corpus  # noqa: E402
+
+from launch.pretrain import parse_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return write_checkpoint("llama", tmp_path_factory.mktemp("good") / "llama")
+
+
+def _copy(good: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(good, tmp_path / "ck"))
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def _rewrite(directory: Path, edit) -> None:
+    """Apply ``edit`` to the tensors of ``model.safetensors`` and write them back."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda d: (d / "config.json").unlink(), "config.json: no such file"),
+        (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors or"),
+        (
+            lambda d: (d / "model.safetensors").rename(d / "pytorch_model.bin"),
+            "holds PyTorch .bin weights",
+        ),
+        (lambda d: _rewrite(d, lambda t: t.pop(Q)), f"lacks tensor {Q}, which the model needs"),
+        (
+            lambda d: _rewrite(d, lambda t: t.update(extra=torch.zeros(2))),
+            "model.safetensors: unexpected tensor extra",
+        ),
+        (
+            lambda d: _rewrite(d, lambda t: t.update({Q: torch.zeros(64, 32)})),
+            f"model.safetensors: tensor {Q} has shape [64, 32], but config.json makes it [64, 64]",
+        ),
+        (
+            lambda d: _rewrite(d, lambda t: t.update({Q: t[Q].to(torch.int64)})),
+            f"model.safetensors: tensor {Q} has dtype I64; weights must be floating point",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(
+                (d / "model.safetensors").read_bytes()[:-100]
+            ),
+            "(truncated?)",
+        ),
+        (lambda d: (d / "model.safetensors").write_bytes(b"12345"), "not a safetensors file"),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {Q: "model-00002-of-00002.safetensors"}})
+            ),
+            "lists model-00002-of-00002.safetensors, which is not in",
+        ),
+        (
+            lambda d: (d / "config.json").write_text(
+                json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "mixtral"})
+            ),
+            "config.json: model_type 'mixtral' is not supported",
+        ),
+        (
+            lambda d: (d / "config.json").write_text(
+                json.dumps({**json.loads((d / "config.json").read_text()), "num_hidden_layers": 3})
+            ),
+            "lacks tensor model.layers.2.input_layernorm.weight",
+        ),
+    ],
+)
+def test_a_bad_checkpoint_is_one_line_naming_file_and_tensor(
+    good, tmp_path, capsys, damage, expected
+):
+    ck = _copy(good, tmp_path)
+    damage(ck)
+    line = _error(["--init-from", str(ck)], capsys)
+    assert line.startswith("pretrain.py: error: "), line
+    assert expected in line, line
+    assert str(ck) in line, line
+
+
+def test_init_from_flags_that_do_not_fit_are_refused(good, tmp_path, capsys):
+    line = _error(["--init-from", str(good), "--model", "llama-7b"], capsys)
+    assert "--model llama-7b is not the shape of --init-from" in line
+    assert "layers: 32 -> 2" in line
+    assert "--init-from" in _error(["--init-from", str(tmp_path / "absent")], capsys)
+    line = _error(["--init-from", str(good), "--rope-scaling", '{"rope_type": "dynamic"}'], capsys)
+    assert "argument --rope-scaling: --rope-scaling: rope_type 'dynamic' is not supported" in line
+    assert "not JSON" in _error(["--rope-scaling", "{yarn"], capsys)
+    assert "argument --rope-theta" in _error(["--rope-theta", "-5"], capsys)
+    line = _error(["--init-from", str(good), "--rope-scaling", '{"rope_type": "yarn"}'], capsys)
+    assert "rope_type 'yarn' needs 'factor'" in line
+    # the same shape by its config.json is allowed, and sets nothing new
+    parse_args(["--init-from", str(good), "--model", str(good / "config.json")])
+
+
+def test_a_bad_checkpoint_trains_nothing(good, tmp_path):
+    """Through torchrun's entry point: exit status 2 and no metrics row, no checkpoint."""
+    ck = _copy(good, tmp_path)
+    _rewrite(ck, lambda t: t.pop(Q))
+    write_corpus(tmp_path / "c.jsonl")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "pretrain.py"),
+            "--init-from",
+            str(ck),
+            "--data",
+            str(tmp_path / "c.jsonl"),
+            "--metrics",
+            str(tmp_path / "m.jsonl"),
+            "--checkpoint-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert f"lacks tensor {Q}" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "out").exists()
+
+
+def _export(argv):
+    return subprocess.run(
+        [sys.executable, "-m", "launch.export", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path):
+    """A target that holds files, a folder without checkpoints, a missing or damaged step: one
+    line, exit 2, the target untouched."""
+    import launch.train as lt
+
+    write_corpus(tmp_path / "c.jsonl")
+    argv = [
+        "--model",
+        "tiny",
+        "--data",
+        str(tmp_path / "c.jsonl"),
+        "--tokens-per-step",
+        "608",
+        "--max-seq",
+        "128",
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+    ]
+    assert lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    cases = [
+        (
+            ["--checkpoint-dir", str(tmp_path / "ck"), "--out", str(busy)],
+            "exists and is not an empty directory",
+        ),
+        (
+            ["--checkpoint-dir", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "x")],
+            "is not a directory",
+        ),
+        (
+            ["--checkpoint-dir", str(busy), "--out", str(tmp_path / "x")],
+            "holds no step_* checkpoint",
+        ),
+        (
+            ["--checkpoint-dir", str(tmp_path / "ck"), "--step", "7", "--out", str(tmp_path / "x")],
+            "--step 7: no step_00000007",
+        ),
+        (
+            [
+                "--checkpoint-dir",
+                str(tmp_path / "ck"),
+                "--dtype",
+                "int8",
+                "--out",
+                str(tmp_path / "x"),
+            ],
+            "unknown dtype 'int8'",
+        ),
+        (
+            [
+                "--checkpoint-dir",
+                str(tmp_path / "ck"),
+                "--max-shard-size",
+                "5XB",
+                "--out",
+                str(tmp_path / "x"),
+            ],
+            "'5XB' is not a size such as 5GB",
+        ),
+    ]
+    for argv, expected in cases:
+        done = _export(argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert expected in done.stderr.strip().splitlines()[-1], (argv, done.stderr)
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    assert not (tmp_path / "x").exists()
+    shard = next((tmp_path / "ck" / "step_00000001").glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    done = _export(
+        ["--checkpoint-dir", str(tmp_path / "ck"), "--step", "1", "--out", str(tmp_path / "x")]
+    )
+    assert done.returncode == 2 and "is damaged" in done.stderr, done.stderr
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial-*"))
+
+
+def test_a_model_trained_from_a_preset_exports_as_its_architecture(tmp_path):
+    """From scratch (``--model tiny``, one process): the export's config is built from the preset
+    and transformers computes the loss hdp trains on next."""
+    import transformers
+    from hf_models import reference
+
+    import launch.train as lt
+
+    docs = write_corpus(tmp_path / "c.jsonl")
+    argv = [
+        "--model",
+        "tiny",
+        "--data",
+        str(tmp_path / "c.jsonl"),
+        "--tokens-per-step",
+        "608",
+        "--max-seq",
+        "128",
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--lr",
+        "1e-2",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    ]
+    assert lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
+    done = _export(
+        [
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--step",
+            "1",
+            "--dtype",
+            "fp32",
+            "--out",
+            str(tmp_path / "hf"),
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (
+        config["architectures"] == ["LlamaForCausalLM"] and config["max_position_embeddings"] == 128
+    )
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    step2 = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[1])
+    expected = reference(tmp_path / "hf", docs)
+    assert abs(step2["loss"] - expected) <= 1e-5 * expected, (step2["loss"], expected)
