@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -161,3 +163,19 @@ def write_tokenizer(directory: Path) -> None:
     tok.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def run_export(argv: list[str]) -> subprocess.CompletedProcess:
+    """``hdp-export`` in a fresh process."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "launch.export", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
+
+
+def train_in_process(argv: list[str]) -> None:
+    """``pretrain.py`` with ``argv`` as one rank without a process group."""
+    import launch.train as lt
+    from launch.pretrain import parse_args
+
+    args = parse_args(argv)
+    assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0

@@ -118,7 +118,7 @@ def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
         (["sim_main", "--workload", "nope", "--gpus", "8"], "unknown workload 'nope'"),
         (
             ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--model", "gpt-5"],
-            "unknown model preset 'gpt-5'",
+            "unknown model 'gpt-5'",
         ),
         (
             ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--gpu", "tpu"],

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import write_checkpoint, write_corpus  # noqa: E402
+from hf_models import run_export, train_in_process, write_checkpoint, write_corpus  # noqa: E402
 
 from launch.pretrain import parse_args  # noqa: E402
 
@@ -151,92 +151,39 @@ def test_a_bad_checkpoint_trains_nothing(good, tmp_path):
     assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "out").exists()
 
 
-def _export(argv):
-    return subprocess.run(
-        [sys.executable, "-m", "launch.export", *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+def _tiny(tmp_path: Path, *extra: str) -> list[list[int]]:
+    """Training of the ``tiny`` preset on the test corpus, one whole-corpus step per step."""
+    docs = write_corpus(tmp_path / "c.jsonl")
+    argv = ["--model", "tiny", "--data", str(tmp_path / "c.jsonl"), "--max-seq", "128"]
+    train_in_process([*argv, "--tokens-per-step", "608", *extra])
+    return docs
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path):
     """A target that holds files, a folder without checkpoints, a missing or damaged step: one
     line, exit 2, the target untouched."""
-    import launch.train as lt
-
-    write_corpus(tmp_path / "c.jsonl")
-    argv = [
-        "--model",
-        "tiny",
-        "--data",
-        str(tmp_path / "c.jsonl"),
-        "--tokens-per-step",
-        "608",
-        "--max-seq",
-        "128",
-        "--steps",
-        "1",
-        "--checkpoint-dir",
-        str(tmp_path / "ck"),
-    ]
-    assert lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
+    ck, x = str(tmp_path / "ck"), str(tmp_path / "x")
+    _tiny(tmp_path, "--steps", "1", "--checkpoint-dir", ck)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
     cases = [
-        (
-            ["--checkpoint-dir", str(tmp_path / "ck"), "--out", str(busy)],
-            "exists and is not an empty directory",
-        ),
-        (
-            ["--checkpoint-dir", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "x")],
-            "is not a directory",
-        ),
-        (
-            ["--checkpoint-dir", str(busy), "--out", str(tmp_path / "x")],
-            "holds no step_* checkpoint",
-        ),
-        (
-            ["--checkpoint-dir", str(tmp_path / "ck"), "--step", "7", "--out", str(tmp_path / "x")],
-            "--step 7: no step_00000007",
-        ),
-        (
-            [
-                "--checkpoint-dir",
-                str(tmp_path / "ck"),
-                "--dtype",
-                "int8",
-                "--out",
-                str(tmp_path / "x"),
-            ],
-            "unknown dtype 'int8'",
-        ),
-        (
-            [
-                "--checkpoint-dir",
-                str(tmp_path / "ck"),
-                "--max-shard-size",
-                "5XB",
-                "--out",
-                str(tmp_path / "x"),
-            ],
-            "'5XB' is not a size such as 5GB",
-        ),
+        (["--checkpoint-dir", ck, "--out", str(busy)], "exists and is not an empty directory"),
+        (["--checkpoint-dir", str(tmp_path / "c.jsonl"), "--out", x], "is not a directory"),
+        (["--checkpoint-dir", str(busy), "--out", x], "holds no step_* checkpoint"),
+        (["--checkpoint-dir", ck, "--step", "7", "--out", x], "--step 7: no step_00000007"),
+        (["--checkpoint-dir", ck, "--dtype", "int8", "--out", x], "unknown dtype 'int8'"),
+        (["--checkpoint-dir", ck, "--max-shard-size", "5XB", "--out", x], "'5XB' is not a size"),
     ]
     for argv, expected in cases:
-        done = _export(argv)
+        done = run_export(argv)
         assert done.returncode == 2, (argv, done.stderr)
         assert expected in done.stderr.strip().splitlines()[-1], (argv, done.stderr)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
-    assert not (tmp_path / "x").exists()
     shard = next((tmp_path / "ck" / "step_00000001").glob("*.distcp"))
     data = shard.read_bytes()
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
-    done = _export(
-        ["--checkpoint-dir", str(tmp_path / "ck"), "--step", "1", "--out", str(tmp_path / "x")]
-    )
+    done = run_export(["--checkpoint-dir", ck, "--step", "1", "--out", x])
     assert done.returncode == 2 and "is damaged" in done.stderr, done.stderr
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.partial-*"))
 
@@ -247,18 +194,9 @@ def test_a_model_trained_from_a_preset_exports_as_its_architecture(tmp_path):
     import transformers
     from hf_models import reference
 
-    import launch.train as lt
-
-    docs = write_corpus(tmp_path / "c.jsonl")
-    argv = [
-        "--model",
-        "tiny",
-        "--data",
-        str(tmp_path / "c.jsonl"),
-        "--tokens-per-step",
-        "608",
-        "--max-seq",
-        "128",
+    ck, metrics, out = str(tmp_path / "ck"), tmp_path / "m.jsonl", tmp_path / "hf"
+    docs = _tiny(
+        tmp_path,
         "--steps",
         "2",
         "--save-every",
@@ -266,32 +204,17 @@ def test_a_model_trained_from_a_preset_exports_as_its_architecture(tmp_path):
         "--lr",
         "1e-2",
         "--checkpoint-dir",
-        str(tmp_path / "ck"),
+        ck,
         "--metrics",
-        str(tmp_path / "m.jsonl"),
-    ]
-    assert lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
-    done = _export(
-        [
-            "--checkpoint-dir",
-            str(tmp_path / "ck"),
-            "--step",
-            "1",
-            "--dtype",
-            "fp32",
-            "--out",
-            str(tmp_path / "hf"),
-        ]
+        str(metrics),
     )
+    done = run_export(["--checkpoint-dir", ck, "--step", "1", "--dtype", "fp32", "--out", str(out)])
     assert done.returncode == 0, done.stderr
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (
-        config["architectures"] == ["LlamaForCausalLM"] and config["max_position_embeddings"] == 128
-    )
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", output_loading_info=True
-    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["max_position_embeddings"] == 128
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
-    step2 = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[1])
-    expected = reference(tmp_path / "hf", docs)
+    step2 = json.loads(metrics.read_text().splitlines()[1])
+    expected = reference(out, docs)
     assert abs(step2["loss"] - expected) <= 1e-5 * expected, (step2["loss"], expected)

@@ -18,6 +18,8 @@ from hf_models import (  # noqa: E402
     KINDS,
     hf_name_of,
     reference,
+    run_export,
+    train_in_process,
     write_checkpoint,
     write_corpus,
     write_tokenizer,
@@ -147,16 +149,6 @@ def _torchrun(argv: list[str], tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def _export(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launch.export", *argv],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-
-
 SHAPE_FIELDS = (
     "model_type",
     "hidden_size",
@@ -212,7 +204,7 @@ def test_export_round_trip(tmp_path, kind, rope_flags, rope_check):
         tmp_path,
     )
     out = tmp_path / "export"
-    done = _export(
+    done = run_export(
         [
             "--checkpoint-dir",
             str(tmp_path / "ck"),
@@ -242,3 +234,29 @@ def test_export_round_trip(tmp_path, kind, rope_flags, rope_check):
     assert step3["step"] == 3
     expected = reference(out, docs)
     assert abs(step3["loss"] - expected) <= 1e-5 * abs(expected), (step3["loss"], expected)
+
+
+def test_resuming_an_init_from_run_continues_it(models, tmp_path, capsys):
+    """A resumed ``--init-from`` run takes its weights from its own checkpoint (the model is built
+    on the meta device either way) and trains the losses of the uninterrupted run; a RoPE
+    changed on resume is another model, refused."""
+    dirs, corpus, _ = models
+    base = ["--init-from", str(dirs["qwen2"]), "--data", str(corpus), *STEP]
+    base += ["--lr", "1e-2", "--warmup", "1", "--lr-decay-steps", "3"]
+    train_in_process([*base, "--steps", "3", "--metrics", str(tmp_path / "straight.jsonl")])
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "split.jsonl")]
+    train_in_process([*base, *ck, "--steps", "1"])
+    train_in_process([*base, *ck, "--steps", "3", "--resume"])
+    straight, split = (
+        [json.loads(x)["loss"] for x in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+        for n in ("straight", "split")
+    )
+    assert split == straight
+    import launch.train as lt
+    from launch.pretrain import parse_args
+
+    args = parse_args([*base, *ck, "--steps", "4", "--resume", "--rope-theta", "2e6"])
+    assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 2
+    assert (
+        "holds another model (rope.rope_theta: 1000000.0 -> 2000000.0)" in capsys.readouterr().out
+    )

@@ -149,7 +149,7 @@ SIM = ["--workload", "wlb-128k", "--gpus", "8"]
         (data_main, ["stats", "x.jsonl", "--vocab-size", "-1"], "--vocab-size: must be >= 1"),
         (data_main, ["stats", "x.jsonl", "--max-seq", "0"], "argument --max-seq: must be >= 1"),
         (data_main, ["stats", "x.jsonl", "--max-seq", "inf"], "argument --max-seq: invalid size"),
-        (data_main, ["stats", "x.jsonl", "--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+        (data_main, ["stats", "x.jsonl", "--model", "gpt-9"], "unknown model 'gpt-9'"),
     ],
 )
 def test_planner_and_data_flags(tmp_path, capsys, fn, argv, message):
