@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """The JSON object of a ``config.json`` (``path`` is the file or its directory)."""
     path = Path(path)
@@ -289,41 +298,10 @@ def spec_from_config(config: dict[str, Any], *, name: str, where: str = "config.
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders with full causal attention)"
         )
     c = {**_DEFAULTS[model_type], **config}  # an explicit null stays null (sliding_window)
-    for key in _MOE_FIELDS:
-        if c.get(key):
-            raise ConfigError(
-                f"{where}: {key} {c[key]!r}: mixture-of-experts models are not supported"
-            )
-    for key in _MLA_FIELDS:
-        if c.get(key):
-            raise ConfigError(
-                f"{where}: {key} {c[key]!r}: multi-head latent attention is not supported"
-            )
-    if c.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ConfigError(
-            f"{where}: partial_rotary_factor {c['partial_rotary_factor']!r} is not supported: "
-            "hdp rotates the whole head"
-        )
-    if (c.get("hidden_act") or "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (hdp: silu)")
-    if c.get("attention_dropout") not in (None, 0, 0.0):
-        raise ConfigError(
-            f"{where}: attention_dropout {c['attention_dropout']!r} is not supported: set it to 0.0"
-        )
-    _refuse_sliding_window(c, model_type, where)
-    missing = [
-        k
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "vocab_size",
-        )
-        if k not in c
-    ]
-    if missing:
-        raise ConfigError(f"{where}: lacks {missing[0]}")
+    _refuse_unsupported(c, model_type, where)
+    for key in _REQUIRED:
+        if key not in c:
+            raise ConfigError(f"{where}: lacks {key}")
     hidden = _count(c["hidden_size"], "hidden_size", where)
     heads = _count(c["num_attention_heads"], "num_attention_heads", where)
     kv_heads = _count(c.get("num_key_value_heads") or heads, "num_key_value_heads", where)
@@ -359,6 +337,32 @@ def spec_from_config(config: dict[str, Any], *, name: str, where: str = "config.
         qk_norm=model_type == "qwen3",
         padding_idx=pad,
     )
+
+
+def _refuse_unsupported(c: dict[str, Any], model_type: str, where: str) -> None:
+    """:class:`ConfigError` for the first field that asks for what hdp's decoder lacks."""
+    for key in _MOE_FIELDS:
+        if c.get(key):
+            raise ConfigError(
+                f"{where}: {key} {c[key]!r}: mixture-of-experts models are not supported"
+            )
+    for key in _MLA_FIELDS:
+        if c.get(key):
+            raise ConfigError(
+                f"{where}: {key} {c[key]!r}: multi-head latent attention is not supported"
+            )
+    if c.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ConfigError(
+            f"{where}: partial_rotary_factor {c['partial_rotary_factor']!r} is not supported: "
+            "hdp rotates the whole head"
+        )
+    if (c.get("hidden_act") or "silu") != "silu":
+        raise ConfigError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (hdp: silu)")
+    if c.get("attention_dropout") not in (None, 0, 0.0):
+        raise ConfigError(
+            f"{where}: attention_dropout {c['attention_dropout']!r} is not supported: set it to 0.0"
+        )
+    _refuse_sliding_window(c, model_type, where)
 
 
 def _refuse_sliding_window(c: dict[str, Any], model_type: str, where: str) -> None:
@@ -475,14 +479,31 @@ def with_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**config, ("dtype" if "dtype" in config else "torch_dtype"): dtype}
 
 
+# The fields of a spec that set its weights' names and shapes.
+WEIGHT_FIELDS = (
+    "architecture",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "vocab",
+    "tied_embeddings",
+    "qkv_bias",
+    "o_bias",
+    "mlp_bias",
+    "qk_norm",
+)
+
+
 def shape_differences(a, b) -> list[str]:
-    """``field: a -> b`` for each field of two specs that changes what the model computes (names
-    and the dtype of the cost model aside)."""
-    skip = {"name", "dtype_bytes"}
+    """``field: a -> b`` for each field of two specs that gives their weights other names or
+    shapes (:data:`WEIGHT_FIELDS`)."""
     return [
-        f"{f.name}: {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"
-        for f in fields(a)
-        if f.name not in skip and getattr(a, f.name) != getattr(b, f.name)
+        f"{f}: {getattr(a, f)!r} -> {getattr(b, f)!r}"
+        for f in WEIGHT_FIELDS
+        if getattr(a, f) != getattr(b, f)
     ]
 
 
@@ -492,6 +513,7 @@ __all__ = [
     "ROPE_TYPES",
     "RoPE",
     "SUPPORTED_MODEL_TYPES",
+    "WEIGHT_FIELDS",
     "export_config",
     "parse_rope_scaling",
     "read_config",

@@ -162,11 +162,11 @@ def save(
     optimizer,
     scheduler,
     state: dict,
-    files: dict[str, bytes | Path] | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Save everything needed to continue after ``step`` optimizer steps (a collective).
     ``state`` (JSON) holds the schedule-independent rest: data position, accounting,
-    fingerprint. ``files`` ({name: contents or a file to copy}) go into ``hf/``."""
+    fingerprint. ``files`` ({name: contents}) go into ``hf/``."""
     folder = Path(folder)
     path = folder / f"step_{step:08d}"
     refusal = None
@@ -197,13 +197,12 @@ def save(
     return path
 
 
-def _write_files(folder: Path, files: dict[str, bytes | Path]) -> None:
+def _write_files(folder: Path, files: dict[str, bytes]) -> None:
     if not files:
         return
     folder.mkdir(exist_ok=True)
     for name, contents in files.items():
-        data = contents if isinstance(contents, bytes) else Path(contents).read_bytes()
-        (folder / name).write_bytes(data)
+        (folder / name).write_bytes(contents)
 
 
 def _listing(path: Path) -> list[str]:

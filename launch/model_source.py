@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hdp import ModelSpec, model_spec
+from hdp import MODEL_PRESETS, ModelSpec, model_spec
 from hdp.hf_config import (
+    WEIGHT_FIELDS,
     export_config,
     read_config,
     shape_differences,
@@ -40,24 +41,23 @@ class ModelSource:
     def fingerprint(self) -> dict[str, Any]:
         """The resume fingerprint's ``model`` section: the preset's name alone (as before
         configs could be read), or the architecture and RoPE that define the weights' meaning."""
+        spec = self.spec
         if self.config is None and not self.rope_overridden:
-            return {"model": self.spec.name}
-        shape = {f: v for f, v in _spec_fields(self.spec).items() if f not in ("name", "rope")}
-        return {"model": self.spec.architecture, "shape": shape, "rope": self.spec.rope.to_hf()}
+            return {"model": spec.name}
+        shape = {f: getattr(spec, f) for f in WEIGHT_FIELDS}
+        shape.update(norm_eps=spec.norm_eps, padding_idx=spec.padding_idx)
+        return {"model": spec.architecture, "shape": shape, "rope": spec.rope.to_hf()}
 
-    def hf_files(self, max_seq: int) -> dict[str, bytes | Path]:
+    def hf_files(self, max_seq: int) -> dict[str, bytes]:
         """What a checkpoint's ``hf/`` folder holds: the config an export writes (fp32 weights,
-        ``max_position_embeddings`` at least ``max_seq``) and the companion files."""
+        ``max_position_embeddings`` at least ``max_seq``) and the companion files, read now so
+        that checkpoints never depend on the source directory staying in place."""
         config = export_config(
             self.spec, source=self.config, max_positions=max_seq, dtype="float32"
         )
-        files: dict[str, bytes | Path] = {"config.json": json.dumps(config, indent=2).encode()}
-        files.update(self.companions)
+        files = {"config.json": json.dumps(config, indent=2).encode()}
+        files.update({name: path.read_bytes() for name, path in self.companions.items()})
         return files
-
-
-def _spec_fields(spec: ModelSpec) -> dict[str, Any]:
-    return {f: getattr(spec, f) for f in spec.__dataclass_fields__ if f != "dtype_bytes"}
 
 
 def model_source(args) -> ModelSource:
@@ -71,14 +71,13 @@ def model_source(args) -> ModelSource:
         if args.model is not None:
             named = model_spec(args.model)
             differ = shape_differences(named, spec)
-            differ = [d for d in differ if not d.startswith(("rope", "norm_eps", "padding_idx"))]
             if differ:
                 raise ValueError(
                     f"--model {args.model} is not the shape of --init-from {args.init_from} "
                     f"({'; '.join(differ[:3])}): leave --model out, the checkpoint's config.json "
                     "sets the architecture"
                 )
-    elif args.model is not None and not _is_preset(args.model):
+    elif args.model is not None and args.model not in MODEL_PRESETS:
         file = Path(args.model)
         file = file / "config.json" if file.is_dir() else file
         config = read_config(file)
@@ -97,12 +96,6 @@ def model_source(args) -> ModelSource:
     tokenizer = tokenizer_file(args.tokenizer, checkpoint)
     companions = companion_files(tokenizer, checkpoint)
     return ModelSource(spec, config, checkpoint, tokenizer, companions, overridden)
-
-
-def _is_preset(name: str) -> bool:
-    from hdp import MODEL_PRESETS
-
-    return name in MODEL_PRESETS
 
 
 def tokenizer_file(flag: str | Path | None, checkpoint: HFCheckpoint | None) -> Path | None:

@@ -2,14 +2,13 @@
 
 Set-up is one function per part: the cost model, the data, the loader, the model with its
 techniques, the optimizer, and the restore of a checkpoint (``build_*`` and :func:`restore`).
-Each step runs :func:`train_step` and gathers what the ranks measured (:func:`gather_stats`).
-Then it writes one metrics record (:func:`metrics_record`) and checkpoints when due.
+Each step runs :func:`train_step` and gathers what the ranks measured (:mod:`launch.metrics`).
+Then it writes one metrics record and checkpoints when due.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -18,7 +17,6 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
@@ -41,6 +39,15 @@ from . import checkpoint
 from .calibrate_tables import PROFILE_BACKEND
 from .checkpoint import CheckpointError
 from .memory import PeakMemory, rank_profile
+from .metrics import (
+    Predicted,
+    first_step_line,
+    gather_stats,
+    metrics_record,
+    predict,
+    step_line,
+    write_record,
+)
 from .model import Llama
 from .model_source import ModelSource, model_source
 from .resume import Resume, find_resume, fingerprint, open_metrics
@@ -65,7 +72,7 @@ class Run:
     world: int
     device: torch.device
     cost: CostModel
-    model_source: ModelSource
+    hf_files: dict[str, bytes]  # a checkpoint's hf/ folder (:meth:`ModelSource.hf_files`)
     sources: list
     loader: HDPDataLoader
     model: Llama
@@ -75,24 +82,6 @@ class Run:
     totals: Totals
     log: Callable[[str], None]
     memory: PeakMemory
-
-
-@dataclass
-class RankStats:
-    """What the ranks measured in one step, gathered on every rank (lists: one entry a rank)."""
-
-    busy_s: list[float]
-    peak_mem_bytes: list[float]  # :class:`PeakMemory`
-    comm_bytes: float  # what all ranks sent
-
-
-@dataclass
-class Predicted:
-    """What the cost model priced for the step's plan, per rank (rank 0 only; else empty)."""
-
-    rank_s: list[float]  # busy time: compute, exposed communication and offload
-    mem_bytes: list[float]  # peak over the waves
-    activation_bytes: list[float]  # the activation part of ``mem_bytes``
 
 
 def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
@@ -106,11 +95,11 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         return 2
     if args.activation_checkpointing is None:
         args.activation_checkpointing = checkpointing_needed(
-            args, source.spec, world=world, per_node=per_node, device=device
+            args, spec=source.spec, world=world, per_node=per_node, device=device
         )
         if args.activation_checkpointing:
             log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
-    cost = build_cost_model(args, source.spec, world=world, per_node=per_node, device=device)
+    cost = build_cost_model(args, spec=source.spec, world=world, per_node=per_node, device=device)
     spec, cluster = cost.model, cost.cluster
     try:
         sync, cap = choose_sync(
@@ -120,13 +109,13 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         setup = fingerprint(args, sources, vocab=spec.vocab, model=source.fingerprint())
         resume = find_resume(args, setup, log)
         check_attention_backend(args, device)
-        loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
         model = build_model(
-            args, cost=cost, sync=sync, device=device, source=source, resuming=resume is not None
+            args, cost=cost, sync=sync, device=device, source=source, resume=resume, log=log
         )
     except (PlanningError, DataError, ValueError, CheckpointError) as e:
         log(f"pretrain.py: error: {e}")
         return 2
+    loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
     optimizer, scheduler = build_optimizer(args, model=model)
     run = Run(
         args,
@@ -134,7 +123,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         world,
         device,
         cost,
-        source,
+        source.hf_files(args.max_seq),
         sources,
         loader,
         model,
@@ -233,12 +222,12 @@ def save_checkpoint(run: Run, step: int) -> None:
         run.optimizer,
         run.scheduler,
         state,
-        files=run.model_source.hf_files(run.args.max_seq),
+        files=run.hf_files,
     )
 
 
 def build_cost_model(
-    args, spec: ModelSpec, *, world: int, per_node: int, device: torch.device
+    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
 ) -> CostModel:
     """The cost model of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
     ``--gpu``, or the preset of the detected device)."""
@@ -260,12 +249,12 @@ def build_cost_model(
 
 
 def checkpointing_needed(
-    args, spec: ModelSpec, *, world: int, per_node: int, device: torch.device
+    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
 ) -> bool:
     """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
     ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
     without = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
-    cost = build_cost_model(without, spec, world=world, per_node=per_node, device=device)
+    cost = build_cost_model(without, spec=spec, world=world, per_node=per_node, device=device)
     try:
         choose_sync(cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING)
     except PlanningError:
@@ -368,7 +357,8 @@ def build_model(
     sync: str,
     device: torch.device,
     source: ModelSource | None = None,
-    resuming: bool = False,
+    resume: Resume | None = None,
+    log: Callable[[str], None] = print,
 ) -> Llama:
     """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked: random
     weights (the same on every rank), or, with ``--init-from``, built on the meta device, sharded,
@@ -396,8 +386,14 @@ def build_model(
         shard_model(model, sync, mixed_precision=device.type == "cuda")
     if checkpoint is not None:
         model.materialize(device)
-        if not resuming:
+        if resume is None:
+            t0 = time.perf_counter()
             checkpoint.load_into(model)
+            files = len({t.file for t in checkpoint.tensors.values()})
+            log(
+                f"loaded {checkpoint.directory} ({files} weight files) in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
     return model
 
 
@@ -525,115 +521,6 @@ def train_step(
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return res, grad_norm
-
-
-def gather_stats(
-    res: StepResult, *, world: int, device: torch.device, memory: PeakMemory
-) -> RankStats:
-    """Every rank's busy time, peak memory and sent bytes, gathered on every rank."""
-    # On the training device: NCCL has no CPU tensors.
-    mine = torch.tensor(
-        [res.busy_s, memory.step_peak(), COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
-        dtype=torch.float64,
-        device=device,
-    )
-    ranks = [mine]
-    if dist.is_initialized():
-        ranks = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world)]
-        dist.all_gather(ranks, mine)
-    rows = [r.tolist() for r in ranks]
-    return RankStats(
-        busy_s=[r[0] for r in rows],
-        peak_mem_bytes=[r[1] for r in rows],
-        comm_bytes=sum(r[2] for r in rows),
-    )
-
-
-def metrics_record(
-    data: StepData,
-    res: StepResult,
-    *,
-    step: int,
-    step_time: float,
-    stats: RankStats,
-    lr: float,
-    grad_norm: float,
-    mfu: float,
-    trained: int,
-    predicted: Predicted,
-) -> dict:
-    """The step's line of the ``--metrics`` file: measured figures and, beside them, what the
-    cost model predicted (``predicted_step_s``; per rank ``predicted_rank_s`` beside ``busy_s``
-    and ``predicted_mem_bytes`` beside ``peak_mem_bytes``)."""
-    busy_s = stats.busy_s
-    return {
-        "step": step,
-        "loss": res.loss,
-        "tokens": data.tokens,
-        "loss_tokens": data.loss_tokens,
-        "step_time_s": step_time,
-        "tokens_per_s": data.tokens / step_time,
-        "imbalance": max(busy_s) / (sum(busy_s) / len(busy_s)) if sum(busy_s) > 0 else 1.0,
-        "plan_time_s": data.plan_time_s,
-        "data_wait_s": data.wait_s,
-        "comm_bytes": stats.comm_bytes,
-        "kv_exchange": data.plan.kv_exchange,
-        "predicted_nic_bytes": data.plan.predicted.get("nic_bytes", float("nan")),
-        "waves": data.plan.num_waves,
-        "lr": lr,
-        "grad_norm": grad_norm,
-        "mfu": mfu,
-        "predicted_step_s": data.plan.predicted.get("step_time_s", float("nan")),
-        "busy_s": busy_s,
-        "predicted_rank_s": predicted.rank_s,
-        "peak_mem_bytes": stats.peak_mem_bytes,
-        "predicted_mem_bytes": predicted.mem_bytes,
-        "predicted_activation_bytes": predicted.activation_bytes,
-        "trained_tokens": trained,
-        "truncated_tokens": data.truncated_tokens,
-    }
-
-
-def predict(cost: CostModel, data: StepData) -> Predicted:
-    """Each rank's busy time and peak memory as the cost model prices the step's plan."""
-    report = cost.evaluate(data.plan)
-    activations = cost.activation_bytes(report.tokens, data.plan.offload)
-    fullest = report.mem_bytes.argmax(axis=0)  # each rank's peak wave
-    ranks = np.arange(report.mem_bytes.shape[1])
-    return Predicted(
-        rank_s=report.busy_s.sum(axis=0).tolist(),
-        mem_bytes=report.mem_bytes[fullest, ranks].tolist(),
-        activation_bytes=activations[fullest, ranks].tolist(),
-    )
-
-
-def write_record(metrics_file, record: dict) -> None:
-    """Append ``record`` to the metrics file (rank 0's; ``None`` elsewhere), flushed so a killed
-    run keeps the steps it finished."""
-    if metrics_file:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
-
-
-def step_line(record: dict, data: StepData) -> str:
-    """The step's log line."""
-    return (
-        f"step {record['step']:>5}  loss {record['loss']:.4f}  "
-        f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
-        f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
-        f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
-    )
-
-
-def first_step_line(cost: CostModel, data: StepData, step: int) -> str:
-    """What the run's first step holds and how long the cost model expects it to take, so a
-    step of minutes (a 2M-token step on CPU) is not mistaken for a hang."""
-    lens = data.plan.seq_lens
-    predicted = cost.evaluate(data.plan).step_time_s
-    return (
-        f"step {step}: {len(lens)} sequences, longest {int(lens.max(initial=0)):,} tokens; "
-        f"predicted {predicted:,.1f} s by the cost model ({cost.cluster.gpu.name} profile)"
-    )
 
 
 def checkpoint_due(args, step: int) -> bool:

@@ -120,8 +120,9 @@ QWEN3_8B = {
     ],
 )
 def test_real_configs_read_as_the_presets(config, preset):
-    spec = ModelSpec.from_hf_config(config)
-    assert shape_differences(spec, model_preset(preset)) == []
+    spec, expected = ModelSpec.from_hf_config(config), model_preset(preset)
+    assert shape_differences(spec, expected) == []
+    assert (spec.rope, spec.norm_eps) == (expected.rope, expected.norm_eps)
     # transformers' own count of the parameters
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(

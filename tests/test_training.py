@@ -329,7 +329,7 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
     "argv, message",
     [
         (["--max-seq", "8K", "--tokens-per-step", "4K"], "exceeds --tokens-per-step"),
-        (["--model", "gpt-9"], "invalid choice: 'gpt-9'"),
+        (["--model", "gpt-9"], "unknown model 'gpt-9'"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (
             ["--max-seq", "4K", "--tokens-per-step", "8K", "--capacity", "1K"],

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from dataloader.cli import main as data_main
-from hdp import parse_size
+from hdp import model_preset, parse_size
 from launch.pretrain import parse_args
 from planner.cli import plan_main, sim_main
 
@@ -96,12 +96,13 @@ def test_the_headline_command_fits_one_sequence_per_step():
     assert parse_args([]).tokens_per_step == 64 << 10
     assert parse_args(["--max-seq", "4K"]).tokens_per_step == 64 << 10
     assert args.activation_checkpointing is None
-    assert checkpointing_needed(args, world=2, per_node=2, device=cpu)
+    tiny = model_preset("tiny")
+    assert checkpointing_needed(args, spec=tiny, world=2, per_node=2, device=cpu)
     assert not checkpointing_needed(
-        parse_args(["--max-seq", "64K"]), world=2, per_node=2, device=cpu
+        parse_args(["--max-seq", "64K"]), spec=tiny, world=2, per_node=2, device=cpu
     )
     args.activation_checkpointing = True
-    cost = build_cost_model(args, world=2, per_node=2, device=cpu)
+    cost = build_cost_model(args, spec=tiny, world=2, per_node=2, device=cpu)
     sync, cap = choose_sync(cost, "peer", args.max_seq, None, offload=True)
     assert sync in ("peer", "wave") and 2 * cap >= args.max_seq
     assert 2 * (cost.memory(cap, sync=sync) + cost.cluster.gpu.reserved_bytes) < host_memory_bytes()

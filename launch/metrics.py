@@ -1,0 +1,145 @@
+"""What a training step reports: the ranks' measurements gathered, the cost model's prediction
+beside them, one ``--metrics`` row and one log line per step."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from attention import COMM
+from dataloader.loader import StepData
+from hdp import CostModel
+
+from .memory import PeakMemory
+from .runtime import StepResult
+
+
+@dataclass
+class RankStats:
+    """What the ranks measured in one step, gathered on every rank (lists: one entry a rank)."""
+
+    busy_s: list[float]
+    peak_mem_bytes: list[float]  # :class:`PeakMemory`
+    comm_bytes: float  # what all ranks sent
+
+
+@dataclass
+class Predicted:
+    """What the cost model priced for the step's plan, per rank (rank 0 only; else empty)."""
+
+    rank_s: list[float]  # busy time: compute, exposed communication and offload
+    mem_bytes: list[float]  # peak over the waves
+    activation_bytes: list[float]  # the activation part of ``mem_bytes``
+
+
+def gather_stats(
+    res: StepResult, *, world: int, device: torch.device, memory: PeakMemory
+) -> RankStats:
+    """Every rank's busy time, peak memory and sent bytes, gathered on every rank."""
+    # On the training device: NCCL has no CPU tensors.
+    mine = torch.tensor(
+        [res.busy_s, memory.step_peak(), COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
+        dtype=torch.float64,
+        device=device,
+    )
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(ranks, mine)
+    rows = [r.tolist() for r in ranks]
+    return RankStats(
+        busy_s=[r[0] for r in rows],
+        peak_mem_bytes=[r[1] for r in rows],
+        comm_bytes=sum(r[2] for r in rows),
+    )
+
+
+def metrics_record(
+    data: StepData,
+    res: StepResult,
+    *,
+    step: int,
+    step_time: float,
+    stats: RankStats,
+    lr: float,
+    grad_norm: float,
+    mfu: float,
+    trained: int,
+    predicted: Predicted,
+) -> dict:
+    """The step's line of the ``--metrics`` file: measured figures and, beside them, what the
+    cost model predicted (``predicted_step_s``; per rank ``predicted_rank_s`` beside ``busy_s``
+    and ``predicted_mem_bytes`` beside ``peak_mem_bytes``)."""
+    busy_s = stats.busy_s
+    return {
+        "step": step,
+        "loss": res.loss,
+        "tokens": data.tokens,
+        "loss_tokens": data.loss_tokens,
+        "step_time_s": step_time,
+        "tokens_per_s": data.tokens / step_time,
+        "imbalance": max(busy_s) / (sum(busy_s) / len(busy_s)) if sum(busy_s) > 0 else 1.0,
+        "plan_time_s": data.plan_time_s,
+        "data_wait_s": data.wait_s,
+        "comm_bytes": stats.comm_bytes,
+        "kv_exchange": data.plan.kv_exchange,
+        "predicted_nic_bytes": data.plan.predicted.get("nic_bytes", float("nan")),
+        "waves": data.plan.num_waves,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "mfu": mfu,
+        "predicted_step_s": data.plan.predicted.get("step_time_s", float("nan")),
+        "busy_s": busy_s,
+        "predicted_rank_s": predicted.rank_s,
+        "peak_mem_bytes": stats.peak_mem_bytes,
+        "predicted_mem_bytes": predicted.mem_bytes,
+        "predicted_activation_bytes": predicted.activation_bytes,
+        "trained_tokens": trained,
+        "truncated_tokens": data.truncated_tokens,
+    }
+
+
+def predict(cost: CostModel, data: StepData) -> Predicted:
+    """Each rank's busy time and peak memory as the cost model prices the step's plan."""
+    report = cost.evaluate(data.plan)
+    activations = cost.activation_bytes(report.tokens, data.plan.offload)
+    fullest = report.mem_bytes.argmax(axis=0)  # each rank's peak wave
+    ranks = np.arange(report.mem_bytes.shape[1])
+    return Predicted(
+        rank_s=report.busy_s.sum(axis=0).tolist(),
+        mem_bytes=report.mem_bytes[fullest, ranks].tolist(),
+        activation_bytes=activations[fullest, ranks].tolist(),
+    )
+
+
+def write_record(metrics_file, record: dict) -> None:
+    """Append ``record`` to the metrics file (rank 0's; ``None`` elsewhere), flushed so a killed
+    run keeps the steps it finished."""
+    if metrics_file:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+
+def step_line(record: dict, data: StepData) -> str:
+    """The step's log line."""
+    return (
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  "
+        f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
+        f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
+        f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
+    )
+
+
+def first_step_line(cost: CostModel, data: StepData, step: int) -> str:
+    """What the run's first step holds and how long the cost model expects it to take, so a
+    step of minutes (a 2M-token step on CPU) is not mistaken for a hang."""
+    lens = data.plan.seq_lens
+    predicted = cost.evaluate(data.plan).step_time_s
+    return (
+        f"step {step}: {len(lens)} sequences, longest {int(lens.max(initial=0)):,} tokens; "
+        f"predicted {predicted:,.1f} s by the cost model ({cost.cluster.gpu.name} profile)"
+    )
