@@ -232,11 +232,12 @@ class HFCheckpoint:
         by_file: dict[Path, list[tuple[str, nn.Parameter]]] = {}
         for name, (_, p) in hf_parameters(model).items():
             by_file.setdefault(self.tensors[name].file, []).append((name, p))
+        staging = torch.empty(0, dtype=torch.uint8)
         for file in sorted(by_file):
-            with open(file, "rb") as f:
+            with open(file, "rb", buffering=0) as f:
                 for name, p in by_file[file]:
                     local, first_row = local_rows(p)
-                    _read_rows(f, self.tensors[name], local, first_row)
+                    staging = _read_rows(f, self.tensors[name], local, first_row, staging)
 
 
 def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -257,24 +258,43 @@ def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
     return local, first
 
 
-def _read_rows(f, stored: StoredTensor, out: torch.Tensor, first_row: int) -> None:
-    """Rows ``[first_row, first_row + len(out))`` of ``stored`` into ``out``, converted to its
-    dtype, in pieces of at most ``_READ_BYTES``."""
+def _read_rows(
+    f, stored: StoredTensor, out: torch.Tensor, first_row: int, staging: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``[first_row, first_row + len(out))`` of ``stored`` into ``out``: straight into a CPU
+    tensor of the stored dtype, else through ``staging`` (grown as needed, returned for the next
+    call) in pieces of at most ``_READ_BYTES``, converted on the copy."""
     rows = out.shape[0] if out.dim() else 1
     if rows == 0:
-        return
+        return staging
     dtype = FLOAT_DTYPES[stored.dtype]
     row_elems = math.prod(stored.shape[1:])
     row_bytes = row_elems * dtype.itemsize
-    step = max(1, _READ_BYTES // max(row_bytes, 1))
     flat = out.view(rows, row_elems)
+    f.seek(stored.begin + first_row * row_bytes)
+    if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
+        _read_exactly(f, flat.view(torch.uint8).view(-1), stored.file)
+        return staging
+    step = max(1, _READ_BYTES // max(row_bytes, 1))
+    if staging.numel() < min(rows, step) * row_bytes:
+        staging = torch.empty(min(rows, step) * row_bytes, dtype=torch.uint8)
     for a in range(0, rows, step):
         b = min(rows, a + step)
-        buf = torch.empty((b - a) * row_bytes, dtype=torch.uint8)
-        f.seek(stored.begin + (first_row + a) * row_bytes)
-        if f.readinto(buf.numpy()) != buf.numel():
-            raise WeightsError(f"{stored.file}: ends inside a tensor (truncated?)")
-        flat[a:b].copy_(buf.view(dtype).view(b - a, row_elems))
+        piece = staging[: (b - a) * row_bytes]
+        _read_exactly(f, piece, stored.file)
+        flat[a:b].copy_(piece.view(dtype).view(b - a, row_elems))
+    return staging
+
+
+def _read_exactly(f, into: torch.Tensor, file: Path) -> None:
+    """Fill the bytes of the CPU uint8 tensor ``into`` from ``f``."""
+    view = memoryview(into.numpy())
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise WeightsError(f"{file}: ends inside a tensor (truncated?)")
+        done += n
 
 
 def open_checkpoint(directory: str | Path) -> HFCheckpoint:

@@ -187,7 +187,8 @@ class Llama(nn.Module):
             layer.keep_attention = self.keep_attention
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.reset_parameters()
+        if not self.embed.weight.is_meta:  # a model built on meta gets its values loaded
+            self.reset_parameters()
 
     def materialize(self, device: torch.device) -> None:
         """Storage on ``device`` for a model built on the meta device (values undefined until a

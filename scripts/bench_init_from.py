@@ -4,11 +4,14 @@ script writes itself (5 GB safetensors shards with an index, as the Hub stores t
 
 Each load runs in a fresh process (transformers) or a fresh torchrun job (hdp: build on the meta
 device, FSDP2, fill each rank's shards with :meth:`launch.hf_weights.HFCheckpoint.load_into`),
-which prints its load time and its peak resident memory (Linux's VmHWM, file-backed pages
-included). The script prints one row per loader and the ratio of a rank's peak to the single
-process's. The checkpoint is written once and kept in ``--dir`` for later runs.
+which prints its load time, its resident memory before loading and its peak resident memory
+(Linux's VmHWM, file-backed pages included). transformers maps the files and reads a weight's
+pages when it is first used, so its peak is taken after every weight has been read once (as a
+first forward pass reads them); the peak right after ``from_pretrained`` is printed too. The
+script prints one row per loader and the ratio of a rank's peak to the single process's. The
+checkpoint is written once and kept in ``--dir`` for later runs.
 
-    python scripts/bench_init_from.py --dir /tmp/hdp-bench-llama7b
+    python scripts/bench_init_from.py --dir /tmp/hdp-bench-llama7b [--cold]
     python scripts/bench_init_from.py --dir /tmp/hdp-bench-small --layers 4   # a quick look
 """
 
@@ -34,12 +37,13 @@ from hdp.hf_config import export_config  # noqa: E402
 SHARD_BYTES = 5 * 10**9
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM)."""
+def status_bytes(field: str = "VmHWM") -> int:
+    """A memory figure of this process from /proc/self/status: ``VmHWM`` (peak resident) or
+    ``VmRSS`` (resident now)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def write_checkpoint(directory: Path, layers: int) -> None:
@@ -87,11 +91,20 @@ def load_transformers(directory: Path) -> None:
     """(child) transformers' load in bf16; prints a JSON line."""
     import transformers
 
+    before = status_bytes("VmRSS")
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t0
+    lazy = status_bytes()
+    # The weights may still be pages of the memory-mapped files, read on first use: read each
+    # once, as a first forward pass would, and take the peak again.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1)[:: max(1, 2048 // p.element_size())].sum()
+    read_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"load_s": seconds, "peak_rss": peak_rss_bytes(), "params": params}))
+    row = {"load_s": seconds, "read_s": read_s, "before_rss": before, "lazy_peak_rss": lazy}
+    print(json.dumps({**row, "peak_rss": status_bytes(), "params": params}))
 
 
 def load_hdp(directory: Path) -> None:
@@ -104,6 +117,7 @@ def load_hdp(directory: Path) -> None:
     from launch.runtime import exit_without_teardown, shard_model
 
     dist.init_process_group("gloo")
+    before = status_bytes("VmRSS")
     t0 = time.perf_counter()
     checkpoint = open_checkpoint(directory)
     torch.set_default_dtype(torch.bfloat16)
@@ -114,12 +128,8 @@ def load_hdp(directory: Path) -> None:
     checkpoint.load_into(model)
     seconds = time.perf_counter() - t0
     local = sum(p.to_local().numel() for p in model.parameters())
-    mine = {
-        "rank": dist.get_rank(),
-        "load_s": seconds,
-        "peak_rss": peak_rss_bytes(),
-        "params": local,
-    }
+    mine = {"rank": dist.get_rank(), "load_s": seconds, "before_rss": before}
+    mine.update(peak_rss=status_bytes(), params=local)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
     if dist.get_rank() == 0:
@@ -130,7 +140,20 @@ def load_hdp(directory: Path) -> None:
     exit_without_teardown(0)
 
 
-def _child(args: list[str], ranks: int | None = None) -> list[dict]:
+def drop_page_cache() -> None:
+    """Empty the kernel's page cache, so that a load reads the files from disk (needs root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(
+            f"--cold: cannot drop the page cache ({e.strerror}): run as root"
+        ) from None
+
+
+def _child(args: list[str], ranks: int | None = None, cold: bool = False) -> list[dict]:
+    if cold:
+        drop_page_cache()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
@@ -148,6 +171,11 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path("/tmp/hdp-bench-llama7b"))
     p.add_argument("--layers", type=int, default=32, help="decoder layers (llama-7b: 32)")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each load (root): both loaders read from disk",
+    )
     p.add_argument("--child", choices=("transformers", "hdp"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child == "transformers":
@@ -156,15 +184,23 @@ def main() -> None:
         return load_hdp(args.dir)
     if not (args.dir / "config.json").exists():
         write_checkpoint(args.dir, args.layers)
-    (ref,) = _child(["--child", "transformers", "--dir", str(args.dir)])
-    ranks = _child(["--child", "hdp", "--dir", str(args.dir)], ranks=args.ranks)
-    print(f"checkpoint: {args.dir}, {ref['params'] / 1e9:.2f}B parameters, bf16")
-    print(f"{'loader':<30} {'load s':>8} {'peak RSS GB':>12} {'vs transformers':>16}")
-    rows = [("transformers, 1 process", ref)]
+    (ref,) = _child(["--child", "transformers", "--dir", str(args.dir)], cold=args.cold)
+    ranks = _child(["--child", "hdp", "--dir", str(args.dir)], ranks=args.ranks, cold=args.cold)
+    cache = "cold page cache" if args.cold else "page cache as left by the previous load"
+    print(f"checkpoint: {args.dir}, {ref['params'] / 1e9:.2f}B parameters, bf16, {cache}")
+    lazy = ref["lazy_peak_rss"] / 1e9
+    print(
+        f"transformers: from_pretrained {ref['load_s']:.1f} s, peak RSS {lazy:.2f} GB (weights "
+        "mapped, not yet read); below, with every weight read once"
+    )
+    head = f"{'loader':<30} {'load s':>7} {'RSS before GB':>14} {'peak RSS GB':>12}"
+    print(f"{head} {'vs transformers':>16}")
+    rows = [("transformers, 1 process", {**ref, "load_s": ref["read_s"]})]
     rows += [(f"hdp --init-from, rank {r['rank']}/{args.ranks}", r) for r in ranks]
     for name, r in rows:
         ratio = r["peak_rss"] / ref["peak_rss"]
-        print(f"{name:<30} {r['load_s']:>8.1f} {r['peak_rss'] / 1e9:>12.2f} {ratio:>16.2f}")
+        line = f"{name:<30} {r['load_s']:>7.1f} {r['before_rss'] / 1e9:>14.2f}"
+        print(f"{line} {r['peak_rss'] / 1e9:>12.2f} {ratio:>16.2f}")
     print(json.dumps({"transformers": ref, "hdp": ranks}))
 
 

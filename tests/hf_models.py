@@ -88,9 +88,12 @@ def hf_name_of(hdp_name: str) -> str:
     return name
 
 
-def write_checkpoint(kind: str, directory: Path, *, seed: int = 0, max_shard_size=None) -> Path:
-    """A random ``kind`` model saved by transformers in ``directory``: norms and biases are
-    perturbed too, so that a norm or bias read into the wrong place changes the loss."""
+def write_checkpoint(
+    kind: str, directory: Path, *, seed: int = 0, max_shard_size=None, dtype=torch.float32
+) -> Path:
+    """A random ``kind`` model saved by transformers in ``directory`` in ``dtype``: norms and
+    biases are perturbed too, so that a norm or bias read into the wrong place changes the
+    loss."""
     import transformers
 
     cls_name, extra, old_spelling = KINDS[kind]
@@ -102,7 +105,7 @@ def write_checkpoint(kind: str, directory: Path, *, seed: int = 0, max_shard_siz
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0.0, INIT_RANGE).add_(1.0 if "norm" in name else 0.0)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, **kw)
+    model.to(dtype).save_pretrained(directory, **kw)
     if old_spelling:
         to_old_spelling(directory / "config.json")
     return directory

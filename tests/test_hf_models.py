@@ -34,11 +34,16 @@ CAPACITY = {1: None, 2: "64", 4: "32"}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """One checkpoint per architecture (the mistral one in shards with an index) and the corpus."""
+    """One checkpoint per architecture (mistral's in shards with an index, qwen3's in bf16) and
+    the corpus."""
     root = tmp_path_factory.mktemp("hf")
     dirs = {
         kind: write_checkpoint(
-            kind, root / kind, max_shard_size="40KB" if kind == "mistral" else None
+            kind,
+            root / kind,
+            max_shard_size="40KB" if kind == "mistral" else None,
+            # bf16 on disk, fp32 in training: the loader converts
+            dtype=torch.bfloat16 if kind == "qwen3" else torch.float32,
         )
         for kind in KINDS
     }
@@ -260,3 +265,28 @@ def test_resuming_an_init_from_run_continues_it(models, tmp_path, capsys):
     assert (
         "holds another model (rope.rope_theta: 1000000.0 -> 2000000.0)" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_weights_load_in_pieces_converted_to_the_model_dtype(models, monkeypatch, dtype):
+    """Every tensor as safetensors' own reader gives it, converted to the model's dtype, when the
+    loader reads through its staging buffer in pieces of a few rows (and straight into the
+    parameters where the dtypes agree)."""
+    from safetensors.torch import load_file
+
+    import launch.hf_weights as hw
+    from launch.model import Llama
+
+    dirs, _, _ = models
+    monkeypatch.setattr(hw, "_READ_BYTES", 300)
+    for kind in ("qwen3", "mistral"):  # bf16 in one file; fp32 in shards
+        checkpoint = hw.open_checkpoint(dirs[kind])
+        with torch.device("meta"):
+            model = Llama(checkpoint.spec).to(dtype)
+        model.materialize(torch.device("cpu"))
+        checkpoint.load_into(model)
+        stored = {}
+        for file in sorted(dirs[kind].glob("*.safetensors")):
+            stored.update(load_file(file))
+        for name, p in model.named_parameters():
+            assert torch.equal(p, stored[hf_name_of(name)].to(dtype)), (kind, name)
