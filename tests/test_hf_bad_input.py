@@ -194,27 +194,27 @@ def test_a_model_trained_from_a_preset_exports_as_its_architecture(tmp_path):
     import transformers
     from hf_models import reference
 
-    ck, metrics, out = str(tmp_path / "ck"), tmp_path / "m.jsonl", tmp_path / "hf"
-    docs = _tiny(
-        tmp_path,
-        "--steps",
-        "2",
-        "--save-every",
-        "1",
-        "--lr",
-        "1e-2",
-        "--checkpoint-dir",
-        ck,
-        "--metrics",
-        str(metrics),
-    )
-    done = run_export(["--checkpoint-dir", ck, "--step", "1", "--dtype", "fp32", "--out", str(out)])
-    assert done.returncode == 0, done.stderr
-    config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
-    assert config["max_position_embeddings"] == 128
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
-    assert not any(info.values()), info
+    ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
+    run = ["--steps", "2", "--save-every", "1", "--lr", "1e-2", "--checkpoint-dir", ck]
+    docs = _tiny(tmp_path, *run, "--metrics", str(metrics))
     step2 = json.loads(metrics.read_text().splitlines()[1])
-    expected = reference(out, docs)
-    assert abs(step2["loss"] - expected) <= 1e-5 * expected, (step2["loss"], expected)
+    # A checkpoint saved before checkpoints carried hf/: the config comes from the preset named
+    # in its fingerprint.
+    old = Path(shutil.copytree(tmp_path / "ck", tmp_path / "old"))
+    shutil.rmtree(old / "step_00000001" / "hf")
+    manifest = json.loads((old / "step_00000001" / "manifest.json").read_text())
+    manifest["files"] = {n: v for n, v in manifest["files"].items() if not n.startswith("hf/")}
+    (old / "step_00000001" / "manifest.json").write_text(json.dumps(manifest))
+    for folder in (ck, str(old)):
+        out = tmp_path / f"hf-{Path(folder).name}"
+        done = run_export(
+            ["--checkpoint-dir", folder, "--step", "1", "--dtype", "fp32", "--out", str(out)]
+        )
+        assert done.returncode == 0, done.stderr
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForCausalLM"]
+        assert config["max_position_embeddings"] == 128
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info.values()), info
+        expected = reference(out, docs)
+        assert abs(step2["loss"] - expected) <= 1e-5 * expected, (step2["loss"], expected)
