@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ _ROPE_KEYS = {
 # does not compute: mixture of experts, multi-head latent attention.
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _MLA_FIELDS = ("kv_lora_rank", "q_lora_rank")
+
+
+# Above any real model's dimension, below what a tensor shape takes on every platform.
+_LARGEST = 1 << 31
 
 
 class ConfigError(ValueError):
@@ -121,8 +126,19 @@ def _number(value: Any, field: str, where: str, *, positive: bool = True) -> flo
 
 
 def _count(value: Any, field: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {field} must be a whole number >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < _LARGEST:
+        raise ConfigError(
+            f"{where}: {field} must be a whole number from 1 to {_LARGEST - 1}, got {value!r}"
+        )
+    return value
+
+
+def _flag(c: dict[str, Any], field: str, where: str) -> bool:
+    value = c.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {field} must be true or false, got {value!r}")
     return value
 
 
@@ -131,6 +147,11 @@ def rope_kind(params: Any, where: str) -> str:
     if not isinstance(params, dict):
         raise ConfigError(f"{where}: the RoPE parameters must be a JSON object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
+    if "type" in params and "rope_type" in params and params["type"] != params["rope_type"]:
+        raise ConfigError(
+            f"{where}: type {params['type']!r} and rope_type {params['rope_type']!r} disagree: "
+            "keep one"
+        )
     if kind == "dynamic":
         raise ConfigError(
             f"{where}: rope_type 'dynamic' is not supported: transformers rescales its frequencies "
@@ -163,7 +184,7 @@ def rope_from_dict(
     ``max_position_embeddings``, which some kinds default to."""
     kind = rope_kind(params, where)
     base = params.get("rope_theta", theta if theta is not None else 10000.0)
-    rope = RoPE(theta=_number(base, "rope_theta", where), type=kind)
+    rope = RoPE(theta=_theta(base, where), type=kind)
     if kind == "default":
         return rope
 
@@ -213,6 +234,13 @@ def rope_from_dict(
         beta_slow=_number(get("beta_slow", 1.0), "beta_slow", where),
         truncate=truncate,
     )
+
+
+def _theta(value: Any, where: str) -> float:
+    theta = _number(value, "rope_theta", where)
+    if theta <= 1:  # every frequency would be at least 1 radian per position
+        raise ConfigError(f"{where}: rope_theta must be above 1, got {value!r}")
+    return theta
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -267,16 +295,16 @@ _REQUIRED = (
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a ``config.json`` (``path`` is the file or its directory)."""
+    """The JSON object of a ``config.json`` file."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise ConfigError(
             f"{path}: no such file (a Hugging Face model directory holds a config.json)"
-        ) from None
+        )
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path}: not a regular file")
+    try:
+        data = json.loads(path.read_text())
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except ValueError as e:
@@ -304,36 +332,43 @@ def spec_from_config(config: dict[str, Any], *, name: str, where: str = "config.
             raise ConfigError(f"{where}: lacks {key}")
     hidden = _count(c["hidden_size"], "hidden_size", where)
     heads = _count(c["num_attention_heads"], "num_attention_heads", where)
-    kv_heads = _count(c.get("num_key_value_heads") or heads, "num_key_value_heads", where)
+    kv = c.get("num_key_value_heads")
+    kv_heads = _count(heads if kv is None else kv, "num_key_value_heads", where)
     if heads % kv_heads:
         raise ConfigError(
             f"{where}: num_attention_heads {heads} is not a multiple of "
             f"num_key_value_heads {kv_heads}"
         )
-    head_dim = c.get("head_dim") or hidden // heads
-    bias = bool(c.get("attention_bias", False))
+    head_dim = _count(
+        hidden // heads if c.get("head_dim") is None else c["head_dim"], "head_dim", where
+    )
+    if head_dim % 2:
+        raise ConfigError(f"{where}: head_dim {head_dim} is odd: RoPE rotates pairs of dimensions")
+    bias = _flag(c, "attention_bias", where)
     pad = c.get("pad_token_id")
     vocab = _count(c["vocab_size"], "vocab_size", where)
-    if pad is not None and not (isinstance(pad, int) and 0 <= pad < vocab):
+    if pad is not None and not (type(pad) is int and 0 <= pad < vocab):
         raise ConfigError(
             f"{where}: pad_token_id {pad!r} is not a token of the vocabulary [0, {vocab})"
         )
+    if c.get("max_position_embeddings") is not None:
+        _count(c["max_position_embeddings"], "max_position_embeddings", where)
     return ModelSpec(
         name=name,
         layers=_count(c["num_hidden_layers"], "num_hidden_layers", where),
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=_count(head_dim, "head_dim", where),
+        head_dim=head_dim,
         ffn=_count(c["intermediate_size"], "intermediate_size", where),
         vocab=vocab,
-        tied_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tied_embeddings=_flag(c, "tie_word_embeddings", where),
         architecture=model_type,
         norm_eps=_number(c["rms_norm_eps"], "rms_norm_eps", where),
         rope=rope_of_config(c, where),
         qkv_bias=model_type == "qwen2" or bias,
         o_bias=bias and model_type != "qwen2",
-        mlp_bias=bool(c.get("mlp_bias", False)) if model_type == "llama" else False,
+        mlp_bias=_flag(c, "mlp_bias", where) if model_type == "llama" else False,
         qk_norm=model_type == "qwen3",
         padding_idx=pad,
     )
@@ -372,7 +407,7 @@ def _refuse_sliding_window(c: dict[str, Any], model_type: str, where: str) -> No
             "causal; set it to null to train with full attention"
         )
     if model_type in ("qwen2", "qwen3"):
-        if c.get("use_sliding_window") and c.get("sliding_window") is not None:
+        if _flag(c, "use_sliding_window", where) and c.get("sliding_window") is not None:
             raise ConfigError(
                 f"{where}: use_sliding_window is true: hdp's attention is full causal; set it to "
                 "false to train with full attention"
@@ -387,7 +422,7 @@ def spec_from_path(path: str | Path):
     """The :class:`hdp.ModelSpec` of a ``config.json`` (or the directory holding it), named after
     that directory."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
+    file = path / "config.json" if path.is_dir() and path.name != "config.json" else path
     name = file.resolve().parent.name or "model"
     return spec_from_config(read_config(file), name=name, where=str(file))
 
@@ -407,7 +442,7 @@ def with_rope_overrides(
     if scaling is not None:
         rope = rope_from_dict(scaling, theta=rope.theta, max_positions=max_positions, where=where)
     if theta is not None:
-        rope = replace(rope, theta=_number(theta, "rope_theta", where))
+        rope = replace(rope, theta=_theta(theta, where))
     return replace(spec, rope=rope)
 
 
@@ -423,7 +458,10 @@ def parse_rope_scaling(text: str) -> dict[str, Any]:
         raise ValueError(
             f'expected a JSON object such as \'{{"rope_type": "yarn", ...}}\', got {text!r}'
         )
-    rope_kind(data, "--rope-scaling")
+    try:
+        rope_kind(data, "--rope-scaling")
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix("--rope-scaling: ")) from None
     return data
 
 
@@ -497,12 +535,16 @@ WEIGHT_FIELDS = (
 )
 
 
-def shape_differences(a, b) -> list[str]:
-    """``field: a -> b`` for each field of two specs that gives their weights other names or
-    shapes (:data:`WEIGHT_FIELDS`)."""
+# ... and with them, every field that changes the function the model computes.
+MODEL_FIELDS = (*WEIGHT_FIELDS, "norm_eps", "rope", "padding_idx")
+
+
+def shape_differences(a, b, fields: tuple[str, ...] = WEIGHT_FIELDS) -> list[str]:
+    """``field: a -> b`` for each of ``fields`` (default: those that give the weights other names
+    or shapes, :data:`WEIGHT_FIELDS`) that differs between two specs."""
     return [
         f"{f}: {getattr(a, f)!r} -> {getattr(b, f)!r}"
-        for f in WEIGHT_FIELDS
+        for f in fields
         if getattr(a, f) != getattr(b, f)
     ]
 
@@ -513,6 +555,7 @@ __all__ = [
     "ROPE_TYPES",
     "RoPE",
     "SUPPORTED_MODEL_TYPES",
+    "MODEL_FIELDS",
     "WEIGHT_FIELDS",
     "export_config",
     "parse_rope_scaling",

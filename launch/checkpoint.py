@@ -234,6 +234,8 @@ def check_listing(path: Path) -> tuple[dict | None, str | None]:
     if manifest.get("format") != FORMAT or path.name != f"step_{step:08d}" or STATE not in files:
         return None, f"{MANIFEST} is not a manifest of format {FORMAT} for {path.name}"
     for name, entry in sorted(files.items()):
+        if not isinstance(entry, dict):
+            return None, f"{MANIFEST} is not a manifest of format {FORMAT} (entry {name})"
         try:
             size = (path / name).stat().st_size
         except OSError:

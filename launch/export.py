@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hdp import model_preset
-from hdp.argtypes import byte_size, choice, input_dir, integer
+from hdp.argtypes import byte_size, choice, input_dir, integer, output_dir
 from hdp.hf_config import ConfigError, export_config, read_config, spec_from_config, with_dtype
 
 from . import checkpoint
@@ -112,6 +112,14 @@ def tensors_of(path: Path, config: dict) -> list[Tensor]:
         model = Llama(spec)
     wanted = {hdp: (hf, tuple(p.shape)) for hf, (hdp, p) in hf_parameters(model).items()}
     stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    left = {k for k in stored if k.startswith("model.")} - {f"model.{n}" for n in wanted}
+    # A tied LM head is saved under both names; it is the embedding.
+    left -= {"model.lm_head.weight"} if spec.tied_embeddings else set()
+    if left:
+        raise ExportError(
+            f"{path}: holds {sorted(left)[0]}, which config.json's {spec.architecture} model has "
+            "no place for"
+        )
     out = []
     for name, (hf, shape) in wanted.items():
         meta = stored.get(f"model.{name}")
@@ -157,6 +165,10 @@ def export(
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty directory: choose a new one")
+    if out.resolve().is_relative_to(folder.resolve()):
+        raise ExportError(
+            f"--out {out} lies inside --checkpoint-dir {folder}: choose another place"
+        )
     path = chosen_checkpoint(folder, step, log)
     config = with_dtype(run_config(path), _CONFIG_DTYPE[dtype])
     tensors = tensors_of(path, config)
@@ -224,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the checkpoint of this step (default: the newest valid one)",
     )
-    p.add_argument("--out", type=Path, required=True, help="the new model directory")
+    p.add_argument(
+        "--out", type=output_dir, required=True, help="the new model directory (new or empty)"
+    )
     p.add_argument(
         "--max-shard-size",
         type=byte_size,

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +108,21 @@ class StoredTensor:
     end: int
 
 
+def _regular_file(path: Path, what: str) -> None:
+    """Raise :class:`WeightsError` unless ``path`` is a regular file (not a directory, a FIFO
+    that would block the read, or a broken or looping link)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read {what}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise WeightsError(f"{path}: {what} is not a regular file")
+
+
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors a safetensors file holds, from its header alone."""
+    """The tensors a safetensors file holds, from its header alone, each checked to lie in the
+    file's data, apart from the others."""
+    _regular_file(path, "the weights file")
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -122,24 +137,44 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         raise WeightsError(f"{path}: cannot read: {e.strerror}") from None
     except ValueError:
         raise WeightsError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: not a safetensors file (its header is not a JSON object)")
     base = 8 + size
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (base + int(x) for x in entry["data_offsets"])
-            shape = tuple(int(x) for x in entry["shape"])
-            dtype = str(entry["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise WeightsError(f"{path}: tensor {name}: malformed header entry") from None
-        if end > file_size:
+    out = {name: _entry(path, name, entry, base) for name, entry in header.items()}
+    out.pop("__metadata__", None)
+    previous = None
+    for t in sorted(out.values(), key=lambda t: (t.begin, t.end)):
+        if t.end > file_size:
             raise WeightsError(
-                f"{path}: tensor {name} ends at byte {end} but the file has {file_size} bytes "
-                "(truncated?)"
+                f"{path}: tensor {_name_of(out, t)} ends at byte {t.end} but the file has "
+                f"{file_size} bytes (truncated?)"
             )
-        out[name] = StoredTensor(path, dtype, shape, begin, end)
+        if previous is not None and t.begin < previous.end:
+            raise WeightsError(
+                f"{path}: tensors {_name_of(out, previous)} and {_name_of(out, t)} overlap"
+            )
+        previous = t
     return out
+
+
+def _entry(path: Path, name: str, entry: object, base: int) -> StoredTensor | None:
+    """One header entry, its fields checked (``None`` for ``__metadata__``)."""
+    if name == "__metadata__":
+        return None
+    try:
+        begin, end = entry["data_offsets"]
+        shape, dtype = entry["shape"], entry["dtype"]
+        ints = [begin, end, *shape]
+        valid = all(type(x) is int and x >= 0 for x in ints) and isinstance(dtype, str)
+    except (KeyError, TypeError, ValueError):
+        valid = False
+    if not valid or begin > end:
+        raise WeightsError(f"{path}: tensor {name}: malformed header entry")
+    return StoredTensor(path, dtype, tuple(shape), base + begin, base + end)
+
+
+def _name_of(tensors: dict[str, StoredTensor], t: StoredTensor) -> str:
+    return next(n for n, x in tensors.items() if x is t)
 
 
 class HFCheckpoint:
@@ -162,26 +197,9 @@ class HFCheckpoint:
 
     def _tensors(self) -> dict[str, StoredTensor]:
         single, index = self.directory / WEIGHTS, self.directory / INDEX
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise WeightsError(f"{index}: not a safetensors index (no weight_map)") from None
-            found: dict[str, StoredTensor] = {}
-            for name in files:
-                file = self.directory / name
-                if not file.exists():
-                    raise WeightsError(f"{index}: lists {name}, which is not in {self.directory}")
-                found.update(read_header(file))
-            for name, file in weight_map.items():
-                if name not in found or found[name].file.name != file:
-                    raise WeightsError(
-                        f"{self.directory / file}: lacks tensor {name}, which {index.name} "
-                        "places there"
-                    )
-            return found
-        if single.exists():
+        if os.path.lexists(index):
+            return self._indexed(index)
+        if os.path.lexists(single):
             return read_header(single)
         if any(self.directory.glob("*.bin")):
             raise WeightsError(
@@ -189,6 +207,40 @@ class HFCheckpoint:
                 "with transformers: from_pretrained, then save_pretrained)"
             )
         raise WeightsError(f"{self.directory}: no {WEIGHTS} or {INDEX}")
+
+    def _indexed(self, index: Path) -> dict[str, StoredTensor]:
+        """The tensors of the shards an index lists, each where the index places it."""
+        _regular_file(index, "the index")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            pairs = list(weight_map.items())
+        except OSError as e:
+            raise WeightsError(f"{index}: cannot read: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise WeightsError(f"{index}: not a safetensors index (no weight_map)") from None
+        for name, file in pairs:
+            if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                raise WeightsError(
+                    f"{index}: places tensor {name} in {file!r}, not a file name in "
+                    f"{self.directory}"
+                )
+        found: dict[str, StoredTensor] = {}
+        for file in sorted({f for _, f in pairs}):
+            if not os.path.lexists(self.directory / file):
+                raise WeightsError(f"{index}: lists {file}, which is not in {self.directory}")
+            for name, stored in read_header(self.directory / file).items():
+                if name in found:
+                    raise WeightsError(
+                        f"{self.directory}: tensor {name} is in both {found[name].file.name} "
+                        f"and {file}"
+                    )
+                found[name] = stored
+        for name, file in pairs:
+            if name not in found or found[name].file.name != file:
+                raise WeightsError(
+                    f"{self.directory / file}: lacks tensor {name}, which {index.name} places there"
+                )
+        return found
 
     def check(self, model: nn.Module) -> None:
         """Raise :class:`WeightsError`, naming the file and the tensor, unless the checkpoint holds

@@ -12,6 +12,7 @@ from typing import Any
 
 from hdp import MODEL_PRESETS, ModelSpec, model_spec
 from hdp.hf_config import (
+    MODEL_FIELDS,
     WEIGHT_FIELDS,
     export_config,
     read_config,
@@ -70,12 +71,12 @@ def model_source(args) -> ModelSource:
         spec, config = checkpoint.spec, checkpoint.config
         if args.model is not None:
             named = model_spec(args.model)
-            differ = shape_differences(named, spec)
+            differ = shape_differences(named, spec, MODEL_FIELDS)
             if differ:
                 raise ValueError(
-                    f"--model {args.model} is not the shape of --init-from {args.init_from} "
+                    f"--model {args.model} is not the model of --init-from {args.init_from} "
                     f"({'; '.join(differ[:3])}): leave --model out, the checkpoint's config.json "
-                    "sets the architecture"
+                    "sets the architecture (--rope-theta and --rope-scaling change its RoPE)"
                 )
     elif args.model is not None and args.model not in MODEL_PRESETS:
         file = Path(args.model)

@@ -1,8 +1,11 @@
 """Bad Hugging Face checkpoints and exports: one line naming the file and the tensor or field, exit
 status 2, nothing trained and nothing overwritten."""
 
+import hashlib
 import json
+import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +52,35 @@ def _rewrite(directory: Path, edit) -> None:
 Q = "model.layers.0.self_attn.q_proj.weight"
 
 
+def _rewrite_header(directory: Path, edit) -> None:
+    """Apply ``edit`` to the JSON header of ``model.safetensors`` (the data stays)."""
+    path = directory / "model.safetensors"
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    edited = edit(header)
+    header = header if edited is None else edited
+    text = json.dumps(header).encode()
+    text += b" " * (size - len(text)) if len(text) <= size else b""
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size :])
+
+
+def _replace(path: Path, make) -> None:
+    """``path`` replaced by what ``make(path)`` creates (a FIFO, a directory)."""
+    path.unlink(missing_ok=True)
+    make(path)
+
+
+def _index(directory: Path, edit) -> None:
+    """An index beside ``model.safetensors`` whose weight_map is ``edit`` of the true one."""
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    weight_map = edit(dict.fromkeys(names, "model.safetensors"))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
 @pytest.mark.parametrize(
     "damage, expected",
     [
@@ -78,6 +110,31 @@ Q = "model.layers.0.self_attn.q_proj.weight"
             "(truncated?)",
         ),
         (lambda d: (d / "model.safetensors").write_bytes(b"12345"), "not a safetensors file"),
+        (lambda d: _rewrite_header(d, lambda h: []), "its header is not a JSON object"),
+        (
+            lambda d: _rewrite_header(d, lambda h: h[Q].update(data_offsets=[-8, 0])),
+            f"tensor {Q}: malformed header entry",
+        ),
+        (
+            lambda d: _rewrite_header(d, lambda h: h[Q].update(shape=["64", 64])),
+            f"tensor {Q}: malformed header entry",
+        ),
+        (
+            lambda d: _rewrite_header(
+                d, lambda h: h[Q].update(data_offsets=h["model.norm.weight"]["data_offsets"])
+            ),
+            "overlap",
+        ),
+        (lambda d: _replace(d / "model.safetensors", os.mkfifo), "is not a regular file"),
+        (lambda d: _replace(d / "model.safetensors", Path.mkdir), "is not a regular file"),
+        (lambda d: _replace(d / "config.json", os.mkfifo), "config.json: not a regular file"),
+        (lambda d: _index(d, lambda m: dict.fromkeys(m, 7)), "in 7, not a file name"),
+        (lambda d: _index(d, lambda m: dict.fromkeys(m, "/etc/passwd")), "'/etc/passwd', not a"),
+        (lambda d: _index(d, lambda m: dict.fromkeys(m, ".")), "in '.', not a file name"),
+        (
+            lambda d: _replace(d / "model.safetensors.index.json", Path.mkdir),
+            "the index is not a regular file",
+        ),
         (
             lambda d: (d / "model.safetensors.index.json").write_text(
                 json.dumps({"weight_map": {Q: "model-00002-of-00002.safetensors"}})
@@ -111,11 +168,13 @@ def test_a_bad_checkpoint_is_one_line_naming_file_and_tensor(
 
 def test_init_from_flags_that_do_not_fit_are_refused(good, tmp_path, capsys):
     line = _error(["--init-from", str(good), "--model", "llama-7b"], capsys)
-    assert "--model llama-7b is not the shape of --init-from" in line
+    assert "--model llama-7b is not the model of --init-from" in line
     assert "layers: 32 -> 2" in line
     assert "--init-from" in _error(["--init-from", str(tmp_path / "absent")], capsys)
     line = _error(["--init-from", str(good), "--rope-scaling", '{"rope_type": "dynamic"}'], capsys)
-    assert "argument --rope-scaling: --rope-scaling: rope_type 'dynamic' is not supported" in line
+    assert "argument --rope-scaling: rope_type 'dynamic' is not supported" in line
+    line = _error(["--init-from", str(good), "--model", "llama3-8b"], capsys)
+    assert "is not the model of --init-from" in line and "--rope-theta" in line
     assert "not JSON" in _error(["--rope-scaling", "{yarn"], capsys)
     assert "argument --rope-theta" in _error(["--rope-theta", "-5"], capsys)
     line = _error(["--init-from", str(good), "--rope-scaling", '{"rope_type": "yarn"}'], capsys)
@@ -174,12 +233,28 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         (["--checkpoint-dir", ck, "--step", "7", "--out", x], "--step 7: no step_00000007"),
         (["--checkpoint-dir", ck, "--dtype", "int8", "--out", x], "unknown dtype 'int8'"),
         (["--checkpoint-dir", ck, "--max-shard-size", "5XB", "--out", x], "'5XB' is not a size"),
+        (["--checkpoint-dir", ck, "--out", f"{ck}/step_00000009"], "lies inside --checkpoint-dir"),
+        (["--checkpoint-dir", ck, "--out", str(tmp_path / "c.jsonl" / "x")], "cannot create"),
     ]
     for argv, expected in cases:
         done = run_export(argv)
         assert done.returncode == 2, (argv, done.stderr)
         assert expected in done.stderr.strip().splitlines()[-1], (argv, done.stderr)
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    # A config that has no place for some of the weights: refused, not a partial export.
+    step = tmp_path / "ck" / "step_00000001"
+    config = json.loads((step / "hf" / "config.json").read_text())
+    (step / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = (step / "hf" / "config.json").read_bytes()
+    manifest["files"]["hf/config.json"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    done = run_export(["--checkpoint-dir", ck, "--out", x])
+    assert done.returncode == 2, done.stderr
+    assert "holds model.layers.1." in done.stderr and "no place for" in done.stderr
     shard = next((tmp_path / "ck" / "step_00000001").glob("*.distcp"))
     data = shard.read_bytes()
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))

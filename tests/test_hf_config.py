@@ -231,6 +231,19 @@ def _refused(config, *fields):
         ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "factor"),
         ({"partial_rotary_factor": 0.5, "rope_scaling": None}, "partial_rotary_factor"),
         ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"rope_theta": 1e-300}, "rope_theta must be above 1"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+        ({"attention_bias": "false"}, "attention_bias must be true or false"),
+        ({"pad_token_id": True}, "pad_token_id True"),
+        ({"head_dim": 0}, "head_dim must be a whole number"),
+        ({"head_dim": 13}, "head_dim 13 is odd"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a whole number"),
+        ({"vocab_size": 2**70}, "vocab_size must be a whole number from 1 to"),
+        ({"max_position_embeddings": "abc"}, "max_position_embeddings must be"),
+        (
+            {"rope_scaling": {"type": "linear", "rope_type": "yarn", "factor": 2.0}},
+            "type 'linear' and rope_type 'yarn' disagree",
+        ),
         (
             {"rope_parameters": {"full_attention": {"rope_type": "default"}}, "rope_scaling": None},
             "rope_parameters per layer type",
@@ -266,6 +279,10 @@ def test_a_config_file_that_is_not_json_is_named(tmp_path):
         ModelSpec.from_hf_config(tmp_path)
     with pytest.raises(ConfigError, match="no such file"):
         ModelSpec.from_hf_config(tmp_path / "missing")
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="config.json: not a regular file"):
+        ModelSpec.from_hf_config(tmp_path / "config.json")
 
 
 def test_sim_and_plan_take_a_config_json(tmp_path, capsys):
