@@ -227,11 +227,15 @@ def rope_from_dict(
     truncate = get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(f"{where}: truncate must be true or false, got {truncate!r}")
+    fast = _number(get("beta_fast", 32.0), "beta_fast", where)
+    slow = _number(get("beta_slow", 1.0), "beta_slow", where)
+    if fast <= slow:
+        raise ConfigError(f"{where}: beta_fast {fast:g} must be above beta_slow {slow:g}")
     return replace(
         rope,
         attention_factor=_number(attention, "attention_factor", where),
-        beta_fast=_number(get("beta_fast", 32.0), "beta_fast", where),
-        beta_slow=_number(get("beta_slow", 1.0), "beta_slow", where),
+        beta_fast=fast,
+        beta_slow=slow,
         truncate=truncate,
     )
 

@@ -232,6 +232,10 @@ def _refused(config, *fields):
         ({"partial_rotary_factor": 0.5, "rope_scaling": None}, "partial_rotary_factor"),
         ({"rope_theta": float("inf")}, "rope_theta"),
         ({"rope_theta": 1e-300}, "rope_theta must be above 1"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 1, "beta_slow": 32}},
+            "beta_fast 1 must be above beta_slow 32",
+        ),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
         ({"attention_bias": "false"}, "attention_bias must be true or false"),
         ({"pad_token_id": True}, "pad_token_id True"),
