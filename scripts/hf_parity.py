@@ -18,20 +18,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_hf_models as cases  # noqa: E402
 from distributed import run_ranks  # noqa: E402
-from hf_models import KINDS, hf_name_of, reference, write_checkpoint, write_corpus  # noqa: E402
+from hf_models import KINDS, hf_name_of, reference, write_checkpoints, write_corpus  # noqa: E402
 
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="hdp-parity-"))
-    dirs = {
-        kind: write_checkpoint(
-            kind,
-            root / kind,
-            max_shard_size="40KB" if kind == "mistral" else None,
-            dtype=torch.bfloat16 if kind == "qwen3" else torch.float32,
-        )
-        for kind in KINDS
-    }
+    dirs = write_checkpoints(root)
     docs = write_corpus(root / "corpus.jsonl")
     refs = {kind: reference(d, docs, grads=True) for kind, d in dirs.items()}
     print(

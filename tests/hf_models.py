@@ -111,6 +111,20 @@ def write_checkpoint(
     return directory
 
 
+def write_checkpoints(root: Path) -> dict[str, Path]:
+    """One checkpoint of each of ``KINDS`` under ``root``: mistral's in shards with an index,
+    qwen3's in bf16 (fp32 in training: the loader converts), the others in one fp32 file."""
+    return {
+        kind: write_checkpoint(
+            kind,
+            root / kind,
+            max_shard_size="40KB" if kind == "mistral" else None,
+            dtype=torch.bfloat16 if kind == "qwen3" else torch.float32,
+        )
+        for kind in KINDS
+    }
+
+
 def to_old_spelling(path: Path) -> None:
     """Rewrite a config.json's RoPE as transformers 4.x wrote it: rope_theta + rope_scaling."""
     config = json.loads(path.read_text())

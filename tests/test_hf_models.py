@@ -15,12 +15,12 @@ pytest.importorskip("transformers")
 
 from hf_models import (  # noqa: E402
     CORPUS_TOKENS,
-    KINDS,
     hf_name_of,
     reference,
     run_export,
     train_in_process,
     write_checkpoint,
+    write_checkpoints,
     write_corpus,
     write_tokenizer,
 )
@@ -34,19 +34,9 @@ CAPACITY = {1: None, 2: "64", 4: "32"}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """One checkpoint per architecture (mistral's in shards with an index, qwen3's in bf16) and
-    the corpus."""
+    """One checkpoint per architecture (:func:`hf_models.write_checkpoints`) and the corpus."""
     root = tmp_path_factory.mktemp("hf")
-    dirs = {
-        kind: write_checkpoint(
-            kind,
-            root / kind,
-            max_shard_size="40KB" if kind == "mistral" else None,
-            # bf16 on disk, fp32 in training: the loader converts
-            dtype=torch.bfloat16 if kind == "qwen3" else torch.float32,
-        )
-        for kind in KINDS
-    }
+    dirs = write_checkpoints(root)
     docs = write_corpus(root / "corpus.jsonl")
     return dirs, root / "corpus.jsonl", docs
 
