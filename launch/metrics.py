@@ -70,10 +70,14 @@ def metrics_record(
     mfu: float,
     trained: int,
     predicted: Predicted,
+    update_skipped: bool = False,
+    skipped_updates: int = 0,
 ) -> dict:
     """The step's line of the ``--metrics`` file: measured figures and, beside them, what the
     cost model predicted (``predicted_step_s``; per rank ``predicted_rank_s`` beside ``busy_s``
-    and ``predicted_mem_bytes`` beside ``peak_mem_bytes``)."""
+    and ``predicted_mem_bytes`` beside ``peak_mem_bytes``). ``update_skipped``: the loss or the
+    gradient norm was not finite and the optimizer did not step (``skipped_updates``: how many
+    steps so far)."""
     busy_s = stats.busy_s
     return {
         "step": step,
@@ -100,6 +104,8 @@ def metrics_record(
         "predicted_activation_bytes": predicted.activation_bytes,
         "trained_tokens": trained,
         "truncated_tokens": data.truncated_tokens,
+        "update_skipped": update_skipped,
+        "skipped_updates": skipped_updates,
     }
 
 
@@ -131,6 +137,7 @@ def step_line(record: dict, data: StepData) -> str:
         f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
         f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
         f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
+        + ("  not finite: no update" if record.get("update_skipped") else "")
     )
 
 

@@ -234,6 +234,14 @@ def add_training_args(t) -> None:
     t.add_argument("--weight-decay", type=number(0.0), default=0.1)
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument(
+        "--nan-policy",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a step whose loss or gradient norm is not finite never updates the weights: stop "
+        "the run there (default; exit status 3) or skip its update and go on, counting it in "
+        "the metrics",
+    )
+    t.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -38,6 +38,7 @@ class Resume:
     data_state: dict | None
     trained_tokens: int
     truncated_tokens: int
+    skipped_updates: int = 0
 
 
 def describe_source(src) -> dict:
@@ -176,6 +177,7 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
         meta["data"] if keep_data else None,
         int(acc.get("trained_tokens", 0)),
         int(acc.get("truncated_tokens", 0)),
+        int(acc.get("skipped_updates", 0)),
     )
 
 

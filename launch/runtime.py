@@ -40,6 +40,7 @@ class StepResult:
     loss: float  # global mean token loss of the step
     busy_s: float  # this rank's forward/backward time
     waves_run: int
+    local_loss: float = 0.0  # this rank's share of ``loss`` (its tokens' losses)
 
 
 def shard_model(model: Llama, sync: str, mixed_precision: bool = False) -> Llama:
@@ -124,9 +125,10 @@ def run_waves(
         model.set_reshard_after_backward(True)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         forward_backward(empty, empty, empty, AttentionContext(None, -1, group))
+    local = float(total)
     if distributed:
         dist.all_reduce(total, group=group)
-    return StepResult(float(total), t_busy, len(mine))
+    return StepResult(float(total), t_busy, len(mine), local)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

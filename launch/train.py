@@ -61,6 +61,7 @@ class Totals:
 
     trained_tokens: int = 0
     truncated_tokens: int = 0
+    skipped_updates: int = 0  # steps whose update ``--nan-policy skip`` dropped
 
 
 @dataclass
@@ -149,19 +150,29 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
     except CheckpointError as e:
         log(f"pretrain.py: error: {e}")
         return 2
+    except Diverged as e:
+        log(f"pretrain.py: error: {e}")
+        return 3
     finally:
         loader.close()
         if metrics_file:
             metrics_file.close()
-    t = run.totals
-    log(
-        f"done: steps {start + 1}-{args.steps} in {time.perf_counter() - t_run:.1f} s; "
+    log(done_line(run, start, time.perf_counter() - t_run))
+    return 0
+
+
+def done_line(run: Run, start: int, seconds: float) -> str:
+    """The run's last line: its steps and time, and the token accounting of all its steps
+    (resumes included): read = trained + skipped in sources, and what was truncated."""
+    t, sources = run.totals, run.sources
+    return (
+        f"done: steps {start + 1}-{run.args.steps} in {seconds:.1f} s; "
         f"tokens trained {t.trained_tokens:,} (all steps), "
         f"skipped in sources {sum(s.skipped_tokens for s in sources):,} "
         f"({sum(s.skipped_documents for s in sources):,} documents), "
         f"truncated {t.truncated_tokens:,}"
+        + (f"; updates skipped (non-finite) {t.skipped_updates}" if t.skipped_updates else "")
     )
-    return 0
 
 
 def run_steps(run: Run, start: int, metrics_file) -> None:
@@ -174,7 +185,7 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
         data = next(run.loader)
         if step_idx == start and run.rank == 0:
             run.log(first_step_line(cost, data, step_idx + 1))
-        res, grad_norm = train_step(
+        res, grad_norm, stepped = train_step(
             data,
             model=run.model,
             optimizer=run.optimizer,
@@ -184,6 +195,7 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
             kill=kill_at == (run.rank, step_idx + 1),
             memory=run.memory,
         )
+        totals.skipped_updates += not stepped
         step_time = time.perf_counter() - t0
         stats = gather_stats(res, world=run.world, device=run.device, memory=run.memory)
         totals.trained_tokens += data.tokens
@@ -196,14 +208,18 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
             step_time=step_time,
             stats=stats,
             lr=run.scheduler.get_last_lr()[0],
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
+            update_skipped=not stepped,
+            skipped_updates=totals.skipped_updates,
             mfu=cost.model_flops(data.plan.seq_lens) / peak,
             trained=totals.trained_tokens,
             predicted=predict(cost, data) if run.rank == 0 else Predicted([], [], []),
         )
         write_record(metrics_file, record)
-        if (step_idx + 1) % args.log_every == 0:
+        if (step_idx + 1) % args.log_every == 0 or not stepped:
             run.log(step_line(record, data))
+        if not stepped and args.nan_policy == "stop":
+            raise Diverged(nonfinite_line(run, res, grad_norm, step_idx + 1))
         if checkpoint_due(args, step_idx + 1):
             save_checkpoint(run, step_idx + 1)
 
@@ -478,7 +494,7 @@ def restore(run: Run, resume: Resume | None) -> int:
     apply_optimizer_flags(run.args, run.optimizer, run.scheduler)
     if resume.data_state is not None:
         run.loader.load_state_dict(resume.data_state)
-    run.totals = Totals(resume.trained_tokens, resume.truncated_tokens)
+    run.totals = Totals(resume.trained_tokens, resume.truncated_tokens, resume.skipped_updates)
     run.log(f"resumed from {resume.path} at step {resume.step}")
     return resume.step
 
@@ -507,20 +523,49 @@ def train_step(
     autocast: torch.dtype | None,
     memory: PeakMemory,
     kill: bool = False,
-) -> tuple[StepResult, torch.Tensor]:
-    """One optimizer step on ``data``; returns the waves' result and the gradient norm."""
+) -> tuple[StepResult, float, bool]:
+    """One optimizer step on ``data``; returns the waves' result, the gradient norm and whether
+    the optimizer stepped: not when the loss or the gradient norm is not finite (the same on
+    every rank: both are global), so that no non-finite value reaches the weights."""
     COMM.reset()
     memory.start_step()
     res = run_waves(model, data, autocast_dtype=autocast)
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = float(
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), grad_clip if grad_clip > 0 else float("inf")
+        )
     )
-    optimizer.step()
+    stepped = math.isfinite(res.loss) and math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return res, grad_norm
+    return res, grad_norm, stepped
+
+
+class Diverged(Exception):
+    """A step whose loss or gradient norm is not finite, under ``--nan-policy stop``."""
+
+
+def nonfinite_line(run: Run, res: StepResult, grad_norm: float, step: int) -> str:
+    """What stopped the run: the step, the value, and the first rank whose own tokens gave a
+    non-finite loss (a collective: every rank sees the same global values and calls it)."""
+    mine = torch.tensor([res.local_loss], dtype=torch.float64, device=run.device)
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [torch.zeros_like(mine) for _ in range(run.world)]
+        dist.all_gather(ranks, mine)
+    bad = [r for r, t in enumerate(ranks) if not math.isfinite(t.item())]
+    if not math.isfinite(res.loss):
+        what = f"loss {res.loss} at step {step}" + (f" (first on rank {bad[0]})" if bad else "")
+    else:
+        what = f"gradient norm {grad_norm} at step {step} (the loss, {res.loss:.4f}, is finite)"
+    return (
+        f"non-finite {what}: stopped before its update, which no checkpoint holds; lower --lr, "
+        "check the data and the initial weights, or pass --nan-policy skip to drop such updates"
+    )
 
 
 def checkpoint_due(args, step: int) -> bool:

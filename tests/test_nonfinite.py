@@ -1,0 +1,106 @@
+"""A loss or gradient norm that is not finite never reaches the weights: ``--nan-policy stop``
+ends the run there with one line naming the step and the first rank whose tokens gave it, and no
+checkpoint of it; ``--nan-policy skip`` drops that update, counts it and trains on."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from hf_models import VOCAB, train_in_process, write_checkpoint, write_corpus
+
+import launch.train as lt
+from launch.pretrain import parse_args
+
+# --lr 1e6 makes tiny's loss overflow within a few steps.
+DIVERGE = ["--model", "tiny", "--tokens-per-step", "608", "--max-seq", "128", "--lr", "1e6"]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_a_non_finite_step_stops_the_run_without_its_checkpoint(tmp_path, capsys, clip):
+    write_corpus(tmp_path / "c.jsonl")
+    argv = [*DIVERGE, "--data", str(tmp_path / "c.jsonl"), "--steps", "12", "--grad-clip", clip]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
+    argv += ["--metrics", str(tmp_path / "m.jsonl")]
+    code = lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    assert code == 3
+    errors = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pretrain.py")]
+    assert len(errors) == 1, errors
+    rows = _rows(tmp_path / "m.jsonl")
+    last = rows[-1]
+    assert last["update_skipped"] and not math.isfinite(last["loss"])
+    assert f"non-finite loss {last['loss']} at step {last['step']} (first on rank 0)" in errors[0]
+    assert all(not r["update_skipped"] for r in rows[:-1])
+    saved = sorted(p.name for p in (tmp_path / "ck").glob("step_*"))
+    assert saved == [f"step_{s:08d}" for s in range(1, last["step"])]
+
+
+def test_skip_drops_non_finite_updates_and_counts_them(tmp_path):
+    write_corpus(tmp_path / "c.jsonl")
+    argv = [*DIVERGE, "--data", str(tmp_path / "c.jsonl"), "--steps", "8", "--nan-policy", "skip"]
+    argv += ["--metrics", str(tmp_path / "m.jsonl")]
+    kept = {}
+    orig = lt.build_model
+
+    def build_model(*a, **k):
+        kept["model"] = orig(*a, **k)
+        return kept["model"]
+
+    lt.build_model = build_model
+    try:
+        train_in_process(argv)
+    finally:
+        lt.build_model = orig
+    rows = _rows(tmp_path / "m.jsonl")
+    skipped = [r["step"] for r in rows if r["update_skipped"]]
+    assert skipped and rows[-1]["skipped_updates"] == len(skipped)
+    assert all(torch.isfinite(p).all() for p in kept["model"].parameters())
+
+
+def _nan_token_run(rank, world, ck, corpus, out):
+    """Train one step on 2 ranks; rank 0 saves which ranks hold the document that starts with
+    the token whose embedding is NaN."""
+    orig_step = lt.train_step
+    seen = {}
+
+    def train_step(data, **kw):
+        doc = next(i for i, ref in enumerate(data.seqs) if ref.doc == 3)
+        seen["holders"] = sorted(
+            r
+            for r in range(data.plan.num_ranks)
+            for w in range(data.plan.num_waves)
+            if any(s.seq == doc for s in data.plan.shards(r, w))
+        )
+        return orig_step(data, **kw)
+
+    lt.train_step = train_step
+    argv = ["--init-from", ck, "--data", corpus, "--tokens-per-step", "608", "--max-seq", "128"]
+    args = parse_args([*argv, "--capacity", "64", "--steps", "1"])
+    assert lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 3
+    if rank == 0:
+        Path(out).write_text(json.dumps(seen["holders"]))
+
+
+def test_the_first_rank_whose_tokens_are_not_finite_is_named(tmp_path, capfd):
+    """A NaN embedding row for a token that only document 3 holds, as its first token: the rank
+    named is the lowest of those holding document 3."""
+    from safetensors.torch import load_file, save_file
+
+    ck = write_checkpoint("llama", tmp_path / "ck")
+    weights = load_file(ck / "model.safetensors")
+    weights["model.embed_tokens.weight"][VOCAB - 1] = float("nan")
+    save_file(weights, ck / "model.safetensors", metadata={"format": "pt"})
+    docs = write_corpus(tmp_path / "c.jsonl")
+    docs = [[t % (VOCAB - 1) for t in d] for d in docs]
+    docs[3][0] = VOCAB - 1
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+    out = tmp_path / "holders.json"
+    run_ranks(_nan_token_run, 2, str(ck), str(tmp_path / "c.jsonl"), str(out))
+    first = json.loads(out.read_text())[0]
+    assert f"non-finite loss nan at step 1 (first on rank {first})" in capfd.readouterr().out
