@@ -338,6 +338,11 @@ class MegatronSource:
         if version != 1 or code not in _MEGATRON_DTYPES:
             raise DataError(f"{idx}: unsupported index version {version} or dtype code {code}")
         self.dtype = np.dtype(_MEGATRON_DTYPES[code])
+        if self.dtype.kind == "f":  # Megatron's codes 6 and 7: token ids cannot be floats
+            raise DataError(
+                f"{idx}: dtype code {code} ({self.dtype.name}) holds no token ids; "
+                "re-tokenize with an integer dtype (Megatron picks uint16 or int32)"
+            )
         n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
         need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
         if len(raw) < need:

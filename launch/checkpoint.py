@@ -148,7 +148,8 @@ def _prepare_target(path: Path) -> str | None:
     if not path.exists():
         return None
     manifest, problem = check_listing(path)
-    if problem is None and not hash_problem(path, manifest, shared=False):
+    problem = problem or hash_problem(path, manifest, shared=False)
+    if problem is None:
         return f"{path} is a valid checkpoint; hdp never writes over one"
     aside = _move_aside(path)
     print(f"warning: moved the damaged checkpoint {path} to {aside} ({problem})", flush=True)
@@ -359,7 +360,7 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict:
     scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():  # absent when resuming on more ranks than saved
-        rng = torch.load(rng_file)
+        rng = torch.load(rng_file, weights_only=True)  # tensors only: nothing else to unpickle
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

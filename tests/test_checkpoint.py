@@ -144,11 +144,19 @@ def test_saving_never_writes_over_a_valid_checkpoint(ck):
     assert (ck / "step_00000004" / "manifest.json").read_bytes() == before
 
 
-def test_saving_over_a_damaged_checkpoint_keeps_it_aside(ck):
+def test_saving_over_a_damaged_checkpoint_keeps_it_aside(ck, capsys):
     (ck / "step_00000004" / _shard(ck / "step_00000004")).unlink()
     _save(ck, 4)
     assert checkpoint.select(ck).path == ck / "step_00000004"
     assert (ck / "step_00000004.damaged" / "train_state.json").exists()
+    # Only a checksum wrong: the warning names it.
+    shard = ck / "step_00000004" / _shard(ck / "step_00000004")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    capsys.readouterr()
+    _save(ck, 4)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "step_00000004.damaged2 (file" in line and "does not match its checksum" in line, line
 
 
 def _args(ck, **kw):

@@ -194,6 +194,13 @@ def test_megatron_bad_inputs(tmp_path):
     (tmp_path / "c.idx").write_bytes(b"garbage")
     with pytest.raises(DataError, match="not a Megatron index file"):
         open_source(str(prefix))
+    for code, name in ((6, "float64"), (7, "float32")):  # float "token ids" were truncated
+        write_megatron(prefix, DOCS)
+        idx = bytearray((tmp_path / "c.idx").read_bytes())
+        idx[17] = code
+        (tmp_path / "c.idx").write_bytes(bytes(idx))
+        with pytest.raises(DataError, match=f"c.idx: dtype code {code} \\({name}\\) holds no"):
+            open_source(str(prefix))
 
 
 def test_synthetic_is_deterministic():
