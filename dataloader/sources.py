@@ -306,6 +306,19 @@ _MEGATRON_DTYPES = {
 _MEGATRON_HEADER = b"MMIDIDX\x00\x00"
 
 
+def _token_dtype(idx: Path, version: int, code: int) -> np.dtype:
+    """The token dtype an index's header names, or :class:`DataError` saying why not."""
+    if version != 1 or code not in _MEGATRON_DTYPES:
+        raise DataError(f"{idx}: unsupported index version {version} or dtype code {code}")
+    dtype = np.dtype(_MEGATRON_DTYPES[code])
+    if dtype.kind == "f":  # Megatron's codes 6 and 7: token ids cannot be floats
+        raise DataError(
+            f"{idx}: dtype code {code} ({dtype.name}) holds no token ids; "
+            "re-tokenize with an integer dtype (Megatron picks uint16 or int32)"
+        )
+    return dtype
+
+
 class MegatronSource:
     """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; a sequence is a document."""
 
@@ -335,14 +348,7 @@ class MegatronSource:
             raise DataError(f"{idx}: not a Megatron index file (bad header)")
         (version,) = struct.unpack("<Q", raw[9:17])
         code = raw[17]
-        if version != 1 or code not in _MEGATRON_DTYPES:
-            raise DataError(f"{idx}: unsupported index version {version} or dtype code {code}")
-        self.dtype = np.dtype(_MEGATRON_DTYPES[code])
-        if self.dtype.kind == "f":  # Megatron's codes 6 and 7: token ids cannot be floats
-            raise DataError(
-                f"{idx}: dtype code {code} ({self.dtype.name}) holds no token ids; "
-                "re-tokenize with an integer dtype (Megatron picks uint16 or int32)"
-            )
+        self.dtype = _token_dtype(idx, version, code)
         n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
         need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
         if len(raw) < need:

@@ -171,44 +171,15 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict[str, Any] | str) -> Plan:
-        """Read the PLAN.json form (a dict, or its text). ``predicted`` is optional."""
-        if isinstance(d, str):
-            d = json.loads(d)
-        if not isinstance(d, dict):
-            raise PlanError("PLAN.json must hold a JSON object")
-        for key in ("num_ranks", "seq_lens", "waves"):
-            if key not in d:
-                raise PlanError(f"PLAN.json lacks the required key {key!r}")
-        if not isinstance(d["waves"], list) or not all(isinstance(w, list) for w in d["waves"]):
-            raise PlanError(
-                "PLAN.json 'waves' must be a list (waves) of lists (ranks) of "
-                "[seq, start, end] lists"
-            )
-        lens = d["seq_lens"]
-        if not isinstance(lens, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) for x in lens
-        ):
-            raise PlanError("PLAN.json 'seq_lens' must be a list of integers")
-        num_waves = len(d["waves"])
-        offload = d.get("offload")
-        kw: dict[str, Any] = dict(
-            sync=d.get("sync", "wave"),
-            barriers=d.get("barriers", ()),
-            kv_block_tokens=d.get("kv_block_tokens", DEFAULT_KV_BLOCK_TOKENS),
-            predicted=d.get("predicted"),
-            strategy=d.get("strategy"),
-            capacity=d.get("capacity"),
-            kv_exchange=d.get("kv_exchange", "rank"),
-            ranks_per_node=d.get("ranks_per_node"),
-        )
-        if offload is not None:
-            off = np.asarray(offload, dtype=np.float64)
-            if off.shape != (num_waves, int(d["num_ranks"])):
-                raise PlanError(
-                    f"PLAN.json 'offload' must be [num_waves][num_ranks], got shape {off.shape}"
-                )
-            kw["offload"] = off
-        return cls.from_shards(d["seq_lens"], int(d["num_ranks"]), d["waves"], **kw)
+        """Read the PLAN.json form (a dict, or its text), every field's type checked and the plan
+        validated (:meth:`validate`); ``predicted`` is optional. Raises :class:`PlanError` naming
+        the field."""
+        from . import plan_json  # it reads this module's names
+
+        lens, num_ranks, waves, kw = plan_json.read(d)
+        plan = cls.from_shards(lens, num_ranks, waves, **kw)
+        plan.validate()
+        return plan
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -268,3 +268,50 @@ def test_wire_rejects_other_buffers():
 
     with pytest.raises(PlanError, match="format"):
         Plan.from_wire(wire.pack({"format": "other"}, {}))
+
+
+def _plan_json(**change):
+    base = {
+        "num_ranks": 2,
+        "seq_lens": [1000, 300],
+        "waves": [[[[0, 0, 500]], [[0, 500, 1000]]], [[[1, 0, 300]], []]],
+    }
+    return {**base, **change}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"waves": [[[[0, 0, 400]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "leave a gap"),
+        ({"waves": [[[[0, 0, 600]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "overlap"),
+        (
+            {"waves": [[[[0, 0, 500]], [[0, 500, 1200]]], [[[1, 0, 300]], []]]},
+            "inside \\[0, 1000\\)",
+        ),
+        ({"waves": [[[[0, 0, 500]], [[0, 500, 1000]]], [[[7, 0, 300]], []]]}, "sequence"),
+        ({"waves": [[[[0, 500, 0]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "non-empty range"),
+        ({"waves": [[[[0, -5, 500]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "non-empty range"),
+        ({"seq_lens": [1000, -300]}, "'seq_lens\\[1\\]' must be >= 0, got -300"),
+        ({"waves": [[[[0, 0, 500]], [[0, 500, 1000]]], [[], []]]}, "sequence 1 .* is in no shard"),
+        ({"offload": [[5.0, 0.0], [0.0, 0.0]]}, "offload fractions must lie in \\[0, 1\\]"),
+        ({"offload": [[-1.0, 0.0], [0.0, 0.0]]}, "offload fractions must lie in \\[0, 1\\]"),
+        ({"barriers": [99]}, "barriers must name waves in \\[0, 2\\)"),
+        ({"waves": [[[[0, 0, 500]], [[1, 0, 300]]], [[[0, 500, 1000]], []]]}, "one wave"),
+        ({"waves": [[[[0, 0, 500.7]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "500.7"),
+        ({"num_ranks": "two"}, "'num_ranks' must be an integer, got 'two'"),
+        ({"num_ranks": 0}, "'num_ranks' must be >= 1"),
+        ({"kv_block_tokens": 1.5}, "'kv_block_tokens' must be an integer"),
+        ({"barriers": "0"}, "'barriers' must be a list"),
+        ({"offload": [["a", 0], [0, 0]]}, "'offload' must be"),
+    ],
+)
+def test_from_json_refuses_an_invalid_plan_naming_what(change, message, tmp_path):
+    """Each bad PLAN.json of the audit: one PlanError naming the field or the broken invariant,
+    from ``from_json`` and from ``load`` (which names the file), never a plan that is wrong."""
+    Plan.from_json(_plan_json())  # the unchanged plan is valid
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(_plan_json(**change))
+    path = tmp_path / "PLAN.json"
+    path.write_text(json.dumps(_plan_json(**change)))
+    with pytest.raises(PlanError, match=f"PLAN.json: .*{message}"):
+        Plan.load(path)
