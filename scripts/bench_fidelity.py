@@ -12,6 +12,13 @@ short shards and whole documents, runs each rank's attention calls with the proj
 against the keys before it, forward + backward) on every backend asked for, and prints measured
 over what the cost model prices for those calls.
 
+``cpu-train``: measures a profile of this machine (``hdp-calibrate measure --device cpu --quick``,
+one thread, as torchrun gives each of several ranks on a node), trains ``tiny`` for 8 steps on
+2 gloo ranks with and without activation checkpointing, and prints ``metrics`` for each run.
+Its median |measured / predicted - 1| over steps 3-8 is the CPU fidelity figure of
+docs/benchmarks.md; it is a benchmark, not a test, because a busy host moves it.
+
+    python scripts/bench_fidelity.py cpu-train
     python scripts/bench_fidelity.py metrics /tmp/hdp-gpu-check/train_metrics.jsonl
     python scripts/bench_fidelity.py attention --gpus 1024 --workloads byted-2m,wlb-128k \
         --backends flash,cudnn --device cuda
@@ -23,8 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,6 +182,32 @@ def attention_report(args) -> None:
                 )
 
 
+def cpu_train_report(skip: int) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    with tempfile.TemporaryDirectory(prefix="hdp-fidelity-") as tmp:
+        profile = Path(tmp) / "cpu.json"
+        measure = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu"]
+        subprocess.run([*measure, "--quick", "--out", str(profile)], cwd=root, env=env, check=True)
+        for checkpointing in ("--no-activation-checkpointing", "--activation-checkpointing"):
+            metrics = Path(tmp) / f"metrics{checkpointing}.jsonl"
+            train = [
+                *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+                *("--nproc-per-node", "2", str(root / "launch" / "pretrain.py")),
+                *("--model", "tiny", "--tokens-per-step", "16K", "--max-seq", "4K"),
+                *("--steps", "8", "--gpu-profile", str(profile), "--metrics", str(metrics)),
+                checkpointing,
+            ]
+            subprocess.run(train, cwd=root, env=env, check=True, capture_output=True)
+            print(f"-- tiny, 2 ranks, {checkpointing}")
+            summary = metrics_report(metrics, skip)
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()][skip:]
+            summary["median_abs_error"] = statistics.median(
+                abs(r["step_time_s"] / r["predicted_step_s"] - 1) for r in rows
+            )
+            print(json.dumps(summary), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,9 +225,13 @@ def main() -> int:
     a.add_argument("--backends", default="flash")
     a.add_argument("--device", default="cuda")
     a.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("cpu-train", help="a CPU profile of this machine against tiny's steps")
+    c.add_argument("--skip", type=int, default=2, help="first steps left out of the summary")
     args = ap.parse_args()
     if args.command == "metrics":
         print(json.dumps(metrics_report(args.path, args.skip)))
+    elif args.command == "cpu-train":
+        cpu_train_report(args.skip)
     else:
         attention_report(args)
     return 0

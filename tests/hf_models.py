@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from distributed import patient
 
 VOCAB = 101  # not a multiple of 2 or 4: FSDP2 shards the embedding unevenly
 # Large enough that a wrong RoPE, norm or bias changes the loss (at 0.02 every model scores
@@ -186,7 +187,7 @@ def run_export(argv: list[str]) -> subprocess.CompletedProcess:
     """``hdp-export`` in a fresh process."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "launch.export", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=patient(300))
 
 
 def train_in_process(argv: list[str]) -> None:

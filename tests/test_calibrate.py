@@ -7,11 +7,11 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import patient
 
 import hdp
 from launch import calibrate
@@ -34,20 +34,18 @@ SCALARS = (
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    """One ``measure --device cpu --quick`` run: (completed process, seconds, profile path)."""
+    """One ``measure --device cpu --quick`` run: (completed process, profile path)."""
     out = tmp_path_factory.mktemp("calibrate") / "profile.json"
     cmd = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu", "--quick"]
-    t0 = time.perf_counter()
     done = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=patient(300)
     )
-    return done, time.perf_counter() - t0, out
+    return done, out
 
 
 def test_quick_cpu_measure_writes_a_complete_profile(quick_run):
-    done, seconds, out = quick_run
+    done, out = quick_run
     assert done.returncode == 0, done.stderr
-    assert seconds < 90, f"measure --quick took {seconds:.0f} s"
     data = json.loads(out.read_text())
     assert data["format"] == "hdp.profile/1"
     assert data["name"] == "cpu" and data["attention_backend"] == "reference"
@@ -74,14 +72,14 @@ def test_quick_cpu_measure_writes_a_complete_profile(quick_run):
 
 
 def test_quick_cpu_measure_reports_each_table(quick_run):
-    done, _, _ = quick_run
+    done, _ = quick_run
     for name in calibrate.TABLE_COLUMNS:
         assert f"hdp-calibrate: {name}: " in done.stderr, done.stderr
     assert "elapsed" in done.stderr
 
 
 def test_the_profile_reads_back_where_hdp_has_a_reader(quick_run):
-    _, _, out = quick_run
+    _, out = quick_run
     if not hasattr(hdp.GPUProfile, "load"):
         pytest.skip("this hdp has no profile reader (GPUProfile.load)")
     profile = hdp.GPUProfile.load(out)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from distributed import patient
 
 from hdp import Plan
 from planner.cli import plan_main, sim_main
@@ -21,7 +22,7 @@ def run_cli(*args, timeout=120):
         ],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patient(timeout),
     )
 
 

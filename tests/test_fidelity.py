@@ -1,20 +1,22 @@
-"""The cost model predicts real training steps on this machine (issue #15's CPU fidelity test).
+"""A measured CPU profile prices real training steps, and every metrics row puts the prediction
+beside the measurement.
 
-A profile measured here by ``hdp-calibrate measure --device cpu --quick`` prices the steps of a
-2-rank ``tiny`` run, with activation checkpointing and without; the median of
-|measured / predicted - 1| over steps 3-8 must stay within 25%.
-Each rank gets one thread, as torchrun gives each of several ranks on a node, and the profile is
-measured with one thread for the same reason.
+How close the two are is a benchmark, not a test (a busy host moves it):
+``python scripts/bench_fidelity.py cpu-train``, recorded in docs/benchmarks.md. Here: a 2-rank
+``tiny`` run with and without activation checkpointing, priced by a profile that
+``hdp-calibrate measure --device cpu --quick`` just measured; each rank gets one thread, as
+torchrun gives each of several ranks on a node.
 """
 
 import json
+import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from distributed import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -31,27 +33,43 @@ def cpu_profile(tmp_path_factory) -> Path:
     return profile
 
 
-# With checkpointing the runtime recomputes each layer's forward in backward, and the model must
-# price that recompute too: the flag reaches both.
-@pytest.mark.parametrize(
-    "checkpointing", ["--no-activation-checkpointing", "--activation-checkpointing"]
-)
-def test_a_measured_cpu_profile_predicts_training_steps(tmp_path, cpu_profile, checkpointing):
-    metrics = tmp_path / "metrics.jsonl"
-    train = [
+def train(tmp_path: Path, profile: Path, checkpointing: str) -> list[dict]:
+    metrics = tmp_path / f"metrics{checkpointing}.jsonl"
+    cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
         str(ROOT / "launch" / "pretrain.py"),
-        *("--model", "tiny", "--tokens-per-step", "16K", "--max-seq", "4K", "--steps", "8"),
-        *("--gpu-profile", str(cpu_profile), "--metrics", str(metrics), checkpointing),
+        *("--model", "tiny", "--tokens-per-step", "16K", "--max-seq", "4K", "--steps", "4"),
+        *("--gpu-profile", str(profile), "--metrics", str(metrics), checkpointing),
     ]
-    done = subprocess.run(train, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=patient(600)
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    ratios = [r["step_time_s"] / r["predicted_step_s"] for r in rows[2:]]
-    error = statistics.median(abs(x - 1) for x in ratios)
-    assert error <= 0.25, f"measured / predicted over steps 3-8: {[round(x, 2) for x in ratios]}"
-    # Every rank's predicted busy time and peak memory are reported beside its measured ones.
-    assert all(len(r["predicted_rank_s"]) == len(r["busy_s"]) == 2 for r in rows)
-    assert all(len(r["predicted_mem_bytes"]) == len(r["peak_mem_bytes"]) == 2 for r in rows)
-    assert all(m > 0 for r in rows for m in r["peak_mem_bytes"])
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def positive(values) -> bool:
+    return all(math.isfinite(v) and v > 0 for v in values)
+
+
+def test_a_measured_cpu_profile_prices_every_step_beside_its_measurement(tmp_path, cpu_profile):
+    runs = {
+        flag: train(tmp_path, cpu_profile, flag)
+        for flag in ("--no-activation-checkpointing", "--activation-checkpointing")
+    }
+    for rows in runs.values():
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for r in rows:
+            assert positive([r["step_time_s"], r["predicted_step_s"]])
+            assert len(r["predicted_rank_s"]) == len(r["busy_s"]) == 2
+            assert len(r["predicted_mem_bytes"]) == len(r["peak_mem_bytes"]) == 2
+            assert positive(r["predicted_rank_s"]) and positive(r["peak_mem_bytes"])
+            assert positive(r["predicted_mem_bytes"])
+            # A step takes at least its busiest rank's predicted work.
+            assert r["predicted_step_s"] >= max(r["predicted_rank_s"]) * (1 - 1e-9)
+    # Same data: with checkpointing each layer's forward runs again in backward, and
+    # the model prices that recompute while it counts fewer activations.
+    plain, recompute = runs.values()
+    for a, b in zip(plain, recompute):
+        assert b["predicted_step_s"] > a["predicted_step_s"], (a, b)
+        assert max(b["predicted_mem_bytes"]) < max(a["predicted_mem_bytes"]), (a, b)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import patient
 
 pytest.importorskip("transformers")
 
@@ -203,7 +204,7 @@ def test_a_bad_checkpoint_trains_nothing(good, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     assert done.returncode == 2
     assert f"lacks tensor {Q}" in done.stderr.strip().splitlines()[-1]

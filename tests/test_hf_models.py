@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import patient, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -139,7 +139,7 @@ def _torchrun(argv: list[str], tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=600,
+        timeout=patient(600),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import patient, run_ranks
 
 from planner.hybridcp import megatron_available
 
@@ -256,7 +256,10 @@ def _newest_wheel() -> Path:
         cmd += ["--only-binary=:all:", "--retries", "1", "--timeout", "20", "-d", tmp]
         try:
             got = subprocess.run(
-                [*cmd, f"megatron-core=={NEWEST}"], capture_output=True, text=True, timeout=180
+                [*cmd, f"megatron-core=={NEWEST}"],
+                capture_output=True,
+                text=True,
+                timeout=patient(180),
             )
         except subprocess.TimeoutExpired:
             pytest.skip(f"pip download of megatron-core {NEWEST} took over 180 s")
@@ -280,7 +283,7 @@ def test_newest_release_forward_backward():
     path = [str(wheel), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **{ON_PATH: NEWEST})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case]
-    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    ran = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=patient(400))
     tail = (ran.stdout + ran.stderr)[-4000:]
     assert ran.returncode == 0 and "1 passed" in ran.stdout, tail
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import patient, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,7 +225,7 @@ def test_kill_a_rank_and_resume(tmp_path):
         env=dict(env, HDP_KILL_AT="1:6"),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     assert killed.returncode != 0  # torchrun reports the lost worker
     assert (ck / "latest").read_text().strip() == "step_00000004"
@@ -236,7 +236,7 @@ def test_kill_a_rank_and_resume(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -246,7 +246,7 @@ def test_kill_a_rank_and_resume(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     assert straight.returncode == 0, straight.stdout + straight.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -343,7 +343,7 @@ def test_bad_flags(argv, message):
         [sys.executable, str(ROOT / "launch" / "pretrain.py"), *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patient(120),
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     assert res.returncode == 2, res.stdout + res.stderr
