@@ -14,10 +14,13 @@ takes the newest valid ``step_*`` and warns about each damaged newer one and a s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +34,7 @@ MANIFEST = "manifest.json"
 HF_FOLDER = "hf"
 STATE = "train_state.json"
 _STEP_DIR = re.compile(r"step_(\d{8})")
+UNFINISHED = f"no {MANIFEST}: its save did not finish"
 
 
 class CheckpointError(Exception):
@@ -66,6 +70,14 @@ def agree(obj):
     box = [obj if _rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def _one_process_quietly():
+    """DCP in a run without a process group, without its warning that it assumes one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -143,17 +155,54 @@ def _move_aside(path: Path) -> Path:
 
 
 def _prepare_target(path: Path) -> str | None:
-    """Make room for a new checkpoint at ``path`` (rank 0): a damaged one there is moved aside;
-    a valid one is never written over. Returns the refusal, or ``None``."""
+    """Make room for a new checkpoint at ``path`` (rank 0): an unfinished save there is removed,
+    a damaged checkpoint moved aside; a valid one is never written over. Returns the refusal,
+    or ``None``."""
     if not path.exists():
         return None
     manifest, problem = check_listing(path)
+    if problem == UNFINISHED:
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"warning: removed the unfinished save {path} ({problem})", flush=True)
+        return None
     problem = problem or hash_problem(path, manifest, shared=False)
     if problem is None:
         return f"{path} is a valid checkpoint; hdp never writes over one"
     aside = _move_aside(path)
     print(f"warning: moved the damaged checkpoint {path} to {aside} ({problem})", flush=True)
     return None
+
+
+def _space_warning(folder: Path) -> str | None:
+    """A warning when ``folder``'s disk has less free space than its newest checkpoint took."""
+    for path in step_dirs(folder):
+        manifest, problem = check_listing(path)
+        if problem is None:
+            size = sum(entry["size"] for entry in manifest["files"].values())
+            free = shutil.disk_usage(folder).free
+            if free < size:
+                return (
+                    f"warning: {_mib(free)} free in {folder}, and {path.name} took "
+                    f"{_mib(size)}: this save may fail; free space or move old checkpoints away"
+                )
+            return None
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _failure(e: BaseException) -> str:
+    """What went wrong in a save, in a few words: the OS error's text where there is one (DCP
+    wraps each rank's exception in a CheckpointException)."""
+    found = [e]
+    if isinstance(e, dcp.CheckpointException):
+        found = [exc for exc, _ in e.failures.values()]
+    for exc in found:
+        if isinstance(exc, OSError) and exc.strerror:
+            return exc.strerror[0].lower() + exc.strerror[1:]
+    return f"{type(found[0]).__name__}: {found[0]}"
 
 
 def save(
@@ -167,35 +216,95 @@ def save(
 ) -> Path:
     """Save everything needed to continue after ``step`` optimizer steps (a collective).
     ``state`` (JSON) holds the schedule-independent rest: data position, accounting,
-    fingerprint. ``files`` ({name: contents}) go into ``hf/``."""
+    fingerprint. ``files`` ({name: contents}) go into ``hf/``. Raises CheckpointError, on every
+    rank, when the target is a valid checkpoint or a write fails (disk full, ...): then the
+    partial directory is removed and the newest checkpoint stays what it was."""
     folder = Path(folder)
     path = folder / f"step_{step:08d}"
     refusal = None
     if _rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        refusal = _prepare_target(path)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            refusal = _prepare_target(path)
+            warning = _space_warning(folder)
+            if warning:
+                print(warning, flush=True)
+        except OSError as e:
+            refusal = f"cannot save step {step} to {folder}: {_failure(e)}"
     refusal = agree(refusal)
     if refusal:
         raise CheckpointError(refusal)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, path / f"rng_rank{_rank()}.pt")
+    try:
+        _write(path, step, model, optimizer, scheduler, state, files)
+    except _WriteFailed as e:
+        if _rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        on = f" (rank {e.rank})" if _world() > 1 else ""
+        raise CheckpointError(f"cannot save step {step} to {folder}{on}: {e.reason}") from None
     if _rank() == 0:
-        meta = {"step": step, "scheduler": scheduler.state_dict(), **state}
-        _write_atomic(path / STATE, json.dumps(meta))
-        _write_files(path / HF_FOLDER, files or {})
-    _barrier()
-    names = agree(_listing(path))
-    sums = _hash_shared(path, names)
-    if _rank() == 0:
-        files = {n: {"size": (path / n).stat().st_size, "sha256": sums[n]} for n in names}
-        _write_atomic(path / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}))
-        _write_atomic(folder / "latest", path.name + "\n")
+        try:
+            _write_atomic(folder / "latest", path.name + "\n")
+        except OSError as e:  # the checkpoint is valid without it: resuming never reads it
+            print(f"warning: cannot update {folder / 'latest'}: {_failure(e)}", flush=True)
     _barrier()
     return path
+
+
+class _WriteFailed(Exception):
+    """A write of a save failed on ``rank`` (raised on every rank alike)."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(reason)
+        self.rank, self.reason = rank, reason
+
+
+def _together(write) -> None:
+    """Run ``write()`` on every rank, then raise _WriteFailed on all of them if it failed on
+    any: a rank whose write failed must not leave its peers waiting in the next collective."""
+    error = None
+    try:
+        write()
+    except (OSError, dcp.CheckpointException) as e:
+        error = _failure(e)
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * _world()
+        dist.all_gather_object(errors, error)
+    for rank, reason in enumerate(errors):
+        if reason:
+            raise _WriteFailed(rank, reason)
+
+
+def _write(path: Path, step: int, model, optimizer, scheduler, state: dict, files) -> None:
+    """The files of a checkpoint, the manifest last (a collective)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+
+    def shards() -> None:
+        with _one_process_quietly():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+
+    def own_files() -> None:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, path / f"rng_rank{_rank()}.pt")
+        if _rank() == 0:
+            meta = {"step": step, "scheduler": scheduler.state_dict(), **state}
+            _write_atomic(path / STATE, json.dumps(meta))
+            _write_files(path / HF_FOLDER, files or {})
+
+    _together(shards)
+    _together(own_files)
+    names = agree(_listing(path))
+    sums = _hash_shared(path, names)
+
+    def manifest() -> None:
+        if _rank() == 0:
+            listed = {n: {"size": (path / n).stat().st_size, "sha256": sums[n]} for n in names}
+            text = json.dumps({"format": FORMAT, "step": step, "files": listed})
+            _write_atomic(path / MANIFEST, text)
+
+    _together(manifest)
 
 
 def _write_files(folder: Path, files: dict[str, bytes]) -> None:
@@ -223,7 +332,7 @@ def check_listing(path: Path) -> tuple[dict | None, str | None]:
     try:
         raw = (path / MANIFEST).read_bytes()
     except FileNotFoundError:
-        return None, f"no {MANIFEST}: its save did not finish"
+        return None, UNFINISHED
     except OSError as e:
         return None, f"cannot read {MANIFEST}: {e.strerror}"
     try:
@@ -274,9 +383,11 @@ def _read_latest(folder: Path) -> tuple[str | None, str | None]:
 
 def select(folder: str | Path, *, step: int | None = None) -> Selection:
     """The newest valid checkpoint in ``folder``, or the one of ``step`` (a collective; every rank
-    gets rank 0's view of the folder and hashes a share). Raises CheckpointError when the folder
-    cannot be read, holds checkpoints of which none is valid, or when ``step``'s is missing,
-    damaged or older than a valid one the run would write over."""
+    gets rank 0's view of the folder and hashes a share). Only unfinished saves (a kill during
+    the first save) select none, with a warning each: they hold nothing that was ever valid.
+    Raises CheckpointError when the folder cannot be read, holds finished checkpoints of which
+    none is valid, or when ``step``'s is missing, damaged or older than a valid one the run
+    would write over."""
     folder = Path(folder)
     found = None
     if _rank() == 0:
@@ -299,13 +410,15 @@ def select(folder: str | Path, *, step: int | None = None) -> Selection:
             chosen = path
             break
         passed.append(f"{path.name}: {problem}")
-    if candidates and chosen is None:
+    unfinished = all(problem == UNFINISHED for _, _, problem in candidates)
+    if candidates and chosen is None and not unfinished:
         raise CheckpointError(
             f"no valid checkpoint in {folder} ({'; '.join(passed)}): move the damaged "
             "step_* directories away to start from step 0"
         )
     for line in passed:
-        warnings.append(f"warning: skipped the damaged checkpoint {folder}/{line}")
+        kind = "unfinished" if line.endswith(UNFINISHED) else "damaged"
+        warnings.append(f"warning: skipped the {kind} checkpoint {folder}/{line}")
     if latest_problem:
         warnings.append(f"warning: {latest_problem}; ignored")
     elif chosen is not None and latest_name not in (None, chosen.name):
@@ -352,7 +465,8 @@ def load(path: str | Path, model, optimizer, scheduler) -> dict:
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    with _one_process_quietly():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

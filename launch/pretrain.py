@@ -49,6 +49,7 @@ from hdp.profile import ProfileError  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
 from launch.model_source import DEFAULT_MODEL, model_source  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
+from launch.stopping import DEFAULT_SIGNALS, parse_signals  # noqa: E402
 from launch.train import kill_point, train  # noqa: E402
 from planner import STRATEGIES  # noqa: E402
 
@@ -242,6 +243,15 @@ def add_training_args(t) -> None:
         "the metrics",
     )
     t.add_argument(
+        "--exit-signal",
+        type=exit_signals,
+        default=",".join(DEFAULT_SIGNALS),
+        metavar="SIGNALS",
+        help="on any of these signals (comma-separated, or none) every rank finishes the step in "
+        "hand, saves a checkpoint and exits 0; a second signal stops at once (default: "
+        "%(default)s; torchrun forwards SIGUSR1 only with --signals-to-handle)",
+    )
+    t.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -264,6 +274,13 @@ def add_training_args(t) -> None:
         "flash_attn, else torch_flash; reference on CPU), or force one of "
         f"{', '.join(BACKEND_NAMES)}",
     )
+
+
+def exit_signals(text: str):
+    try:
+        return parse_signals(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--exit-signal: ")) from None
 
 
 def add_planning_args(pl) -> None:
@@ -338,7 +355,9 @@ def add_output_args(o) -> None:
     o.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest valid checkpoint in --checkpoint-dir (none: from step 0)",
+        help="continue from the newest valid checkpoint in --checkpoint-dir (none, or only "
+        "unfinished saves: from step 0). Checkpoints are trusted input: their metadata is a "
+        "pickle",
     )
     o.add_argument(
         "--resume-step",

@@ -156,7 +156,7 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
     for line in found.warnings:
         log(line)
     if found.path is None:
-        log(f"no checkpoint in {folder}: starting from step 0")
+        log(f"no valid checkpoint in {folder}: starting from step 0")
         return None
     meta = checkpoint.read_state(found.path)
     step = int(meta["step"])

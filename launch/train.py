@@ -52,6 +52,7 @@ from .model import Llama
 from .model_source import ModelSource, model_source
 from .resume import Resume, find_resume, fingerprint, open_metrics
 from .runtime import StepResult, run_waves, shard_model
+from .stopping import StopOnSignal, Stopped
 
 
 @dataclass
@@ -83,10 +84,19 @@ class Run:
     totals: Totals
     log: Callable[[str], None]
     memory: PeakMemory
+    stop: StopOnSignal
 
 
 def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
-    """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0, or 2 for a bad setup."""
+    """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0 (also when stopped by
+    a signal, with the step in hand saved), 2 for a bad setup, 3 for a non-finite step."""
+    with StopOnSignal(args.exit_signal, rank=rank, device=device) as stop:
+        return _train(args, rank=rank, world=world, per_node=per_node, device=device, stop=stop)
+
+
+def _train(
+    args, *, rank: int, world: int, per_node: int, device: torch.device, stop: StopOnSignal
+) -> int:
     log = rank0_log(rank)
     memory = PeakMemory(device)  # before anything big is built
     try:
@@ -134,6 +144,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         Totals(),
         log,
         memory,
+        stop,
     )
     start = restore(run, resume)
     params = sum(p.numel() for p in model.parameters())
@@ -146,7 +157,7 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
     metrics_file = open_metrics(args.metrics, start, log) if rank == 0 else None
     t_run = time.perf_counter()
     try:
-        run_steps(run, start, metrics_file)
+        stopped = run_steps(run, start, metrics_file)
     except CheckpointError as e:
         log(f"pretrain.py: error: {e}")
         return 2
@@ -157,6 +168,9 @@ def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -
         loader.close()
         if metrics_file:
             metrics_file.close()
+    if stopped:
+        log(stopped.line(args.checkpoint_dir))
+        return 0
     log(done_line(run, start, time.perf_counter() - t_run))
     return 0
 
@@ -175,11 +189,15 @@ def done_line(run: Run, start: int, seconds: float) -> str:
     )
 
 
-def run_steps(run: Run, start: int, metrics_file) -> None:
-    """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due."""
+def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
+    """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due; after each
+    step, stop with it saved when some rank received an exit signal."""
     args, cost, totals = run.args, run.cost, run.totals
     autocast = torch.bfloat16 if run.device.type == "cuda" else None
     kill_at = kill_point()
+    received = run.stop.agreed()  # during set-up: nothing trained, nothing to save
+    if received:
+        return Stopped(received, start, saved=False, before_training=True)
     for step_idx in range(start, args.steps):
         t0 = time.perf_counter()
         data = next(run.loader)
@@ -220,8 +238,13 @@ def run_steps(run: Run, start: int, metrics_file) -> None:
             run.log(step_line(record, data))
         if not stepped and args.nan_policy == "stop":
             raise Diverged(nonfinite_line(run, res, grad_norm, step_idx + 1))
-        if checkpoint_due(args, step_idx + 1):
-            save_checkpoint(run, step_idx + 1)
+        step = step_idx + 1
+        received = run.stop.agreed() if step < args.steps else None
+        if checkpoint_due(args, step) or (received and args.checkpoint_dir):
+            save_checkpoint(run, step)
+        if received:
+            return Stopped(received, step, saved=bool(args.checkpoint_dir))
+    return None
 
 
 def save_checkpoint(run: Run, step: int) -> None:

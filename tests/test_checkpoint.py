@@ -115,11 +115,53 @@ def test_a_bad_latest_is_named_and_the_newest_valid_checkpoint_used(ck, content,
     assert len(found.warnings) == 1 and problem in found.warnings[0]
 
 
-def test_no_valid_checkpoint_is_refused_not_restarted(ck):
+def test_only_unfinished_saves_start_from_step_0_with_a_warning_each(ck):
+    # What a kill -9 during a job's first save leaves: an auto-requeued job must start again.
     for step in (2, 4):
         (ck / f"step_{step:08d}" / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .*step_00000004: no mani"):
+    found = checkpoint.select(ck)
+    assert found.path is None
+    assert [w.split(": ", 1)[1] for w in found.warnings[:2]] == [
+        f"skipped the unfinished checkpoint {ck}/step_0000000{s}: no manifest.json: its save "
+        "did not finish"
+        for s in (4, 2)
+    ]
+
+
+def test_a_finished_damaged_checkpoint_with_nothing_valid_left_is_refused(ck):
+    (ck / "step_00000004" / "manifest.json").unlink()  # unfinished
+    _flip_a_byte(ck / "step_00000002")  # finished, then damaged: that loses work
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .*step_00000002: file .*"):
         checkpoint.select(ck)
+
+
+def test_a_new_save_removes_an_unfinished_one_in_its_place(ck, capsys):
+    (ck / "step_00000004" / "manifest.json").unlink()
+    _save(ck, 4)
+    assert "removed the unfinished save" in capsys.readouterr().out
+    assert checkpoint.select(ck).path == ck / "step_00000004"
+    assert not list(ck.glob("*.damaged*"))
+
+
+def test_a_failed_write_is_one_line_and_leaves_no_partial_directory(ck, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(CheckpointError) as caught:
+        _save(ck, 6)
+    assert str(caught.value) == f"cannot save step 6 to {ck}: no space left on device"
+    assert not (ck / "step_00000006").exists()
+    assert checkpoint.select(ck).path == ck / "step_00000004"
+
+
+def test_a_save_warns_when_the_disk_has_less_room_than_the_last_checkpoint(ck, monkeypatch, capsys):
+    usage = checkpoint.shutil.disk_usage(ck)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    _save(ck, 6)
+    out = capsys.readouterr().out
+    assert f"warning: 0.0 MiB free in {ck}, and step_00000004 took" in out
+    assert "this save may fail" in out
 
 
 def test_an_empty_or_missing_folder_has_no_checkpoint(tmp_path):
