@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = s.add_mutually_exclusive_group()
     vocab.add_argument(
         "--vocab-size",
-        type=integer(1),
+        type=integer(1, 1 << 31),
         default=None,
         help="reject token ids at or above this (default: any non-negative id)",
     )

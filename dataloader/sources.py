@@ -29,6 +29,8 @@ from typing import Protocol
 
 import numpy as np
 
+from hdp.argtypes import MAX_DOCUMENTS
+
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -455,8 +457,11 @@ def _synthetic(path: str, vocab_size: int | None) -> SyntheticSource:
             docs = int(parts[2])
         except ValueError:
             docs = 0
-        if docs < 1:
-            raise DataError(f"{path}: DOCUMENTS must be a whole number >= 1, got {parts[2]!r}")
+        if not 1 <= docs <= MAX_DOCUMENTS:
+            raise DataError(
+                f"{path}: DOCUMENTS must be a whole number from 1 to {MAX_DOCUMENTS:,}, "
+                f"got {parts[2]!r}"
+            )
     return SyntheticSource(parts[1], docs, vocab_size or 512)
 
 

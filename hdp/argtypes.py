@@ -13,13 +13,20 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .specs import parse_size
+from .specs import format_size, parse_size
 
 _Error = argparse.ArgumentTypeError
 
+# Every count a flag or a file gives has a range. These bounds are far above any real run and far
+# below where numpy arrays or C integers overflow, so a typo is one line, not a traceback.
+MAX_TOKENS = 1 << 36  # tokens in a step or a sequence (64G)
+MAX_RANKS = 1 << 20  # GPUs of a cluster
+MAX_DOCUMENTS = 10**8  # documents of a synthetic corpus
+MAX_INT = (1 << 63) - 1  # any other whole number: what an int64 holds
 
-def size(min_value: int = 1) -> Callable[[str], int]:
-    """A token count with an optional K/M/G suffix (``2M``), at least ``min_value``."""
+
+def size(min_value: int = 1, max_value: int = MAX_TOKENS) -> Callable[[str], int]:
+    """A token count with an optional K/M/G suffix (``2M``) in ``[min_value, max_value]``."""
 
     def parse(text: str) -> int:
         try:
@@ -28,6 +35,8 @@ def size(min_value: int = 1) -> Callable[[str], int]:
             raise _Error(str(e)) from None
         if value < min_value:
             raise _Error(f"must be >= {min_value}, got {text!r}")
+        if value > max_value:
+            raise _Error(f"must be <= {format_size(max_value)} tokens, got {text!r}")
         return value
 
     parse.__name__ = "size"
@@ -65,8 +74,8 @@ def byte_size(text: str) -> int:
     return int(result)
 
 
-def integer(min_value: int | None = None, max_value: int | None = None) -> Callable[[str], int]:
-    """A whole number in ``[min_value, max_value]`` (either bound optional)."""
+def integer(min_value: int | None = None, max_value: int = MAX_INT) -> Callable[[str], int]:
+    """A whole number in ``[min_value, max_value]`` (no lower bound when ``None``)."""
 
     def parse(text: str) -> int:
         try:
@@ -75,7 +84,7 @@ def integer(min_value: int | None = None, max_value: int | None = None) -> Calla
             raise _Error(f"{text!r} is not an integer") from None
         if min_value is not None and value < min_value:
             raise _Error(f"must be >= {min_value}, got {value}")
-        if max_value is not None and value > max_value:
+        if value > max_value:
             raise _Error(f"must be <= {max_value}, got {value}")
         return value
 

@@ -53,9 +53,9 @@ def parse_size(text: str | int) -> int:
 
 
 def format_size(n: float) -> str:
-    """Human form of a token count: 2097152 -> '2M', 65536 -> '64K', 1500 -> '1500'."""
+    """Human form of a token count: 2097152 -> '2M', 65536 -> '64K', 1500 -> '1500' (G above)."""
     n = int(n)
-    for suffix, mult in (("M", 1 << 20), ("K", 1 << 10)):
+    for suffix, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{suffix}"
     return str(n)

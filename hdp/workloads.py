@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .argtypes import MAX_TOKENS
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -153,7 +155,9 @@ def read_lengths(path: str | Path) -> np.ndarray:
     lines = text.splitlines()
     try:
         values = np.array([int(x) for x in lines], dtype=np.int64)
-    except ValueError:
+        if values.size and values.max() > MAX_TOKENS:
+            values = None  # the line-by-line reading below names the line
+    except (ValueError, OverflowError):
         values = None
     if values is None:
         out = []
@@ -167,6 +171,10 @@ def read_lengths(path: str | Path) -> np.ndarray:
                 raise ValueError(
                     f"{path}, line {i}: {line.strip()!r} is not an integer sequence length"
                 ) from None
+            if v > MAX_TOKENS:
+                raise ValueError(
+                    f"{path}, line {i}: sequence length {v} is above {MAX_TOKENS:,} tokens"
+                )
             out.append(v)
         values = np.array(out, dtype=np.int64)
     if (values < 0).any():
@@ -175,6 +183,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
         raise ValueError(
             f"{path}, line {line_no}: sequence length {int(values[first])} is negative"
         )
+
     if values.size == 0 or values.sum() == 0:
         raise ValueError(f"{path}: holds no sequence of positive length")
     return values

@@ -129,7 +129,7 @@ def add_measure_parser(sub) -> None:
     )
     p.add_argument(
         "--threads",
-        type=integer(1),
+        type=integer(1, 4096),
         default=None,
         help="CPU: threads to measure with, the threads each rank gets in training (default: "
         "$OMP_NUM_THREADS, else 1, as torchrun gives each of several ranks on a node)",

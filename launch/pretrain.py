@@ -33,6 +33,8 @@ import torch.distributed as dist  # noqa: E402
 from attention import BACKEND_NAMES  # noqa: E402
 from hdp import GPU_PRESETS, MODEL_PRESETS, GPUProfile, format_size  # noqa: E402
 from hdp.argtypes import (  # noqa: E402
+    MAX_DOCUMENTS,
+    MAX_RANKS,
     choice,
     input_dir,
     input_file_or_dir,
@@ -189,7 +191,10 @@ def add_data_args(g) -> None:
         "(default: the --init-from directory's, else UTF-8 bytes)",
     )
     g.add_argument(
-        "--synthetic-docs", type=integer(1), default=20000, help="documents of the synthetic corpus"
+        "--synthetic-docs",
+        type=integer(1, MAX_DOCUMENTS),
+        default=20000,
+        help="documents of the synthetic corpus",
     )
     g.add_argument(
         "--max-seq",
@@ -303,7 +308,7 @@ def add_planning_args(pl) -> None:
     )
     pl.add_argument(
         "--gpus-per-node",
-        type=integer(1),
+        type=integer(1, MAX_RANKS),
         default=None,
         help="ranks that form one node for planning (default: torchrun's ranks per node); "
         "fewer make virtual nodes on one machine",

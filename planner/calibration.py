@@ -67,32 +67,64 @@ class Row:
         return None
 
 
+COLUMNS = ("kind", "heads", "head_dim", "a", "b", "c", "ms")
+KINDS = ("attn_doc", "attn_shard", "gemm")
+
+
+def _field(path: Path, line: int, record: dict, column: str, low: float) -> float:
+    """``record[column]``: a time above 0 (``ms``) or a whole number of at least ``low``; else
+    one error naming the file, line and column."""
+    text = record.get(column)
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    time = column == "ms"
+    if not (np.isfinite(value) and (value > 0 if time else value >= low and value == int(value))):
+        what = "a finite time above 0 ms" if time else f"a whole number >= {int(low)}"
+        raise ProfileError(f"{path}, line {line}, column {column}: expected {what}, got {text!r}")
+    return value
+
+
 def read_table(path: str | Path) -> list[Row]:
-    """The rows of a measured table; one clear error naming the file, line and field."""
+    """The rows of a measured table; one clear error naming the file, line and column."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise ProfileError(f"{path}: cannot read the table: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a text CSV file") from None
+    reader = csv.DictReader(text.splitlines())
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ProfileError(
+            f"{path}, line 1: the header lacks column {', '.join(missing)} (expected "
+            f"{','.join(COLUMNS)}[,backend])"
+        )
     rows = []
-    for line, r in enumerate(csv.DictReader(text.splitlines()), start=2):
-        try:
-            rows.append(
-                Row(
-                    kind=r["kind"],
-                    heads=int(r["heads"]),
-                    head_dim=int(r["head_dim"]),
-                    a=int(r["a"]),
-                    b=int(r["b"]),
-                    c=int(r["c"]),
-                    backend=r.get("backend") or "flash",
-                    seconds=float(r["ms"]) / 1e3,
-                )
+    for line, r in enumerate(reader, start=2):
+        if r["kind"] not in KINDS:
+            raise ProfileError(
+                f"{path}, line {line}, column kind: {r['kind']!r} is not one of {', '.join(KINDS)}"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"{path}, line {line}: unreadable row ({e})") from None
-        if rows[-1].kind not in ("attn_doc", "attn_shard", "gemm"):
-            raise ProfileError(f"{path}, line {line}: kind {rows[-1].kind!r} is not priced")
+        # A GEMM has no heads (0 in the tables) and multiplies by c >= 1; an attention call has
+        # heads, and b >= 1 documents (attn_doc) or keys before its queries (attn_shard).
+        gemm = r["kind"] == "gemm"
+        rows.append(
+            Row(
+                kind=r["kind"],
+                heads=int(_field(path, line, r, "heads", 0 if gemm else 1)),
+                head_dim=int(_field(path, line, r, "head_dim", 0 if gemm else 1)),
+                a=int(_field(path, line, r, "a", 1)),
+                b=int(_field(path, line, r, "b", 1)),
+                c=int(_field(path, line, r, "c", 1 if gemm else 0)),
+                backend=r.get("backend") or "flash",
+                seconds=_field(path, line, r, "ms", 0) / 1e3,
+            )
+        )
+    if not rows:
+        raise ProfileError(f"{path}: no rows below the header")
     return rows
 
 
@@ -101,8 +133,10 @@ def _summary(errors: list[float]) -> tuple[float, float]:
     return (float(np.median(e)), float(e.max())) if e.size else (float("nan"), float("nan"))
 
 
-def check(profile: GPUProfile, rows: list[Row], out=sys.stdout) -> dict[str, float]:
-    """Print every row's predicted / measured time and return the summary of the errors."""
+def check(profile: GPUProfile, rows: list[Row], out=None) -> dict[str, float]:
+    """Print every row's predicted / measured time (to ``out``, default stdout) and return the
+    summary of the errors."""
+    out = out or sys.stdout
     tables = profile.tables
     errors, loo = [], []
     for row in rows:
@@ -142,7 +176,23 @@ def check_main(args) -> int:
         print(f"hdp-calibrate: error: {e}", file=sys.stderr)
         return 2
     if args.backend:
+        backends = sorted({r.backend for r in rows if r.kind != "gemm"})
+        if args.backend not in backends:
+            print(
+                f"hdp-calibrate: error: --backend {args.backend}: {args.table} has attention rows "
+                f"of {', '.join(backends) or 'no backend'}",
+                file=sys.stderr,
+            )
+            return 2
         rows = [r for r in rows if r.kind == "gemm" or r.backend == args.backend]
     summary = check(profile, rows)
     print(json.dumps(summary))
+    if not summary["rows"]:
+        print(
+            f"hdp-calibrate: error: {args.table} has no step-relevant rows (attention of at "
+            f"least {STEP_RELEVANT_QUERIES} queries, GEMMs of at least {STEP_RELEVANT_TOKENS} "
+            "tokens): nothing to summarise",
+            file=sys.stderr,
+        )
+        return 1
     return 0

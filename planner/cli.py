@@ -17,7 +17,7 @@ from hdp import (
     gpu_preset,
     model_spec,
 )
-from hdp.argtypes import integer, model, output_file_in_existing_dir, size
+from hdp.argtypes import MAX_RANKS, integer, model, output_file_in_existing_dir, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
@@ -25,14 +25,15 @@ from . import STRATEGIES, PlanningError, plan_and_evaluate
 # Sizes and counts of 0 are refused, not read as "the default": every flag is checked as given.
 _size = size(1)
 _positive = integer(1)
+_ranks = integer(1, MAX_RANKS)
 
 
 def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster and model")
-    g.add_argument("--gpus", type=_positive, required=True, help="number of GPUs (ranks)")
+    g.add_argument("--gpus", type=_ranks, required=True, help="number of GPUs (ranks)")
     g.add_argument(
         "--gpus-per-node",
-        type=_positive,
+        type=_ranks,
         default=8,
         help="GPUs per node sharing NVLink (default 8)",
     )
@@ -145,9 +146,11 @@ def sim_parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default: {','.join(STRATEGIES)})",
     )
     p.add_argument(
-        "--steps", type=_positive, default=3, help="global batches to sample (default 3)"
+        "--steps", type=integer(1, 100_000), default=3, help="global batches to sample (default 3)"
     )
-    p.add_argument("--seed", type=integer(0), default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--seed", type=integer(0, 2**32 - 1), default=0, help="sampling seed (default 0)"
+    )
     p.add_argument(
         "--json", type=output_file_in_existing_dir, default=None, help="write results as JSON"
     )

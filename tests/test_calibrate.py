@@ -128,3 +128,52 @@ def test_unknown_device_model_and_base(tmp_path, capsys):
 def test_source_line_leaves_out_the_output_path():
     argv = ["measure", "--out", "/x/p.json", "--device", "cpu", "--out=/y", "--quick"]
     assert calibrate._command_line(argv) == "hdp-calibrate measure --device cpu --quick"
+
+
+HEADER = "kind,heads,kv_heads,head_dim,a,b,c,ms\n"
+GEMM = "gemm,0,0,0,4096,2048,3072,0.347\n"  # a row of the H100 measurements the h100 preset holds
+
+
+def _check(tmp_path, capsys, table: str, *flags: str) -> tuple[int, str, str]:
+    path = tmp_path / "t.csv"
+    path.write_text(table)
+    code = calibrate.main(["check", "h100", "--table", str(path), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err.replace(str(path), "T")
+
+
+def test_check_prices_a_measured_row(tmp_path, capsys):
+    code, out, _ = _check(tmp_path, capsys, HEADER + GEMM)
+    summary = json.loads(out.splitlines()[-1])
+    assert code == 0 and summary["rows"] == 1 and summary["max_rel_err"] < 1e-3
+
+
+@pytest.mark.parametrize(
+    "table, flags, message",
+    [
+        (HEADER, (), "T: no rows below the header"),
+        ("kind,heads,a,b,c,ms\n" + GEMM, (), "T, line 1: the header lacks column head_dim"),
+        (HEADER + GEMM.replace("0.347", "0"), (), "line 2, column ms: expected a finite time"),
+        (HEADER + GEMM.replace("0.347", "nan"), (), "line 2, column ms: expected a finite time"),
+        (HEADER + GEMM.replace("0.347", "-1"), (), "line 2, column ms: expected a finite time"),
+        (HEADER + GEMM.replace("0.347", "inf"), (), "line 2, column ms: expected a finite time"),
+        (HEADER + GEMM.replace("4096", "-5"), (), "line 2, column a: expected a whole number >= 1"),
+        (HEADER + GEMM.replace("4096", "4.5"), (), "line 2, column a: expected a whole number"),
+        (
+            HEADER + GEMM + "attn_doc,32,8,0,128,512,0,3.7\n",
+            (),
+            "line 3, column head_dim: expected a whole number >= 1, got '0'",
+        ),
+        (HEADER + "conv,0,0,0,1,1,1,1\n", (), "line 2, column kind: 'conv' is not one of"),
+        (HEADER + GEMM, ("--backend", "foo"), "--backend foo: T has attention rows of no backend"),
+    ],
+)
+def test_check_refuses_a_bad_table_with_one_line(tmp_path, capsys, table, flags, message):
+    code, out, err = _check(tmp_path, capsys, table, *flags)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_check_without_step_relevant_rows_fails_instead_of_printing_nan(tmp_path, capsys):
+    code, _, err = _check(tmp_path, capsys, HEADER + "gemm,0,0,0,512,2048,3072,0.2\n")
+    assert code == 1 and "has no step-relevant rows" in err

@@ -146,17 +146,27 @@ def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
             ["plan_main", "--lengths", "{huge}", "--gpus", "2", "--out", "{out}"],
             "cannot hold a 3000000-token sequence",
         ),
+        (
+            ["plan_main", "--lengths", "{overflow}", "--gpus", "8", "--out", "{out}"],
+            "line 2: sequence length 100000000000000000000000 is above 68,719,476,736 tokens",
+        ),
+        (
+            ["sim_main", "--lengths", "{overflow}", "--gpus", "8"],
+            "line 2: sequence length 100000000000000000000000 is above 68,719,476,736 tokens",
+        ),
     ],
 )
 def test_errors_are_clear(tmp_path, args, message):
     (tmp_path / "bad.txt").write_text("10\nx12\n")
     (tmp_path / "neg.txt").write_text("10\n20\n-4\n")
     (tmp_path / "huge.txt").write_text("3000000\n")
+    (tmp_path / "overflow.txt").write_text("1000\n" + "1" + "0" * 23 + "\n")
     args = [
         a.format(
             bad=tmp_path / "bad.txt",
             neg=tmp_path / "neg.txt",
             huge=tmp_path / "huge.txt",
+            overflow=tmp_path / "overflow.txt",
             out=tmp_path / "o.json",
         )
         for a in args

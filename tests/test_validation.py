@@ -44,6 +44,11 @@ def test_parse_size_refuses_what_is_not_finite(text):
         (["--lr", "0"], "argument --lr: must be > 0, got 0"),
         (["--grad-clip", "-1"], "argument --grad-clip: must be >= 0, got -1"),
         (["--synthetic-docs", "0"], "argument --synthetic-docs: must be >= 1, got 0"),
+        (["--synthetic-docs", "1" + "0" * 20], "argument --synthetic-docs: must be <= 100000000"),
+        (["--tokens-per-step", "1" + "0" * 20], "argument --tokens-per-step: must be <= 64G"),
+        (["--gpus-per-node", "1" + "0" * 20], "argument --gpus-per-node: must be <= 1048576"),
+        (["--seed", "1" + "0" * 20], "argument --seed: must be <= 4294967295"),
+        (["--steps", "1" + "0" * 20], "argument --steps: must be <= 9223372036854775807"),
         (["--workload", "nope"], "argument --workload: unknown workload 'nope'"),
         (["--gpu", "tpu"], "argument --gpu: unknown GPU preset 'tpu'"),
         (["--tokenizer", "/no/tok.json"], "argument --tokenizer: /no/tok.json: no such file"),
@@ -124,6 +129,7 @@ def test_pretrain_help_lists_every_strategy(capsys):
 
 
 SIM = ["--workload", "wlb-128k", "--gpus", "8"]
+BIG = "99999999999999999999"
 
 
 @pytest.mark.parametrize(
@@ -151,6 +157,23 @@ SIM = ["--workload", "wlb-128k", "--gpus", "8"]
         (data_main, ["stats", "x.jsonl", "--max-seq", "0"], "argument --max-seq: must be >= 1"),
         (data_main, ["stats", "x.jsonl", "--max-seq", "inf"], "argument --max-seq: invalid size"),
         (data_main, ["stats", "x.jsonl", "--model", "gpt-9"], "unknown model 'gpt-9'"),
+        # Overflowing numbers: one line naming the flag and its range, never a numpy error.
+        (sim_main, SIM[:-2] + ["--gpus", BIG], "argument --gpus: must be <= 1048576, got " + BIG),
+        (sim_main, SIM + ["--gpus-per-node", BIG], "argument --gpus-per-node: must be <= 1048576"),
+        (sim_main, SIM + ["--tokens-per-step", BIG], "--tokens-per-step: must be <= 64G tokens"),
+        (sim_main, SIM + ["--max-seq", "1T"], "argument --max-seq: must be <= 64G tokens"),
+        (sim_main, SIM + ["--seed", BIG], "argument --seed: must be <= 4294967295"),
+        (sim_main, SIM + ["--steps", BIG], "argument --steps: must be <= 100000"),
+        (
+            plan_main,
+            ["--lengths", "l.txt", "--gpus", "1e20", "--out", "p.json"],
+            "argument --gpus: '1e20' is not an integer",
+        ),
+        (
+            data_main,
+            ["stats", "x.jsonl", "--vocab-size", BIG],
+            "--vocab-size: must be <= 2147483648",
+        ),
     ],
 )
 def test_planner_and_data_flags(tmp_path, capsys, fn, argv, message):
@@ -168,8 +191,12 @@ def test_plot_without_matplotlib_is_one_line_before_any_work(monkeypatch, capsys
 @pytest.mark.parametrize(
     "path, message",
     [
-        ("synthetic:wlb-128k:abc", "DOCUMENTS must be a whole number >= 1, got 'abc'"),
-        ("synthetic:wlb-128k:-5", "DOCUMENTS must be a whole number >= 1, got '-5'"),
+        ("synthetic:wlb-128k:abc", "DOCUMENTS must be a whole number from 1 to 100,000,000"),
+        ("synthetic:wlb-128k:-5", "DOCUMENTS must be a whole number from 1 to 100,000,000"),
+        (
+            "synthetic:wlb-128k:99999999999",
+            "DOCUMENTS must be a whole number from 1 to 100,000,000, got '99999999999'",
+        ),
         ("synthetic:nope", "unknown workload 'nope'"),
         ("synthetic:wlb-128k:5:6", "expected synthetic:WORKLOAD[:DOCUMENTS]"),
     ],
@@ -180,7 +207,7 @@ def test_bad_synthetic_sources_are_one_line(capsys, path, message):
     assert err.count("\n") == 1 and f"hdp-data: error: {path}: {message}" in err
 
 
-@pytest.mark.parametrize("threads", ["0", "-2", "x"])
+@pytest.mark.parametrize("threads", ["0", "-2", "x", "99999999999", "1e20"])
 def test_calibrate_threads(capsys, threads):
     from launch.calibrate import main as calibrate_main
 
