@@ -412,21 +412,27 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The fastest backend for ``device`` and ``dtype``, on CUDA with fp16/bf16: cuDNN on Hopper
-    and later (compute capability 9.0+; the H100 probe measured its forward 1.8-2.2x and its
-    backward 1.5-1.9x FlashAttention-2's), else the ``flash_attn`` package where installed, else
-    PyTorch's FlashAttention; each where its ops exist and match the expected schema. The
-    reference everywhere else."""
+def candidate_names(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The backends for ``device`` and ``dtype``, fastest first, the reference last: on CUDA with
+    fp16/bf16, cuDNN on Hopper and later (compute capability 9.0+; the H100 probe measured its
+    forward 1.8-2.2x and its backward 1.5-1.9x FlashAttention-2's), then the ``flash_attn``
+    package, then PyTorch's FlashAttention."""
+    names = []
     if device.type == "cuda" and dtype in _HALF:
         names = ["flash_attn", "torch_flash"]
         if cuda_capability(device) >= (9, 0):
             names.insert(0, "cudnn")
-        for name in names:
-            try:
-                return get_backend(name)
-            except BackendUnavailable:
-                continue
+    return [*names, "reference"]
+
+
+def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The first of :func:`candidate_names` available here (its ops exist and match the expected
+    schema)."""
+    for name in candidate_names(device, dtype):
+        try:
+            return get_backend(name)
+        except BackendUnavailable:
+            continue
     return get_backend("reference")
 
 

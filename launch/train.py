@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from attention import COMM, BackendUnavailable, resolve_backend
+from attention import COMM
 from dataloader import (
     BatchStream,
     DataError,
@@ -36,7 +36,11 @@ from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
-from .calibrate_tables import PROFILE_BACKEND
+from .attention_backend import (
+    forced_attention_backend,
+    priced_attention_backend,
+    verify_attention_backend,
+)
 from .checkpoint import CheckpointError
 from .memory import PeakMemory, rank_profile
 from .metrics import (
@@ -101,15 +105,12 @@ def _train(
     memory = PeakMemory(device)  # before anything big is built
     try:
         source = model_source(args)
+        args = resolve_auto(
+            args, spec=source.spec, world=world, per_node=per_node, device=device, log=log
+        )
     except ValueError as e:
         log(f"pretrain.py: error: {e}")
         return 2
-    if args.activation_checkpointing is None:
-        args.activation_checkpointing = checkpointing_needed(
-            args, spec=source.spec, world=world, per_node=per_node, device=device
-        )
-        if args.activation_checkpointing:
-            log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
     cost = build_cost_model(args, spec=source.spec, world=world, per_node=per_node, device=device)
     spec, cluster = cost.model, cost.cluster
     try:
@@ -119,7 +120,6 @@ def _train(
         sources, stream = build_data(args, source, vocab=spec.vocab)
         setup = fingerprint(args, sources, vocab=spec.vocab, model=source.fingerprint())
         resume = find_resume(args, setup, log)
-        check_attention_backend(args, device)
         model = build_model(
             args, cost=cost, sync=sync, device=device, source=source, resume=resume, log=log
         )
@@ -168,11 +168,26 @@ def _train(
         loader.close()
         if metrics_file:
             metrics_file.close()
-    if stopped:
-        log(stopped.line(args.checkpoint_dir))
-        return 0
-    log(done_line(run, start, time.perf_counter() - t_run))
+    seconds = time.perf_counter() - t_run
+    log(stopped.line(args.checkpoint_dir) if stopped else done_line(run, start, seconds))
     return 0
+
+
+def resolve_auto(
+    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device, log
+) -> argparse.Namespace:
+    """The flags with what their ``auto`` defaults resolve to here: the attention backend that
+    passed its first-use check (its kernels and its pricing alike), and activation checkpointing
+    where ``--max-seq`` needs it. Raises ValueError when a forced backend cannot run."""
+    backend = verify_attention_backend(args, spec=spec, device=device, log=log)
+    args = argparse.Namespace(**{**vars(args), "attention_backend": backend})
+    if args.activation_checkpointing is None:
+        args.activation_checkpointing = checkpointing_needed(
+            args, spec=spec, world=world, per_node=per_node, device=device
+        )
+        if args.activation_checkpointing:
+            log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
+    return args
 
 
 def done_line(run: Run, start: int, seconds: float) -> str:
@@ -301,19 +316,6 @@ def checkpointing_needed(
     return False
 
 
-def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:
-    """The attention rows of ``gpu``'s profile that price the kernels ``dist_attn`` will run here
-    (cuDNN's on Hopper, FlashAttention's on older GPUs, ...), or ``None`` for the profile's own
-    backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
-    forced backend cannot run (:func:`check_attention_backend` reports that)."""
-    try:
-        backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
-    except (ValueError, BackendUnavailable):
-        return None
-    rows = PROFILE_BACKEND.get(backend.name, backend.name)
-    return rows if rows in gpu.tables.attention_backends else None
-
-
 def rank0_log(rank: int) -> Callable[[str], None]:
     """A ``print`` that only rank 0 does, flushed so torchrun's output interleaves in order."""
 
@@ -434,30 +436,6 @@ def build_model(
                 f"{time.perf_counter() - t0:.1f} s"
             )
     return model
-
-
-def training_dtype(device: torch.device) -> torch.dtype:
-    """The dtype attention runs in: bf16 autocast on CUDA, fp32 on CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def forced_attention_backend(args) -> str | None:
-    """The attention backend ``--attention-backend`` forces, or ``None`` (``auto``, or a caller
-    without the flag): the fastest for the device and dtype."""
-    name = getattr(args, "attention_backend", None)
-    return None if name in (None, "auto") else name
-
-
-def check_attention_backend(args, device: torch.device) -> None:
-    """Raise ValueError, one line saying why and what to use, when the forced attention backend
-    cannot run on ``device`` in the training dtype (bf16 autocast on CUDA, fp32 on CPU)."""
-    name = forced_attention_backend(args)
-    if name is None:
-        return
-    try:
-        resolve_backend(name, device, training_dtype(device))
-    except (ValueError, BackendUnavailable) as e:
-        raise ValueError(f"--attention-backend {name}: {e}") from None
 
 
 def apply_compile(model: Llama) -> None:

@@ -460,20 +460,26 @@ def test_the_model_runs_the_backend_it_is_given(monkeypatch):
 def test_training_refuses_a_forced_backend_that_cannot_run():
     from argparse import Namespace
 
-    from launch.train import check_attention_backend, forced_attention_backend
+    from hdp import model_preset
+    from launch.attention_backend import forced_attention_backend, verify_attention_backend
 
+    def verify(name):
+        args = Namespace(attention_backend=name)
+        return verify_attention_backend(args, spec=tiny, device=torch.device("cpu"), log=print)
+
+    tiny = model_preset("tiny")
     assert forced_attention_backend(Namespace()) is None  # callers without the flag
     assert forced_attention_backend(Namespace(attention_backend="auto")) is None
-    check_attention_backend(Namespace(attention_backend="reference"), torch.device("cpu"))
+    assert verify("reference") == verify("auto") == "reference"
     with pytest.raises(ValueError, match="--attention-backend cudnn: .* use 'auto' or 'reference'"):
-        check_attention_backend(Namespace(attention_backend="cudnn"), torch.device("cpu"))
+        verify("cudnn")
 
 
 def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
     from argparse import Namespace
 
     from hdp import gpu_preset
-    from launch.train import priced_attention_backend
+    from launch.attention_backend import priced_attention_backend
 
     cpu, h100 = torch.device("cpu"), gpu_preset("h100")
     assert priced_attention_backend(Namespace(), cpu, gpu_preset("cpu")) == "reference"

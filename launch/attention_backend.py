@@ -1,0 +1,63 @@
+"""The attention kernels a training run uses and prices: the backend ``--attention-backend``
+forces or the fastest one here, checked once against the reference before the run trains on it
+(:mod:`attention.first_use`), and the profile rows that price it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from attention import BackendUnavailable, resolve_backend
+from attention.first_use import verified_backend
+from hdp import GPUProfile, ModelSpec
+
+from .calibrate_tables import PROFILE_BACKEND
+
+
+def training_dtype(device: torch.device) -> torch.dtype:
+    """The dtype attention runs in: bf16 autocast on CUDA, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def forced_attention_backend(args) -> str | None:
+    """The attention backend ``--attention-backend`` forces, or ``None`` (``auto``, or a caller
+    without the flag): the fastest for the device and dtype."""
+    name = getattr(args, "attention_backend", None)
+    return None if name in (None, "auto") else name
+
+
+def verify_attention_backend(
+    args, *, spec: ModelSpec, device: torch.device, log: Callable[[str], None]
+) -> str:
+    """The attention backend the run trains on, checked against the reference on a small case of
+    the model's shape (Note [Checking a kernel before training on it]): ``--attention-backend``'s,
+    or the fastest that passes. Raises ValueError, one line saying why and what to use, when the
+    forced backend cannot run on ``device`` in the training dtype (bf16 autocast on CUDA, fp32 on
+    CPU)."""
+    name = forced_attention_backend(args)
+    try:
+        return verified_backend(
+            name,
+            device,
+            training_dtype(device),
+            heads=spec.heads,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            log=log,
+        )
+    except (ValueError, BackendUnavailable) as e:
+        raise ValueError(f"--attention-backend {name}: {e}") from None
+
+
+def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:
+    """The attention rows of ``gpu``'s profile that price the kernels ``dist_attn`` will run here
+    (cuDNN's on Hopper, FlashAttention's on older GPUs, ...), or ``None`` for the profile's own
+    backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
+    forced backend cannot run (:func:`check_attention_backend` reports that)."""
+    try:
+        backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
+    except (ValueError, BackendUnavailable):
+        return None
+    rows = PROFILE_BACKEND.get(backend.name, backend.name)
+    return rows if rows in gpu.tables.attention_backends else None

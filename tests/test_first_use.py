@@ -1,0 +1,93 @@
+"""The first-use check of attention kernels: a backend that returns wrong values (or fails) is
+never trained on unless forced, on CPU with fake backends standing in for the GPU kernels."""
+
+import pytest
+import torch
+
+from attention import first_use, kernels
+from attention.kernels import ReferenceBackend
+
+CPU, FP32 = torch.device("cpu"), torch.float32
+SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 16}
+
+
+class Named(ReferenceBackend):
+    """The reference's values under another name: a GPU kernel that works."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class WrongGradients(Named):
+    """Forward right, dK half of what it should be: only the backward check catches it."""
+
+    def backward(self, *args):
+        dq, dk, dv = super().backward(*args)
+        return dq, dk * 0.5, dv
+
+
+class Raises(Named):
+    def forward(self, *args):
+        raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """cudnn, flash_attn and torch_flash are fakes, tried in that order on the CPU."""
+    installed = {}
+    monkeypatch.setattr(kernels, "_BACKENDS", installed)
+    monkeypatch.setattr(first_use, "_checked", {})
+    monkeypatch.setattr(
+        first_use, "candidate_names", lambda device, dtype: [*installed, "reference"]
+    )
+    return installed
+
+
+def test_a_backend_with_wrong_gradients_is_passed_over_with_one_line(fakes):
+    fakes.update(cudnn=WrongGradients("cudnn"), flash_attn=Named("flash_attn"))
+    lines = []
+    assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "flash_attn"
+    assert len(lines) == 1
+    assert lines[0].startswith("warning: attention backend cudnn failed its first-use check")
+    assert "dK of the causal call is off by 0.5 of the largest reference value" in lines[0]
+
+
+def test_a_backend_that_raises_is_passed_over_and_the_reference_closes_the_list(fakes):
+    fakes.update(cudnn=Raises("cudnn"), flash_attn=WrongGradients("flash_attn"))
+    lines = []
+    assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "reference"
+    assert "it raised RuntimeError: CUDNN_STATUS_NOT_SUPPORTED" in lines[0]
+    assert "backend flash_attn failed" in lines[1] and len(lines) == 2
+
+
+def test_a_correct_backend_passes_silently_and_is_checked_once(fakes, monkeypatch):
+    fakes.update(cudnn=Named("cudnn"))
+    calls = []
+    compare = first_use._compare
+    monkeypatch.setattr(first_use, "_compare", lambda *a: calls.append(a) or compare(*a))
+    for _ in range(3):
+        assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=pytest.fail) == "cudnn"
+    assert len(calls) == 1
+
+
+def test_a_forced_backend_is_kept_with_a_warning(fakes, monkeypatch):
+    fakes.update(cudnn=WrongGradients("cudnn"))
+    monkeypatch.setattr(first_use, "resolve_backend", lambda name, device, dtype: fakes[name])
+    lines = []
+    assert first_use.verified_backend("cudnn", CPU, FP32, **SHAPE, log=lines.append) == "cudnn"
+    assert lines[0].startswith("warning: attention backend cudnn differs from the reference")
+    assert lines[0].endswith("used anyway, as --attention-backend asks")
+
+
+def test_training_runs_on_the_backend_that_passed(fakes, tmp_path, capsys):
+    from launch.pretrain import parse_args
+    from launch.train import train
+
+    fakes.update(cudnn=WrongGradients("cudnn"), flash_attn=Named("flash_attn"))
+    args = parse_args(
+        ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps", "1"]
+    )
+    assert train(args, rank=0, world=1, per_node=1, device=CPU) == 0
+    out = capsys.readouterr().out
+    assert out.count("first-use check") == 1 and "attention backend cudnn failed" in out
+    assert "done: steps 1-1" in out
