@@ -82,13 +82,6 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.resume = True
     if args.resume and args.checkpoint_dir is None:
         p.error(f"{'--resume-step' if args.resume_step else '--resume'} needs --checkpoint-dir")
-    if args.lr_decay_steps is not None and args.lr_decay_steps <= args.warmup:
-        p.error(
-            f"--lr-decay-steps {args.lr_decay_steps} is not above --warmup {args.warmup}: "
-            "the decay must end after the warm-up"
-        )
-    if args.lr_decay_steps is None:
-        args.lr_decay_steps = args.steps
     if args.keep_attention:
         if args.activation_checkpointing is False:
             p.error("--keep-attention applies with --activation-checkpointing")
@@ -234,8 +227,9 @@ def add_training_args(t) -> None:
         "--lr-decay-steps",
         type=integer(1),
         default=None,
-        help="step where the cosine decay reaches 10%% of --lr (default: --steps); keep it when "
-        "a resumed run trains past its first --steps",
+        help="step where the cosine decay reaches 10%% of --lr (default: --steps, or the "
+        "checkpoint's when resuming, so an extended run keeps its schedule); a longer --warmup "
+        "ends there",
     )
     t.add_argument("--weight-decay", type=number(0.0), default=0.1)
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")

@@ -9,8 +9,9 @@ weight decay, gradient clipping). Resuming with a different one is refused with 
 what changed, unless ``--allow-changed-setup``: then changed data restarts the data position (the
 old position indexes documents of other sources), changed planning flags just plan the next steps
 differently, and changed optimizer flags take effect from the resumed step. The model can never
-change: its shards would not load. ``--steps`` is not part of it: a run may be extended, and the
-learning-rate schedule follows ``--lr-decay-steps`` (saved; default ``--steps``).
+change: its shards would not load. ``--steps`` is not part of it: a run may be extended, and its
+learning-rate schedule is saved beside the fingerprint (Note [Warm-up, decay and extended runs]
+in launch/schedule.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Resume:
     trained_tokens: int
     truncated_tokens: int
     skipped_updates: int = 0
+    schedule: dict | None = None  # the learning-rate schedule saved (launch.schedule.Schedule)
 
 
 def describe_source(src) -> dict:
@@ -85,7 +87,6 @@ def fingerprint(args, sources: list, *, vocab: int, model: dict) -> dict:
         "optimizer": {
             "lr": args.lr,
             "warmup": args.warmup,
-            "lr_decay_steps": args.lr_decay_steps,
             "weight_decay": args.weight_decay,
             "grad_clip": args.grad_clip,
         },
@@ -126,7 +127,9 @@ def check_setup(saved: dict, now: dict, *, allow: bool, where: Path) -> bool:
     items = [f"data.{d}" for d in data]
     for section in ("planning", "optimizer"):
         if section in saved:  # a checkpoint from before a section was added holds none
-            items += [f"{section}.{d}" for d in differences(saved[section], now[section])]
+            # The decay horizon left the fingerprint: it is saved as the schedule instead.
+            kept = {k: v for k, v in saved[section].items() if k != "lr_decay_steps"}
+            items += [f"{section}.{d}" for d in differences(kept, now[section])]
     if items and not allow:
         more = f"; and {len(items) - 4} more" if len(items) > 4 else ""
         raise CheckpointError(
@@ -178,7 +181,16 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
         int(acc.get("trained_tokens", 0)),
         int(acc.get("truncated_tokens", 0)),
         int(acc.get("skipped_updates", 0)),
+        meta.get("schedule") or _older_schedule(meta.get("fingerprint", {})),
     )
+
+
+def _older_schedule(saved: dict) -> dict | None:
+    """The schedule of a checkpoint saved before schedules were: its fingerprint's flags."""
+    optimizer = saved.get("optimizer", {})
+    if "lr_decay_steps" not in optimizer:
+        return None
+    return {"warmup": optimizer["warmup"], "decay_steps": optimizer["lr_decay_steps"]}
 
 
 def open_metrics(path: Path | None, start: int, log: Callable[[str], None]):

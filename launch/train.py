@@ -56,6 +56,7 @@ from .model import Llama
 from .model_source import ModelSource, model_source
 from .resume import Resume, find_resume, fingerprint, open_metrics
 from .runtime import StepResult, run_waves, shard_model
+from .schedule import Schedule, run_schedule
 from .stopping import StopOnSignal, Stopped
 
 
@@ -84,6 +85,7 @@ class Run:
     model: Llama
     optimizer: Optimizer
     scheduler: LRScheduler
+    schedule: Schedule
     setup: dict  # the fingerprint saved with each checkpoint
     totals: Totals
     log: Callable[[str], None]
@@ -127,7 +129,8 @@ def _train(
         log(f"pretrain.py: error: {e}")
         return 2
     loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
-    optimizer, scheduler = build_optimizer(args, model=model)
+    schedule = run_schedule(args, resume.schedule if resume else None, log)
+    optimizer, scheduler = build_optimizer(args, model=model, schedule=schedule)
     run = Run(
         args,
         rank,
@@ -140,6 +143,7 @@ def _train(
         model,
         optimizer,
         scheduler,
+        schedule,
         setup,
         Totals(),
         log,
@@ -267,6 +271,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     state = {
         "data": run.loader.sync_state(),
         "accounting": asdict(run.totals),
+        "schedule": asdict(run.schedule),
         "fingerprint": run.setup,
     }
     checkpoint.save(
@@ -445,9 +450,8 @@ def apply_compile(model: Llama) -> None:
         layer.mlp.compile()
 
 
-def build_optimizer(args, *, model: Llama) -> tuple[Optimizer, LRScheduler]:
-    """AdamW (fused on GPUs) and its schedule: linear warm-up, then cosine decay to 10% of
-    ``--lr``."""
+def build_optimizer(args, *, model: Llama, schedule: Schedule) -> tuple[Optimizer, LRScheduler]:
+    """AdamW (fused on GPUs) and its learning-rate ``schedule``."""
     params = list(model.parameters())
     # One fused kernel per step instead of loops of elementwise kernels, where every parameter
     # lives on a GPU (FSDP2's sharded parameters included); torch's default elsewhere.
@@ -455,9 +459,7 @@ def build_optimizer(args, *, model: Llama) -> tuple[Optimizer, LRScheduler]:
     optimizer = torch.optim.AdamW(
         params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(args.warmup, args.lr_decay_steps)
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
     return optimizer, scheduler
 
 
@@ -474,16 +476,6 @@ def apply_optimizer_flags(args, optimizer: Optimizer, scheduler: LRScheduler) ->
         group["weight_decay"] = args.weight_decay
     scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
-
-def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 def restore(run: Run, resume: Resume | None) -> int:

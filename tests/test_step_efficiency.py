@@ -8,6 +8,7 @@ import torch
 from hdp import model_preset
 from launch.model import Llama
 from launch.runtime import to_device
+from launch.schedule import Schedule
 from launch.train import build_optimizer
 
 
@@ -15,8 +16,8 @@ def test_batch_copies_and_the_optimizer_keep_cpu_runs_as_they_were():
     t = torch.arange(5)
     assert to_device(t, torch.device("cpu")) is t  # no pinning, no copy off the GPU
     model = Llama(model_preset("tiny"))
-    args = Namespace(lr=1e-3, weight_decay=0.1, warmup=1, steps=4, lr_decay_steps=4)
-    optimizer, _ = build_optimizer(args, model=model)
+    args = Namespace(lr=1e-3, weight_decay=0.1)
+    optimizer, _ = build_optimizer(args, model=model, schedule=Schedule(1, 4))
     assert (
         optimizer.param_groups[0]["fused"] is None
     )  # fused only where every parameter is on a GPU

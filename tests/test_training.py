@@ -281,7 +281,7 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
     argv = COMMON + ["--max-seq", "512", "--truncate", "--steps", "4"]
     ck, run = ["--checkpoint-dir", str(tmp_path / "ck")], ["--metrics", str(tmp_path / "run.jsonl")]
     assert train_here(argv + ["--metrics", str(tmp_path / "straight.jsonl")], capsys)[0] == 0
-    # The first 2 steps of the 4-step schedule: the decay horizon is part of the fingerprint.
+    # The first 2 steps of the 4-step schedule, which the checkpoint saves and the resume keeps.
     assert train_here(argv[:-1] + ["2", "--lr-decay-steps", "4"] + ck + run, capsys)[0] == 0
     rc, out = train_here(argv + ck + run + ["--resume"], capsys)
     assert rc == 0, out
@@ -305,20 +305,17 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
             other_data + ["--steps", "5", "--data", str(tmp_path / "x.jsonl")],
             "data.sources.1.name: 'synthetic:wlb-128k' -> 'x.jsonl'",
         ),
-        (argv + ["--steps", "5"], "optimizer.lr_decay_steps: 4 -> 5"),
-        (
-            argv + ["--steps", "5", "--lr-decay-steps", "4", "--lr", "1e-3"],
-            "optimizer.lr: 0.01 -> 0.001",
-        ),
+        (argv + ["--steps", "5", "--lr", "1e-3"], "optimizer.lr: 0.01 -> 0.001"),
     ]:
         rc, out = train_here(case + ck + ["--resume"], capsys)
         assert rc == 2 and out.strip().splitlines()[-1].startswith("pretrain.py: error: ")
         assert message in out.strip().splitlines()[-1]
-    # Allowed, a changed learning rate takes effect: past the 4-step decay, 10% of the new 1e-3
-    # (the checkpoint saved 1e-2).
-    allowed = ["--steps", "5", "--lr-decay-steps", "4", "--lr", "1e-3", "--allow-changed-setup"]
+    # Allowed, a changed learning rate takes effect: the extended run keeps its saved 4-step
+    # schedule, so step 5 trains at 10% of the new 1e-3 (the checkpoint saved 1e-2).
+    allowed = ["--steps", "5", "--lr", "1e-3", "--allow-changed-setup"]
     rc, out = train_here(argv + allowed + ck + run + ["--resume"], capsys)
     assert rc == 0, out
+    assert "continuing the saved schedule: its decay ends at step 4" in out
     assert rows(tmp_path / "run.jsonl")[-1]["lr"] == pytest.approx(1e-4)
     assert "step 5: " in out and " s by the cost model (cpu profile)" in out
     rc, out = train_here(argv + ck, capsys)

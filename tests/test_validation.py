@@ -65,7 +65,6 @@ def test_parse_size_refuses_what_is_not_finite(text):
         (["--allow-changed-setup"], "--allow-changed-setup only applies with --resume"),
         (["--resume-step", "3"], "--resume-step needs --checkpoint-dir"),
         (["--resume-step", "0"], "argument --resume-step: must be >= 1, got 0"),
-        (["--lr-decay-steps", "5", "--warmup", "5"], "--lr-decay-steps 5 is not above --warmup"),
         (
             ["--keep-attention", "--no-activation-checkpointing"],
             "--keep-attention applies with --activation-checkpointing",

@@ -1,0 +1,62 @@
+"""The learning-rate schedule: linear warm-up, then cosine decay to 10% of ``--lr`` at the decay
+horizon, then 10% on. Note [Warm-up, decay and extended runs].
+
+Note [Warm-up, decay and extended runs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The horizon is ``--lr-decay-steps`` where given; else a resumed run keeps the horizon its
+checkpoint saved, so extending a 20-step run with ``--steps 30 --resume`` continues its schedule
+(as Megatron's ``--use-checkpoint-opt_param-scheduler`` does) and says so; else it is ``--steps``.
+One rule joins the two phases, whether the horizon was given or implied: the warm-up ends at the
+horizon at the latest. ``--steps 4`` with the default ``--warmup 10`` warms up over 4 steps, as
+does ``--lr-decay-steps 4 --warmup 10``; both say so in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    warmup: int  # steps of linear warm-up
+    decay_steps: int  # the step where the cosine decay reaches 10% of --lr
+
+    def factor(self, step: int) -> float:
+        """The learning rate of ``step`` (0-based, as LambdaLR counts) over ``--lr``."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.decay_steps - self.warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run_schedule(args, saved: dict | None, log: Callable[[str], None]) -> Schedule:
+    """This run's schedule from its flags and, when it resumes, the ``saved`` schedule
+    (``{"warmup", "decay_steps"}``), with one line for each choice a user would not assume."""
+    if args.lr_decay_steps is not None:
+        horizon = args.lr_decay_steps
+        if saved and saved["decay_steps"] != horizon:
+            log(
+                f"the learning-rate decay now ends at step {horizon} (--lr-decay-steps), "
+                f"not at step {saved['decay_steps']} as saved"
+            )
+    elif saved:
+        horizon = saved["decay_steps"]
+        if args.steps > horizon:
+            log(
+                f"continuing the saved schedule: its decay ends at step {horizon}, and steps after "
+                "it train at 10% of --lr (pass --lr-decay-steps to decay to a later step)"
+            )
+    else:
+        horizon = args.steps
+    warmup = min(args.warmup, horizon)
+    if warmup < args.warmup:
+        log(
+            f"warm-up of {warmup} steps, not --warmup {args.warmup}: it ends where the decay "
+            f"does, at step {horizon}"
+        )
+    return Schedule(warmup, horizon)
+
+
+__all__ = ["Schedule", "run_schedule"]
