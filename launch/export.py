@@ -228,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: hdp-export --checkpoint-dir out/ckpt --out out/hf-model --dtype bf16",
     )
     p.add_argument(
-        "--checkpoint-dir", type=input_dir, required=True, help="pretrain.py's --checkpoint-dir"
+        "--checkpoint-dir",
+        type=input_dir,
+        required=True,
+        help="pretrain.py's --checkpoint-dir (trusted input: its metadata is a pickle; the "
+        "manifest's checksums are checked before it is read)",
     )
     p.add_argument(
         "--step",
