@@ -4,6 +4,8 @@ beside them, one ``--metrics`` row and one log line per step."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,23 +132,97 @@ def write_record(metrics_file, record: dict) -> None:
         metrics_file.flush()
 
 
-def step_line(record: dict, data: StepData) -> str:
-    """The step's log line."""
+def clock(seconds: float) -> str:
+    """``seconds`` as h:mm:ss."""
+    s = int(round(max(seconds, 0.0)))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def step_line(record: dict, data: StepData, *, elapsed: float, left: int, done: int) -> str:
+    """The step's log line; ``elapsed`` seconds of this run so far, ``done`` of its steps
+    trained and ``left`` to go (the ETA extrapolates the mean step)."""
+    eta = elapsed / max(done, 1) * left
     return (
-        f"step {record['step']:>5}  loss {record['loss']:.4f}  "
-        f"tokens/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.2f}%  "
+        f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+        f"grad norm {record['grad_norm']:.3g}  tokens/s {record['tokens_per_s']:,.0f}  "
+        f"MFU {100 * record['mfu']:.2f}%  mem {max(record['peak_mem_bytes']) / 1e9:.2f} GB  "
         f"imbalance {record['imbalance']:.2f}  plan {data.plan_time_s:.3f}s  "
-        f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}"
+        f"comm {record['comm_bytes'] / 1e6:.1f} MB  waves {data.plan.num_waves}  "
+        f"[{clock(elapsed)}, ETA {clock(eta)}]"
         + ("  not finite: no update" if record.get("update_skipped") else "")
     )
 
 
 def first_step_line(cost: CostModel, data: StepData, step: int) -> str:
-    """What the run's first step holds and how long the cost model expects it to take, so a
-    step of minutes (a 2M-token step on CPU) is not mistaken for a hang."""
+    """What the run's first step holds and what the cost model expects of it (time as h:mm:ss,
+    each rank's peak memory against what a rank has), so a step of minutes (a 2M-token step on
+    CPU) is not mistaken for a hang; a warning where it is predicted to take over an hour."""
     lens = data.plan.seq_lens
     predicted = cost.evaluate(data.plan).step_time_s
-    return (
-        f"step {step}: {len(lens)} sequences, longest {int(lens.max(initial=0)):,} tokens; "
-        f"predicted {predicted:,.1f} s by the cost model ({cost.cluster.gpu.name} profile)"
+    peak = max(predict(cost, data).mem_bytes, default=0.0)
+    line = (
+        f"step {step}: {plural(len(lens), 'sequence')}, longest {int(lens.max(initial=0)):,} "
+        f"tokens; predicted {clock(predicted)} and {peak / 1e9:.1f} GB per rank (of "
+        f"{cost.cluster.gpu.memory_bytes / 1e9:.0f} GB) by the cost model "
+        f"({cost.cluster.gpu.name} profile)"
     )
+    if predicted > 3600:
+        line += "\nwarning: this step is predicted to take over an hour; a progress line follows "
+        line += "every 30 s"
+    return line
+
+
+def data_line(sources: list, max_seq: int) -> str:
+    """The run's data: each source with its documents and tokens, and the tokenizer; a note when
+    no document comes near ``--max-seq``."""
+    parts, longest = [], 0
+    for src in sources:
+        lens = np.asarray(src.lengths)
+        longest = max(longest, int(lens.max(initial=0)))
+        tokenizer = getattr(getattr(src, "tokenizer", None), "id", None)
+        parts.append(
+            f"{src.name} ({plural(int(np.count_nonzero(lens)), 'document')}, "
+            f"{int(lens.sum()):,} tokens" + (f", tokenizer {tokenizer}" if tokenizer else "") + ")"
+        )
+    line = f"data: {'; '.join(parts)}; longest document {longest:,} tokens"
+    if longest * 2 <= max_seq:
+        line += (
+            f"\nnote: no document is longer than {longest:,} tokens, so no step holds a sequence "
+            f"near --max-seq {max_seq:,}; for longer ones pass --data with long documents or "
+            "--workload byted-2m"
+        )
+    return line
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+class Heartbeat:
+    """While a step runs longer than ``every`` seconds, rank 0 prints its progress against the
+    cost model's prediction every ``every`` seconds (a background thread; ``with`` per step)."""
+
+    def __init__(self, log, step: int, predicted_s: float, every: float = 30.0):
+        self.log, self.step, self.predicted_s, self.every = log, step, predicted_s, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hdp-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            elapsed = time.perf_counter() - self._t0
+            share = elapsed / self.predicted_s if self.predicted_s > 0 else float("nan")
+            eta = max(self.predicted_s - elapsed, 0.0)
+            self.log(
+                f"step {self.step}: {clock(elapsed)} elapsed, {share:.0%} of the predicted "
+                f"{clock(self.predicted_s)}, ETA {clock(eta)}"
+                + (" (past the prediction)" if elapsed > self.predicted_s else "")
+            )

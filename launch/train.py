@@ -44,7 +44,9 @@ from .attention_backend import (
 from .checkpoint import CheckpointError
 from .memory import PeakMemory, rank_profile
 from .metrics import (
+    Heartbeat,
     Predicted,
+    data_line,
     first_step_line,
     gather_stats,
     metrics_record,
@@ -158,10 +160,11 @@ def _train(
         f"({cluster.gpu.name} profile), {sync} sync, capacity {cap} tokens per rank per wave, "
         f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
     )
+    log(data_line(sources, args.max_seq))
     metrics_file = open_metrics(args.metrics, start, log) if rank == 0 else None
     t_run = time.perf_counter()
     try:
-        stopped = run_steps(run, start, metrics_file)
+        stopped = run_steps(run, start, metrics_file, t_run)
     except CheckpointError as e:
         log(f"pretrain.py: error: {e}")
         return 2
@@ -208,9 +211,10 @@ def done_line(run: Run, start: int, seconds: float) -> str:
     )
 
 
-def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
+def run_steps(run: Run, start: int, metrics_file, t_run: float) -> Stopped | None:
     """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due; after each
-    step, stop with it saved when some rank received an exit signal."""
+    step, stop with it saved when some rank received an exit signal. ``t_run``: when the run's
+    steps began (``time.perf_counter``), for the ETA."""
     args, cost, totals = run.args, run.cost, run.totals
     autocast = torch.bfloat16 if run.device.type == "cuda" else None
     kill_at = kill_point()
@@ -222,16 +226,19 @@ def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
         data = next(run.loader)
         if step_idx == start and run.rank == 0:
             run.log(first_step_line(cost, data, step_idx + 1))
-        res, grad_norm, stepped = train_step(
-            data,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            grad_clip=args.grad_clip,
-            autocast=autocast,
-            kill=kill_at == (run.rank, step_idx + 1),
-            memory=run.memory,
-        )
+        predicted_s = data.plan.predicted.get("step_time_s", 0.0)
+        lr = run.scheduler.get_last_lr()[0]  # the rate this step trains at
+        with Heartbeat(run.log, step_idx + 1, predicted_s) if run.rank == 0 else nullcontext():
+            res, grad_norm, stepped = train_step(
+                data,
+                model=run.model,
+                optimizer=run.optimizer,
+                scheduler=run.scheduler,
+                grad_clip=args.grad_clip,
+                autocast=autocast,
+                kill=kill_at == (run.rank, step_idx + 1),
+                memory=run.memory,
+            )
         totals.skipped_updates += not stepped
         step_time = time.perf_counter() - t0
         stats = gather_stats(res, world=run.world, device=run.device, memory=run.memory)
@@ -244,7 +251,7 @@ def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
             step=step_idx + 1,
             step_time=step_time,
             stats=stats,
-            lr=run.scheduler.get_last_lr()[0],
+            lr=lr,
             grad_norm=grad_norm,
             update_skipped=not stepped,
             skipped_updates=totals.skipped_updates,
@@ -254,7 +261,10 @@ def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
         )
         write_record(metrics_file, record)
         if (step_idx + 1) % args.log_every == 0 or not stepped:
-            run.log(step_line(record, data))
+            done, elapsed = step_idx + 1 - start, time.perf_counter() - t_run
+            run.log(
+                step_line(record, data, elapsed=elapsed, left=args.steps - start - done, done=done)
+            )
         if not stepped and args.nan_policy == "stop":
             raise Diverged(nonfinite_line(run, res, grad_norm, step_idx + 1))
         step = step_idx + 1
@@ -267,14 +277,16 @@ def run_steps(run: Run, start: int, metrics_file) -> Stopped | None:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """Checkpoint after ``step``, with the data position, the totals and the setup."""
+    """Checkpoint after ``step``, with the data position, the totals and the setup; one line
+    saying where, how large and how long it took."""
+    t0 = time.perf_counter()
     state = {
         "data": run.loader.sync_state(),
         "accounting": asdict(run.totals),
         "schedule": asdict(run.schedule),
         "fingerprint": run.setup,
     }
-    checkpoint.save(
+    path = checkpoint.save(
         run.args.checkpoint_dir,
         step,
         run.model,
@@ -283,6 +295,9 @@ def save_checkpoint(run: Run, step: int) -> None:
         state,
         files=run.hf_files,
     )
+    if run.rank == 0:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        run.log(f"saved {path} ({size / 1e6:,.1f} MB) in {time.perf_counter() - t0:.1f} s")
 
 
 def build_cost_model(
@@ -378,7 +393,10 @@ def build_data(args, source: ModelSource, *, vocab: int) -> tuple[list, BatchStr
 def build_loader(
     args, *, sources: list, stream: BatchStream, cost: CostModel, sync: str
 ) -> HDPDataLoader:
-    """The loader that plans each global batch and hands this rank its shards' tokens."""
+    """The loader that plans each global batch and hands this rank its shards' tokens. Its plans
+    are priced by ``cost``, the model of what training runs (the attention backend verified,
+    each rank's memory), so a plan is optimised for the kernels that run and the metrics' two
+    predictions come from one model."""
     return HDPDataLoader(
         sources,
         stream,
@@ -387,9 +405,8 @@ def build_loader(
         args.strategy,
         plan_ahead=args.plan_ahead,
         plan_options={
+            "cost": cost,
             "sync": sync,
-            "capacity": args.capacity,
-            "activation_checkpointing": args.activation_checkpointing,
             # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
             "kv_exchange": args.kv_exchange if args.strategy == "hdp" else "rank",
         },
