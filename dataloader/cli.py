@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from hdp import model_spec
-from hdp.argtypes import input_file, integer, model, size
+from hdp.argtypes import command, input_file, integer, model, size
 from hdp.workloads import split_long
 
 from .sources import DataError, open_source
@@ -82,6 +82,7 @@ def histogram(seqs: np.ndarray, width: int = 50) -> list[str]:
     return lines
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hdp-data", description="Inspect a training corpus the way hdp reads it."

@@ -22,6 +22,7 @@ from .specs import (
     model_preset,
     model_spec,
     parse_size,
+    plural,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "StepReport",
     "edge_colour_rounds",
     "format_size",
+    "plural",
     "gpu_preset",
     "gpu_profile",
     "model_preset",

@@ -8,8 +8,10 @@ naming the flag (``argument --seed: must be >= 0, got -1``) and exits with statu
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -254,3 +256,21 @@ __all__ = [
     "rope_scaling",
     "size",
 ]
+
+
+def command(main: Callable[..., int]) -> Callable[..., int]:
+    """A console script's ``main`` that ends quietly when its reader goes away (``hdp-data stats
+    X | head``): exit status 1 as ``head``'s writers get, no traceback."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs) -> int:
+        try:
+            code = main(*args, **kwargs)
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError:
+            # Python would flush stdout again at exit and fail once more: point it at /dev/null.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+
+    return run

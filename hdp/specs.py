@@ -52,6 +52,11 @@ def parse_size(text: str | int) -> int:
     return int(result)
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural where ``n`` is not 1: ``1 rank``, ``8 ranks``, ``1,024 steps``."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def format_size(n: float) -> str:
     """Human form of a token count: 2097152 -> '2M', 65536 -> '64K', 1500 -> '1500' (G above)."""
     n = int(n)

@@ -27,7 +27,7 @@ import torch
 
 from attention.kernels import select_backend
 from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_profile, model_preset
-from hdp.argtypes import integer
+from hdp.argtypes import command, integer
 from hdp.profile import FORMAT, TABLE_COLUMNS
 
 from . import calibrate_tables as tables
@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)

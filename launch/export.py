@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hdp import model_preset
-from hdp.argtypes import byte_size, choice, input_dir, integer, output_dir
+from hdp.argtypes import byte_size, choice, command, input_dir, integer, output_dir
 from hdp.hf_config import ConfigError, export_config, read_config, spec_from_config, with_dtype
 
 from . import checkpoint
@@ -220,6 +220,7 @@ def export(
     return path
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="hdp-export",

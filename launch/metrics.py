@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from attention import COMM
 from dataloader.loader import StepData
-from hdp import CostModel
+from hdp import CostModel, plural
 
 from .memory import PeakMemory
 from .runtime import StepResult
@@ -192,10 +192,6 @@ def data_line(sources: list, max_seq: int) -> str:
             "--workload byted-2m"
         )
     return line
-
-
-def plural(n: int, noun: str) -> str:
-    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 class Heartbeat:

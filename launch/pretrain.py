@@ -59,11 +59,21 @@ from planner import STRATEGIES  # noqa: E402
 DEFAULT_TOKENS_PER_STEP = 64 << 10
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="pretrain.py",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
     add_model_args(p.add_argument_group("model"))
@@ -215,8 +225,15 @@ def add_data_args(g) -> None:
 
 def add_training_args(t) -> None:
     t.add_argument("--steps", type=integer(1), default=20, help="train until this step")
-    t.add_argument("--seed", type=integer(0, 2**32 - 1), default=0)
-    t.add_argument("--lr", type=number(0.0, exclusive=True), default=3e-4)
+    t.add_argument(
+        "--seed",
+        type=integer(0, 2**32 - 1),
+        default=0,
+        help="seed of the initial weights and the data order",
+    )
+    t.add_argument(
+        "--lr", type=number(0.0, exclusive=True), default=3e-4, help="peak learning rate"
+    )
     t.add_argument(
         "--warmup",
         type=integer(0),
@@ -231,7 +248,7 @@ def add_training_args(t) -> None:
         "checkpoint's when resuming, so an extended run keeps its schedule); a longer --warmup "
         "ends there",
     )
-    t.add_argument("--weight-decay", type=number(0.0), default=0.1)
+    t.add_argument("--weight-decay", type=number(0.0), default=0.1, help="AdamW weight decay")
     t.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
     t.add_argument(
         "--nan-policy",
@@ -343,8 +360,13 @@ def add_output_args(o) -> None:
         help="one JSON object per step, appended to this file; the rows of steps this run "
         "trains (again) are replaced",
     )
-    o.add_argument("--log-every", type=integer(1), default=1)
-    o.add_argument("--checkpoint-dir", type=output_dir, default=None)
+    o.add_argument("--log-every", type=integer(1), default=1, help="log a line every N steps")
+    o.add_argument(
+        "--checkpoint-dir",
+        type=output_dir,
+        default=None,
+        help="where checkpoints go (default: none are saved); see docs/reliability.md",
+    )
     o.add_argument(
         "--save-every",
         type=integer(0),

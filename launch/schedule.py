@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hdp import plural
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -53,8 +55,8 @@ def run_schedule(args, saved: dict | None, log: Callable[[str], None]) -> Schedu
     warmup = min(args.warmup, horizon)
     if warmup < args.warmup:
         log(
-            f"warm-up of {warmup} steps, not --warmup {args.warmup}: it ends where the decay "
-            f"does, at step {horizon}"
+            f"warm-up of {plural(warmup, 'step')}, not --warmup {args.warmup}: it ends where "
+            f"the decay does, at step {horizon}"
         )
     return Schedule(warmup, horizon)
 

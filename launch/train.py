@@ -32,7 +32,7 @@ from dataloader import (
     open_source,
 )
 from dataloader.loader import StepData
-from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset
+from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
 from planner import OFFLOADING, PlanningError, choose_sync
 
 from . import checkpoint
@@ -193,7 +193,10 @@ def resolve_auto(
             args, spec=spec, world=world, per_node=per_node, device=device
         )
         if args.activation_checkpointing:
-            log(f"activation checkpointing on: --max-seq {args.max_seq} needs it on {world} ranks")
+            log(
+                f"activation checkpointing on: --max-seq {args.max_seq} needs it on "
+                f"{plural(world, 'rank')}"
+            )
     return args
 
 

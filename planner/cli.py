@@ -16,8 +16,9 @@ from hdp import (
     GPUProfile,
     gpu_preset,
     model_spec,
+    plural,
 )
-from hdp.argtypes import MAX_RANKS, integer, model, output_file_in_existing_dir, size
+from hdp.argtypes import MAX_RANKS, command, integer, model, output_file_in_existing_dir, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
@@ -163,6 +164,7 @@ def sim_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def sim_main(argv: list[str] | None = None) -> int:
     from .plot import plot_simulation
     from .sim import format_table, simulate, stderr_progress
@@ -200,8 +202,8 @@ def sim_main(argv: list[str] | None = None) -> int:
             f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} "
             f"({cluster.ranks_per_node} per node), "
             f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity "
-            f"{c['capacity_peer']} (peer) / "
-            f"{c['capacity_wave']} (wave) tokens per rank, {c['steps']} steps, seed {c['seed']}"
+            f"{c['capacity_peer']} (peer) / {c['capacity_wave']} (wave) tokens per rank, "
+            f"{plural(c['steps'], 'step')}, seed {c['seed']}"
         )
         print(format_table(sim))
         if args.json:
@@ -257,6 +259,7 @@ def plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def plan_main(argv: list[str] | None = None) -> int:
     args = plan_parser().parse_args(argv)
     try:
@@ -289,9 +292,9 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 2
     p = plan.predicted
     print(
-        f"{args.strategy}: {lens.size} sequences, {int(lens.sum())} tokens on {cluster.num_ranks} "
-        "ranks in "
-        f"{plan.num_waves} waves ({plan.sync} sync), {plan.num_shards} shards"
+        f"{args.strategy}: {plural(lens.size, 'sequence')}, {int(lens.sum())} tokens on "
+        f"{plural(cluster.num_ranks, 'rank')} in {plural(plan.num_waves, 'wave')} ({plan.sync} "
+        f"sync), {plural(plan.num_shards, 'shard')}"
     )
     print(
         f"predicted step {p['step_time_s']:.3f} s, lower bound {p['lower_bound_s']:.3f} s "

@@ -25,6 +25,9 @@ solution (CBC). On failure or timeout: a warning, and the caller keeps the heuri
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +52,28 @@ class IlpChoice:
     info: dict[str, float] = field(default_factory=dict)
 
 
+@functools.cache
 def solver_name() -> str:
-    """``highs`` where highspy is importable, else ``cbc``."""
+    """``highs`` where highspy is importable, else ``cbc``. HiGHS prints its banner to stdout
+    when a process makes its first solver, above whatever table a command prints: that first
+    one is made here, with stdout pointed at /dev/null."""
     try:
-        import highspy  # noqa: F401
+        import highspy
     except ImportError:
         return "cbc"
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
     return "highs"
+
+
+solver_name()  # at import, before a planner thread or a table prints anything
 
 
 def fits_budget(rel: Relaxation, num_ranks: int) -> bool:

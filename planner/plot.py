@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hdp import StepReport
+from hdp import StepReport, plural
 
 from .sim import SimResult
 
@@ -80,7 +80,7 @@ def plot_simulation(sim: SimResult, path: str | Path) -> None:
     ax.set_title(
         f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} "
         "tokens/step, "
-        f"mean of {c['steps']} steps",
+        f"mean of {plural(c['steps'], 'step')}",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="upper left")

@@ -235,3 +235,18 @@ def test_plan_hdp_forms(tmp_path):
         str(tmp_path / "x.json"),
     )
     assert res.returncode == 2 and "does not fit one rank's 163840 tokens" in res.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    # hdp-data stats X | head: the pipe closes before the command has written everything.
+    code = "import sys; from dataloader.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "stats", "synthetic:wlb-128k"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=patient(120)) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
