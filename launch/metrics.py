@@ -72,6 +72,7 @@ def metrics_record(
     mfu: float,
     trained: int,
     predicted: Predicted,
+    vocab: int,
     update_skipped: bool = False,
     skipped_updates: int = 0,
 ) -> dict:
@@ -79,11 +80,12 @@ def metrics_record(
     cost model predicted (``predicted_step_s``; per rank ``predicted_rank_s`` beside ``busy_s``
     and ``predicted_mem_bytes`` beside ``peak_mem_bytes``). ``update_skipped``: the loss or the
     gradient norm was not finite and the optimizer did not step (``skipped_updates``: how many
-    steps so far)."""
+    steps so far). ``vocab``: the model's, whose log is the loss of a model that learnt nothing."""
     busy_s = stats.busy_s
     return {
         "step": step,
         "loss": res.loss,
+        "vocab": vocab,
         "tokens": data.tokens,
         "loss_tokens": data.loss_tokens,
         "step_time_s": step_time,

@@ -261,6 +261,7 @@ def run_steps(run: Run, start: int, metrics_file, t_run: float) -> Stopped | Non
             mfu=cost.model_flops(data.plan.seq_lens) / peak,
             trained=totals.trained_tokens,
             predicted=predict(cost, data) if run.rank == 0 else Predicted([], [], []),
+            vocab=cost.model.vocab,
         )
         write_record(metrics_file, record)
         if (step_idx + 1) % args.log_every == 0 or not stepped:

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Plot loss and throughput from one or more ``--metrics`` JSONL files of launch/pretrain.py.
 
+The loss panel marks ln(vocab), the loss of a model that has learnt nothing.
+
 python scripts/plot_metrics.py out/metrics.jsonl [more.jsonl ...] --out metrics.png
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +26,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_tps, ax_imb) = plt.subplots(1, 3, figsize=(14, 3.8))
+    vocabs: set[int] = set()
     for f in args.files:
         try:
             recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
@@ -33,6 +37,17 @@ def main() -> int:
         ax_loss.plot(steps, [r["loss"] for r in recs], label=f.name)
         ax_tps.plot(steps, [r["tokens"] / r["step_time_s"] for r in recs], label=f.name)
         ax_imb.plot(steps, [r["imbalance"] for r in recs], label=f.name)
+        vocabs.update(r["vocab"] for r in recs if "vocab" in r)
+    for vocab in sorted(vocabs):
+        ax_loss.axhline(math.log(vocab), color="grey", linestyle=":", linewidth=1)
+        ax_loss.annotate(
+            f"ln({vocab})",
+            (0.02, math.log(vocab)),
+            xycoords=("axes fraction", "data"),
+            fontsize=7,
+            color="grey",
+            va="bottom",
+        )
     for ax, title in (
         (ax_loss, "loss"),
         (ax_tps, "tokens / s"),

@@ -213,6 +213,15 @@ def test_synthetic_is_deterministic():
     assert (a.read(7) < 512).all()
 
 
+def test_synthetic_tokens_walk_the_vocabulary_by_small_strides():
+    # What makes them learnable: each token follows the one before it by 1, 2, 3 or 5 (mod the
+    # vocabulary), by 1 most often.
+    src = SyntheticSource("wlb-128k", 20, 512, seed=1)
+    strides = np.concatenate([np.diff(src.read(d)) % 512 for d in range(20)])
+    assert set(np.unique(strides).tolist()) == {1, 2, 3, 5}
+    assert 0.65 < np.mean(strides == 1) < 0.75
+
+
 def test_hdp_data_stats(tmp_path, capsys):
     p = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": d} for d in DOCS] + ["{oops"])
     assert data_main(["stats", str(p), "--json", "--skip-bad-records", "--max-seq", "64"]) == 0

@@ -471,3 +471,14 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     assert plan.predicted["step_time_s"] == pytest.approx(cost.evaluate(plan).step_time_s)
     default = type(cost)(cost.model, cost.cluster, activation_checkpointing=False)
     assert default.evaluate(plan).step_time_s > 2 * plan.predicted["step_time_s"]
+
+
+def test_the_synthetic_data_is_learnt_within_20_steps(tmp_path, capsys):
+    """A newcomer's first run on the default data shows a falling loss, not one stuck at
+    ln(vocab)."""
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--model", "tiny", "--tokens-per-step", "4K", "--max-seq", "1K", "--steps", "20"]
+    assert train_here(argv + ["--metrics", str(metrics)], capsys)[0] == 0
+    loss = [r["loss"] for r in rows(metrics)]
+    assert abs(loss[0] - np.log(rows(metrics)[0]["vocab"])) < 0.1
+    assert loss[-1] < loss[0] - 0.2
