@@ -197,6 +197,9 @@ def sim_main(argv: list[str] | None = None) -> int:
             kv_exchange=args.kv_exchange,
             progress=stderr_progress,
         )
+        errors = {r.error for r in sim.results.values()}
+        if len(errors) == 1 and None not in errors:  # the setup fails every strategy alike
+            raise ValueError(errors.pop())
         c = sim.config
         print(
             f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} "

@@ -151,6 +151,10 @@ def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
             "line 2: sequence length 100000000000000000000000 is above 68,719,476,736 tokens",
         ),
         (
+            ["sim_main", "--workload", "wlb-128k", "--gpus", "8", "--model", "{absurd}"],
+            "hdp-sim: error: absurd does not fit on h100 in 'wave' sync",
+        ),
+        (
             ["sim_main", "--lengths", "{overflow}", "--gpus", "8"],
             "line 2: sequence length 100000000000000000000000 is above 68,719,476,736 tokens",
         ),
@@ -161,12 +165,18 @@ def test_errors_are_clear(tmp_path, args, message):
     (tmp_path / "neg.txt").write_text("10\n20\n-4\n")
     (tmp_path / "huge.txt").write_text("3000000\n")
     (tmp_path / "overflow.txt").write_text("1000\n" + "1" + "0" * 23 + "\n")
+    # A model no strategy can place (10^7 layers): one line, not one failure per strategy.
+    absurd = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176}
+    absurd |= {"num_hidden_layers": 10**7, "num_attention_heads": 4, "vocab_size": 512}
+    (tmp_path / "absurd").mkdir()
+    (tmp_path / "absurd" / "config.json").write_text(json.dumps(absurd))
     args = [
         a.format(
             bad=tmp_path / "bad.txt",
             neg=tmp_path / "neg.txt",
             huge=tmp_path / "huge.txt",
             overflow=tmp_path / "overflow.txt",
+            absurd=tmp_path / "absurd",
             out=tmp_path / "o.json",
         )
         for a in args

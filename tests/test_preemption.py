@@ -28,10 +28,12 @@ COMMON = [
 
 
 def torchrun(ranks: int, *flags: str) -> list[str]:
-    return [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", str(ranks), str(ROOT / "launch" / "pretrain.py"), *COMMON, *flags),
-    ]
+    """``pretrain.py`` on ``ranks`` torchrun ranks; ``ranks=0``: one process without torchrun."""
+    script = [str(ROOT / "launch" / "pretrain.py"), *COMMON, *flags]
+    if ranks == 0:
+        return [sys.executable, *script]
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks))
+    return [sys.executable, *launcher, *script]
 
 
 def rows(path: Path) -> list[dict]:
@@ -40,7 +42,7 @@ def rows(path: Path) -> list[dict]:
 
 @functools.cache
 def straight(ranks: int) -> list[dict]:
-    """The metrics rows of an uninterrupted run on ``ranks`` ranks."""
+    """The metrics rows of an uninterrupted run on ``ranks`` ranks (0: without torchrun)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "straight.jsonl"
         done = subprocess.run(
@@ -55,10 +57,16 @@ def straight(ranks: int) -> list[dict]:
 
 
 # "group": Slurm and a terminal's Ctrl-C signal every process; "torchrun": only the launcher
-# gets it and forwards it to its ranks.
+# gets it and forwards it to its ranks; "process": one rank without torchrun (ranks 0), whose
+# exit status is the rank's own (torchrun's is 1 after a signal, whatever its ranks did).
 @pytest.mark.parametrize(
     "ranks, to, sig",
-    [(1, "group", signal.SIGTERM), (2, "group", signal.SIGTERM), (2, "torchrun", signal.SIGINT)],
+    [
+        (1, "group", signal.SIGTERM),
+        (2, "group", signal.SIGTERM),
+        (2, "torchrun", signal.SIGINT),
+        (0, "process", signal.SIGUSR1),
+    ],
 )
 def test_a_signal_saves_the_step_in_hand_and_the_resume_is_bit_identical(tmp_path, ranks, to, sig):
     ck, metrics, log = tmp_path / "ck", tmp_path / "run.jsonl", tmp_path / "stopped.txt"
@@ -76,8 +84,10 @@ def test_a_signal_saves_the_step_in_hand_and_the_resume_is_bit_identical(tmp_pat
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         (os.killpg if to == "group" else os.kill)(job.pid, sig)
-        job.wait(timeout=patient(300))
+        code = job.wait(timeout=patient(300))
     text = log.read_text()
+    if to == "process":
+        assert code == 0, text
     stopped = re.search(rf"stopped by {sig.name} after step (\d+); checkpoint (\S+) ", text)
     assert stopped, text
     step = int(stopped[1])
