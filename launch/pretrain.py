@@ -37,6 +37,7 @@ from hdp.argtypes import (  # noqa: E402
     MAX_RANKS,
     choice,
     input_dir,
+    input_file,
     input_file_or_dir,
     integer,
     model,
@@ -49,6 +50,7 @@ from hdp.argtypes import (  # noqa: E402
 )
 from hdp.profile import ProfileError  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
+from launch.config_file import ConfigFileError, config_argv  # noqa: E402
 from launch.model_source import DEFAULT_MODEL, model_source  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
 from launch.stopping import DEFAULT_SIGNALS, parse_signals  # noqa: E402
@@ -76,11 +78,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
+    p.add_argument(
+        "--config",
+        type=input_file,
+        default=None,
+        metavar="RUN.toml",
+        help='flags from a TOML file (keys are flag names, e.g. max-seq = "4K"; see '
+        "examples/run.toml); flags on the command line replace the file's",
+    )
     add_model_args(p.add_argument_group("model"))
     add_data_args(p.add_argument_group("data"))
     add_training_args(p.add_argument_group("training"))
     add_planning_args(p.add_argument_group("planning"))
     add_output_args(p.add_argument_group("output"))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, _ = p.parse_known_args(argv)  # --config first: its flags go before the others
+    if config.config is not None:
+        try:
+            argv = config_argv(config.config, p, argv) + argv
+        except ConfigFileError as e:
+            p.error(str(e))
     args = p.parse_args(argv)
     check_combinations(p, args)
     return args

@@ -2,6 +2,7 @@
 exit status 2, never a traceback or a silent default. In process: argparse's exit is SystemExit."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,8 @@ from dataloader.cli import main as data_main
 from hdp import model_preset, parse_size
 from launch.pretrain import parse_args
 from planner.cli import plan_main, sim_main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _usage_error(fn, argv, capsys) -> str:
@@ -226,3 +229,34 @@ def test_a_model_that_cannot_fit_suggests_only_what_would_change(sync):
     with pytest.raises(PlanningError, match="no room for activations") as err:
         choose_sync(cost, "peer", 1024, sync)
     assert ("--sync wave" in str(err.value)) == (sync != "wave")
+
+
+def test_a_config_file_gives_flags_that_the_command_line_replaces(tmp_path):
+    args = parse_args(["--config", str(ROOT / "examples" / "run.toml"), "--steps", "40"])
+    assert (args.model, args.workload, args.max_seq, args.tokens_per_step) == (
+        "tiny",
+        "wlb-128k",
+        4096,
+        16384,
+    )
+    assert args.steps == 40 and args.save_every == 10 and args.activation_checkpointing is False
+    (tmp_path / "data.toml").write_text('data = ["a.jsonl", "b.jsonl"]\ntruncate = true\n')
+    args = parse_args(["--config", str(tmp_path / "data.toml"), "--data-weights", "1,2"])
+    assert args.data == ["a.jsonl", "b.jsonl"] and args.truncate is True
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("stepz = 3\n", "run.toml: stepz is not a flag of pretrain.py"),
+        ("[training]\nlr = -1\n", "argument --lr: must be > 0, got -1"),
+        ("[training]\nsteps = true\n", "run.toml: [training] steps must be a number or a string"),
+        ("truncate = 1\n", "run.toml: truncate must be true or false, got 1"),
+        ("steps = [1, 2]\n", "run.toml: steps takes one value, got a list"),
+        ("[a]\n[a.b]\nsteps = 1\n", "run.toml: [a.b]: tables nest one level deep"),
+        ("steps = \n", "run.toml: not TOML"),
+    ],
+)
+def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
+    (tmp_path / "run.toml").write_text(text)
+    assert message in _usage_error(parse_args, ["--config", str(tmp_path / "run.toml")], capsys)
