@@ -142,9 +142,10 @@ def add_check_parser(sub) -> None:
         "check",
         help="price a table of measured kernel times with a profile; report the errors",
         description="Price every row of a table of measured kernel times (the columns of "
-        "h100_measured.csv, an optional backend column) with a profile. The last line printed "
-        'is one JSON object: {"rows": N, "median_rel_err": x, "max_rel_err": y} over the '
-        "step-relevant rows, with leave-one-out errors where the profile holds the rows.",
+        "hdp/data/measured/h100_measured.csv, an optional backend column) with a profile. The "
+        'last line printed is one JSON object: {"rows": N, "median_rel_err": x, "max_rel_err": '
+        "y} over the step-relevant rows, with leave-one-out errors where the profile holds the "
+        "rows.",
     )
     p.add_argument("profile", metavar="PROFILE", help="a profile JSON path or a GPU preset name")
     p.add_argument("--table", required=True, metavar="CSV", help="measured kernel times (CSV)")

@@ -3,7 +3,6 @@ beside them, one ``--metrics`` row and one log line per step."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -124,14 +123,6 @@ def predict(cost: CostModel, data: StepData) -> Predicted:
         mem_bytes=report.mem_bytes[fullest, ranks].tolist(),
         activation_bytes=activations[fullest, ranks].tolist(),
     )
-
-
-def write_record(metrics_file, record: dict) -> None:
-    """Append ``record`` to the metrics file (rank 0's; ``None`` elsewhere), flushed so a killed
-    run keeps the steps it finished."""
-    if metrics_file:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
 
 
 def clock(seconds: float) -> str:

@@ -51,6 +51,7 @@ from hdp.argtypes import (  # noqa: E402
 from hdp.profile import ProfileError  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
 from launch.config_file import ConfigFileError, config_argv  # noqa: E402
+from launch.loggers import missing_package  # noqa: E402
 from launch.model_source import DEFAULT_MODEL, model_source  # noqa: E402
 from launch.runtime import exit_without_teardown  # noqa: E402
 from launch.stopping import DEFAULT_SIGNALS, parse_signals  # noqa: E402
@@ -135,6 +136,9 @@ def check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 f"--data-weights has {len(args.data_weights)} weights for {n} --data sources: "
                 "give one per --data"
             )
+    for flag in ("tensorboard", "wandb"):
+        if getattr(args, flag) and (why := missing_package(flag)):
+            p.error(why)
     try:
         kill_point()
         model_source(args)
@@ -376,6 +380,20 @@ def add_output_args(o) -> None:
         default=None,
         help="one JSON object per step, appended to this file; the rows of steps this run "
         "trains (again) are replaced",
+    )
+    o.add_argument(
+        "--tensorboard",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="also write every metrics field as a TensorBoard scalar here (needs the "
+        "tensorboard package)",
+    )
+    o.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log every metrics field to this Weights & Biases project (needs wandb)",
     )
     o.add_argument("--log-every", type=integer(1), default=1, help="log a line every N steps")
     o.add_argument(

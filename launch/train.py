@@ -42,6 +42,7 @@ from .attention_backend import (
     verify_attention_backend,
 )
 from .checkpoint import CheckpointError
+from .loggers import Loggers, NoLoggers
 from .memory import PeakMemory, rank_profile
 from .metrics import (
     Heartbeat,
@@ -52,11 +53,10 @@ from .metrics import (
     metrics_record,
     predict,
     step_line,
-    write_record,
 )
 from .model import Llama
 from .model_source import ModelSource, model_source
-from .resume import Resume, find_resume, fingerprint, open_metrics
+from .resume import Resume, find_resume, fingerprint
 from .runtime import StepResult, run_waves, shard_model
 from .schedule import Schedule, run_schedule
 from .stopping import StopOnSignal, Stopped
@@ -161,10 +161,10 @@ def _train(
         f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
     )
     log(data_line(sources, args.max_seq))
-    metrics_file = open_metrics(args.metrics, start, log) if rank == 0 else None
+    loggers = Loggers(args, start, setup, log) if rank == 0 else NoLoggers()
     t_run = time.perf_counter()
     try:
-        stopped = run_steps(run, start, metrics_file, t_run)
+        stopped = run_steps(run, start, loggers, t_run)
     except CheckpointError as e:
         log(f"pretrain.py: error: {e}")
         return 2
@@ -173,8 +173,7 @@ def _train(
         return 3
     finally:
         loader.close()
-        if metrics_file:
-            metrics_file.close()
+        loggers.close()
     seconds = time.perf_counter() - t_run
     log(stopped.line(args.checkpoint_dir) if stopped else done_line(run, start, seconds))
     return 0
@@ -214,7 +213,7 @@ def done_line(run: Run, start: int, seconds: float) -> str:
     )
 
 
-def run_steps(run: Run, start: int, metrics_file, t_run: float) -> Stopped | None:
+def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped | None:
     """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due; after each
     step, stop with it saved when some rank received an exit signal. ``t_run``: when the run's
     steps began (``time.perf_counter``), for the ETA."""
@@ -263,7 +262,7 @@ def run_steps(run: Run, start: int, metrics_file, t_run: float) -> Stopped | Non
             predicted=predict(cost, data) if run.rank == 0 else Predicted([], [], []),
             vocab=cost.model.vocab,
         )
-        write_record(metrics_file, record)
+        loggers.write(record)
         if (step_idx + 1) % args.log_every == 0 or not stepped:
             done, elapsed = step_idx + 1 - start, time.perf_counter() - t_run
             run.log(

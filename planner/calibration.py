@@ -1,6 +1,6 @@
 """``hdp-calibrate check``: how well a GPU profile prices a table of measured kernel times.
 
-The table has the columns of ``../shared/data/profiles/h100_measured.csv``: ``kind`` (``attn_doc``:
+The table has the columns of ``hdp/data/measured/h100_measured.csv``: ``kind`` (``attn_doc``:
 ``b`` causal documents of ``a`` tokens in one call; ``attn_shard``: ``a`` queries against ``b``
 earlier keys; ``gemm``: ``[a x b] @ [b x c]``), ``heads``, ``kv_heads``, ``head_dim``, ``a``,
 ``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend`` (``flash`` where absent).

@@ -306,9 +306,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         f"{p['exposed_comm_s']:.3f} s, peak memory {p['peak_mem_bytes'] / 1e9:.1f} GB, planned in "
         f"{p['plan_time_s']:.3f} s"
     )
+    n = cluster.num_ranks
     print(
-        f"K/V exchange {plan.kv_exchange}: {p['nic_bytes'] / 1e9:.1f} GB over NICs, "
-        f"{p['nvlink_bytes'] / 1e9:.1f} GB over NVLink per step"
+        f"K/V exchange {plan.kv_exchange}: {p['nic_bytes'] / 1e9 / n:.2f} GB per rank over NICs, "
+        f"{p['nvlink_bytes'] / 1e9 / n:.2f} GB per rank over NVLink per step (as hdp-sim's "
+        "columns)"
     )
     print(f"wrote {args.out}")
     return 0

@@ -43,7 +43,7 @@ done
 # The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
 # the measured one checked against the shared H100 tables (when ../shared is beside the checkout).
 run "hdp-calibrate measure (CUDA)" $PY -m launch.calibrate measure --out "$OUT_DIR/profile.json"
-for table in ../shared/data/profiles/h100_measured.csv ../shared/data/profiles/h100_cudnn_measured.csv; do
+for table in hdp/data/measured/h100_measured.csv hdp/data/measured/h100_cudnn_measured.csv; do
   [ -f "$table" ] || continue
   run "hdp-calibrate check h100 $(basename "$table")" $PY -m launch.calibrate check h100 --table "$table"
   run "hdp-calibrate check measured $(basename "$table")" \
