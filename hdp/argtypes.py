@@ -154,14 +154,6 @@ def output_file(text: str) -> Path:
     return path
 
 
-def output_file_in_existing_dir(text: str) -> Path:
-    """A file to write whose folder must exist already (the command creates no folders)."""
-    path = output_file(text)
-    if not path.parent.is_dir():
-        raise _Error(f"cannot create {path}: directory {path.parent} does not exist")
-    return path
-
-
 def output_dir(text: str) -> Path:
     """A directory to write into: an existing writable one, or one that can be created."""
     path = Path(text)
@@ -252,7 +244,6 @@ __all__ = [
     "number_list",
     "output_dir",
     "output_file",
-    "output_file_in_existing_dir",
     "rope_scaling",
     "size",
 ]

@@ -18,7 +18,7 @@ from hdp import (
     model_spec,
     plural,
 )
-from hdp.argtypes import MAX_RANKS, command, integer, model, output_file_in_existing_dir, size
+from hdp.argtypes import MAX_RANKS, command, integer, model, output_file, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, plan_and_evaluate
@@ -152,12 +152,10 @@ def sim_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=integer(0, 2**32 - 1), default=0, help="sampling seed (default 0)"
     )
-    p.add_argument(
-        "--json", type=output_file_in_existing_dir, default=None, help="write results as JSON"
-    )
+    p.add_argument("--json", type=output_file, default=None, help="write results as JSON")
     p.add_argument(
         "--plot",
-        type=output_file_in_existing_dir,
+        type=output_file,
         default=None,
         help="write a PNG: strategies compared, per-rank timelines",
     )
@@ -210,9 +208,11 @@ def sim_main(argv: list[str] | None = None) -> int:
         )
         print(format_table(sim))
         if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)  # as --metrics of training
             args.json.write_text(json.dumps(sim.to_json(), indent=1) + "\n")
             print(f"wrote {args.json}")
         if args.plot:
+            args.plot.parent.mkdir(parents=True, exist_ok=True)
             plot_simulation(sim, args.plot)
             print(f"wrote {args.plot}")
         print(f"simulated in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -256,9 +256,7 @@ def plan_parser() -> argparse.ArgumentParser:
         default=None,
         help="split sequences longer than this first (default: no split)",
     )
-    p.add_argument(
-        "--out", type=output_file_in_existing_dir, required=True, help="where to write PLAN.json"
-    )
+    p.add_argument("--out", type=output_file, required=True, help="where to write PLAN.json")
     return p
 
 
@@ -286,6 +284,7 @@ def plan_main(argv: list[str] | None = None) -> int:
             hybridcp_impl=args.hybridcp_impl,
             **form,
         )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.out)
     except PlanningError as e:
         print(f"hdp-plan: error: {e}", file=sys.stderr)

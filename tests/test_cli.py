@@ -260,3 +260,10 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     err = proc.stderr.read()
     assert proc.wait(timeout=patient(120)) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_outputs_in_missing_folders_are_created_as_training_metrics_are(tmp_path, capsys):
+    (tmp_path / "l.txt").write_text("1000\n3000\n")
+    out = tmp_path / "new" / "dir" / "PLAN.json"
+    assert plan_main(["--lengths", str(tmp_path / "l.txt"), "--gpus", "2", "--out", str(out)]) == 0
+    assert Plan.load(out).num_ranks == 2

@@ -143,12 +143,16 @@ BIG = "99999999999999999999"
         (sim_main, SIM + ["--capacity", "1e400"], "argument --capacity: invalid size '1e400'"),
         (sim_main, SIM + ["--capacity", "0"], "argument --capacity: must be >= 1, got '0'"),
         (sim_main, SIM + ["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
-        (sim_main, SIM + ["--json", "/no/dir/x.json"], "argument --json: cannot create /no/dir/x"),
+        (
+            sim_main,
+            SIM + ["--json", "{tmp}/f/x.json"],
+            "argument --json: cannot create {tmp}/f/x.json: {tmp}/f is not a directory",
+        ),
         (sim_main, SIM + ["--plot", "{tmp}"], "argument --plot: {tmp} is a directory"),
         (
             plan_main,
-            ["--lengths", "l.txt", "--gpus", "8", "--out", "/no/dir/PLAN.json"],
-            "argument --out: cannot create /no/dir/PLAN.json",
+            ["--lengths", "l.txt", "--gpus", "8", "--out", "{tmp}/f/PLAN.json"],
+            "argument --out: cannot create {tmp}/f/PLAN.json: {tmp}/f is not a directory",
         ),
         (
             plan_main,
@@ -179,6 +183,7 @@ BIG = "99999999999999999999"
     ],
 )
 def test_planner_and_data_flags(tmp_path, capsys, fn, argv, message):
+    (tmp_path / "f").write_text("a file where a folder is asked for")
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert message.format(tmp=tmp_path) in _usage_error(fn, argv, capsys)
 
