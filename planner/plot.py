@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hdp import StepReport, plural
+from hdp import StepReport, format_size, plural
 
 from .sim import SimResult
 
@@ -28,6 +28,11 @@ def _timeline(ax, report: StepReport, title: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("time in step (s)")
     ax.set_ylabel("rank")
+    if W > 1:
+        from matplotlib.lines import Line2D
+
+        waves = [Line2D([], [], color=c, linewidth=4) for c in ("tab:blue", "tab:orange")]
+        ax.legend(waves, ["waves 1, 3, ...", "waves 2, 4, ..."], fontsize=7, loc="lower right")
     ax.set_title(title, fontsize=9)
 
 
@@ -68,7 +73,7 @@ def plot_simulation(sim: SimResult, path: str | Path) -> None:
         ax.text(
             i,
             t,
-            f"{t:.2f} s\n{t / m['lower_bound_s']:.2f}x LB",
+            f"{t:.2f} s\n{m['step_over_bound']:.2f}x LB",  # the table's step/LB
             ha="center",
             va="bottom",
             fontsize=8,
@@ -78,12 +83,12 @@ def plot_simulation(sim: SimResult, path: str | Path) -> None:
     ax.set_ylim(0, max(steps) * 1.25)
     c = sim.config
     ax.set_title(
-        f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, {c['tokens_per_step']} "
-        "tokens/step, "
+        f"{c['workload']}: {c['model']} on {c['gpus']} x {c['gpu']}, "
+        f"{format_size(c['tokens_per_step'])} tokens/step, "
         f"mean of {plural(c['steps'], 'step')}",
         fontsize=10,
     )
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper right")
     for col, name in enumerate((best, worst)):
         rep = ok[name].first_report
         _timeline(
