@@ -95,8 +95,19 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# Beyond this many ranks a CPU profile is more likely a mistake than a CPU cluster.
+CPU_RANKS_EXPECTED = 8
+
+
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
     gpu = GPUProfile.load(args.gpu_profile) if args.gpu_profile else gpu_preset(args.gpu)
+    if gpu.attention_backend == "reference" and args.gpus > CPU_RANKS_EXPECTED:
+        print(
+            f"warning: the {gpu.name} profile prices CPU ranks (reference attention, host "
+            f"memory), so {args.gpus} ranks on it are a CPU cluster; for GPUs pass --gpu h100 "
+            "or a GPU's profile",
+            file=sys.stderr,
+        )
     return ClusterSpec(args.gpus, args.gpus_per_node, gpu), model_spec(args.model)
 
 

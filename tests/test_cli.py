@@ -267,3 +267,11 @@ def test_outputs_in_missing_folders_are_created_as_training_metrics_are(tmp_path
     out = tmp_path / "new" / "dir" / "PLAN.json"
     assert plan_main(["--lengths", str(tmp_path / "l.txt"), "--gpus", "2", "--out", str(out)]) == 0
     assert Plan.load(out).num_ranks == 2
+
+
+def test_a_cpu_profile_for_a_large_cluster_is_questioned(capsys):
+    argv = ["--workload", "wlb-128k", "--model", "tiny", "--steps", "1", "--strategies", "static"]
+    assert sim_main([*argv, "--gpus", "16", "--gpu", "cpu"]) == 0
+    assert "warning: the cpu profile prices CPU ranks" in capsys.readouterr().err
+    assert sim_main([*argv, "--gpus", "2", "--gpu", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err
