@@ -171,6 +171,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(small_disk):
     )
     assert done.returncode == 2, done.stdout + done.stderr
     out = done.stdout + done.stderr
+    assert f"saved {ck}/step_00000001 (" in out  # each save: where, its size, its seconds
     assert "this save may fail; free space or move old checkpoints away" in out
     assert f"pretrain.py: error: cannot save step 3 to {ck}: no space left on device" in out
     assert "Traceback" not in out
