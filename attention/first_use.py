@@ -13,18 +13,27 @@ reference value, within the tolerance of the dtype.
 
 Worked example, bf16 on an H100, llama-7b (32 heads of 128): cuDNN is checked first; if its dQ
 differs by 0.4 of the largest reference value (the tolerance is 0.05), the run logs one line and
-checks flash_attn, then torch_flash, and trains on the first that matches; the reference closes
-the list. ``--attention-backend NAME`` is checked too, but never replaced: a mismatch is a warning.
-Each shape class is checked once per process (well under a second on a GPU).
+checks flash_attn, then torch_flash, and trains on the first that matches on every rank (the
+ranks agree with one all-reduce per backend tried); the reference closes the list.
+``--attention-backend NAME`` is checked too, but never replaced: a mismatch is a warning. Each
+shape class is checked once per process (well under a second on a GPU).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from .kernels import BackendUnavailable, candidate_names, get_backend, resolve_backend
+from .kernels import (
+    BACKEND_NAMES,
+    BackendUnavailable,
+    candidate_names,
+    get_backend,
+    resolve_backend,
+)
 
 # Largest |backend - reference| over the largest |reference|, per dtype: bf16 keeps 8 bits of
 # mantissa, fp16 11; a kernel that is wrong is off by a sizeable part of its values.
@@ -71,8 +80,11 @@ def _compare(name, device, dtype, heads, kv_heads, head_dim) -> str | None:
         got = _run(backend, on_device, cu_q, cu_k, sizes)
         for label, a, b in zip(("output", "dQ", "dK", "dV"), got, expected):
             error = (a.double().cpu() - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-            if not error <= worst:  # NaN counts as the worst
-                worst, where = error, f"{label} of the {'causal' if causal else 'shard'} call"
+            call = f"{label} of the {'causal' if causal else 'shard'} call"
+            if not math.isfinite(error):
+                return f"{call} is not finite"
+            if error > worst:
+                worst, where = error, call
     tolerance = TOLERANCE.get(dtype, 1e-4)
     if worst <= tolerance:
         return None
@@ -97,38 +109,49 @@ def verified_backend(
     log: Callable[[str], None],
 ) -> str:
     """The backend a run trains on: ``forced`` (checked; a mismatch is a warning), or the first
-    of :func:`candidate_names` that is available and matches the reference, each failure one
-    line. Raises ValueError or BackendUnavailable when ``forced`` cannot run here."""
+    of :func:`candidate_names` that is available and matches the reference on every rank (a
+    collective where there are several), each failure one line. Raises ValueError or
+    BackendUnavailable when ``forced`` cannot run here."""
     shape_class = (heads, kv_heads, head_dim)
     shape = f"{str(dtype).removeprefix('torch.')}, {heads} heads / {kv_heads} K/V of {head_dim}"
     if forced is not None:
         name = resolve_backend(forced, device, dtype).name
-        problem = (
-            None
-            if name == "reference"
-            else mismatch(name, device, dtype, heads, kv_heads, head_dim)
-        )
+        problem = None if name == "reference" else mismatch(name, device, dtype, *shape_class)
         if problem:
             log(
                 f"warning: attention backend {name} differs from the reference on {device} "
                 f"({shape}): {problem}; used anyway, as --attention-backend asks"
             )
         return name
-    for name in candidate_names(device, dtype):
+    here = candidate_names(device, dtype)
+    for name in BACKEND_NAMES:  # one order on every rank, whatever each rank's GPU offers
         try:
-            get_backend(name)
+            available = name in here and get_backend(name) is not None
         except BackendUnavailable:
-            continue
-        if name == "reference":
+            available = False
+        problem = None
+        if available and name != "reference":
+            problem = mismatch(name, device, dtype, *shape_class)
+            if problem:
+                log(
+                    f"warning: attention backend {name} failed its first-use check on {device} "
+                    f"({shape}): {problem}; trying the next backend"
+                )
+        # Every rank trains on the same backend: the first that runs and passes on all of them.
+        if _on_every_rank(available and problem is None, device):
             return name
-        problem = mismatch(name, device, dtype, *shape_class)
-        if problem is None:
-            return name
-        log(
-            f"warning: attention backend {name} failed its first-use check on {device} "
-            f"({shape}): {problem}; trying the next backend"
-        )
+        if available and problem is None:
+            log(f"attention backend {name} failed on another rank; trying the next backend")
     return "reference"
+
+
+def _on_every_rank(ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank (a collective where there are several)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 __all__ = ["TOLERANCE", "mismatch", "verified_backend"]

@@ -260,8 +260,13 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
             sys.stdout.flush()
             return code
         except BrokenPipeError:
-            # Python would flush stdout again at exit and fail once more: point it at /dev/null.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 1
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:  # it was stdout's reader that left
+                # Python would flush stdout again at exit and fail once more: point it at
+                # /dev/null.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 1
+            raise
 
     return run

@@ -162,9 +162,12 @@ def _prepare_target(path: Path) -> str | None:
         return None
     manifest, problem = check_listing(path)
     if problem == UNFINISHED:
-        shutil.rmtree(path, ignore_errors=True)
-        print(f"warning: removed the unfinished save {path} ({problem})", flush=True)
-        return None
+        try:
+            shutil.rmtree(path)
+            print(f"warning: removed the unfinished save {path} ({problem})", flush=True)
+            return None
+        except OSError:  # what could not be removed is kept aside, never saved over
+            pass
     problem = problem or hash_problem(path, manifest, shared=False)
     if problem is None:
         return f"{path} is a valid checkpoint; hdp never writes over one"
@@ -174,7 +177,15 @@ def _prepare_target(path: Path) -> str | None:
 
 
 def _space_warning(folder: Path) -> str | None:
-    """A warning when ``folder``'s disk has less free space than its newest checkpoint took."""
+    """A warning when ``folder``'s disk has less free space than its newest checkpoint took
+    (``None`` too when the space cannot be read)."""
+    try:
+        return _space_shortfall(folder)
+    except (OSError, CheckpointError):
+        return None
+
+
+def _space_shortfall(folder: Path) -> str | None:
     for path in step_dirs(folder):
         manifest, problem = check_listing(path)
         if problem is None:
@@ -202,7 +213,8 @@ def _failure(e: BaseException) -> str:
     for exc in found:
         if isinstance(exc, OSError) and exc.strerror:
             return exc.strerror[0].lower() + exc.strerror[1:]
-    return f"{type(found[0]).__name__}: {found[0]}"
+    first = (str(found[0]).strip().splitlines() or [""])[0][:200]
+    return f"{type(found[0]).__name__}: {first}"
 
 
 def save(
@@ -226,7 +238,7 @@ def save(
         try:
             folder.mkdir(parents=True, exist_ok=True)
             refusal = _prepare_target(path)
-            warning = _space_warning(folder)
+            warning = _space_warning(folder)  # a warning only: it never stops a save
             if warning:
                 print(warning, flush=True)
         except OSError as e:
@@ -264,7 +276,7 @@ def _together(write) -> None:
     error = None
     try:
         write()
-    except (OSError, dcp.CheckpointException) as e:
+    except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - any failure, every rank
         error = _failure(e)
     errors = [error]
     if dist.is_initialized():

@@ -5,6 +5,7 @@ same name; a per-rank list becomes one scalar per rank (``busy_s/rank0``, ...)."
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -53,7 +54,12 @@ class Loggers:
         if getattr(args, "wandb", None):
             import wandb
 
-            self._wandb = wandb.init(project=args.wandb, config=setup, resume="allow")
+            # One W&B run per checkpoint folder, so a resumed run continues its curves.
+            folder = getattr(args, "checkpoint_dir", None)
+            run_id = (
+                hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16] if folder else None
+            )
+            self._wandb = wandb.init(project=args.wandb, id=run_id, config=setup, resume="allow")
 
     def write(self, record: dict) -> None:
         if self._file:

@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="pretrain.py",
         description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,  # a --config file's flags are replaced by those given in full
         formatter_class=HelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )

@@ -52,8 +52,10 @@ def run_schedule(args, saved: dict | None, log: Callable[[str], None]) -> Schedu
             )
     else:
         horizon = args.steps
-    warmup = min(args.warmup, horizon)
-    if warmup < args.warmup:
+    # A resumed run's warm-up is the one it ran (the flag is in the fingerprint): a moved
+    # horizon must not start a warm-up again in the middle of a run.
+    warmup = min(saved["warmup"] if saved else args.warmup, horizon)
+    if warmup < args.warmup and not saved:
         log(
             f"warm-up of {plural(warmup, 'step')}, not --warmup {args.warmup}: it ends where "
             f"the decay does, at step {horizon}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -56,6 +55,16 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler: a raw write, as the handler may interrupt the
+    main thread inside a write to the same stream, and a closed stderr must not keep a second
+    signal from ending the process."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
 class StopOnSignal:
     """Records the first of ``signals`` a rank receives and, at :meth:`agreed`, tells every rank
     whether any rank received one. Install with ``with``; the previous handlers come back after."""
@@ -74,6 +83,8 @@ class StopOnSignal:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.received is not None:
+            return  # the run is ending: a later copy waits out the teardown, a second one exits
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -82,19 +93,15 @@ class StopOnSignal:
         if self.received is None:
             self.received, self._first_at = sig, time.monotonic()
             if self.rank == 0:
-                print(
+                _say(
                     f"{sig.name} received: finishing the step in hand, then saving (a second "
-                    "signal stops at once, without saving)",
-                    file=sys.stderr,
-                    flush=True,
+                    "signal stops at once, without saving)"
                 )
         elif time.monotonic() - self._first_at >= REPEAT_S:
             if self.rank == 0:
-                print(
+                _say(
                     f"{sig.name} again: stopped at once, without saving; --resume continues "
-                    "from the newest checkpoint",
-                    file=sys.stderr,
-                    flush=True,
+                    "from the newest checkpoint"
                 )
             os._exit(128 + signum)
 

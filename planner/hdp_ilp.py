@@ -61,15 +61,22 @@ def solver_name() -> str:
         import highspy
     except ImportError:
         return "cbc"
-    sys.stdout.flush()
-    saved = os.dup(1)
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no stdout to silence
+        saved = None
+    try:
+        if saved is not None:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+        highspy.Highs()
+    except Exception:  # noqa: BLE001 - a highspy that cannot make a solver: CBC plans instead
+        return "cbc"
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
     return "highs"
 
 

@@ -51,10 +51,11 @@ def patient(seconds: float) -> float:
 
 def _entry(rank: int, fn, world: int, port: int, stacks: str, args: tuple) -> None:
     faulthandler.enable(all_threads=True)  # a rank that crashes prints where each thread was
-    # At the deadline the parent sends SIGUSR1 and reads where each rank waits.
+    # At the deadline the parent sends SIGUSR2 and reads where each rank waits (not SIGUSR1:
+    # training stops on that one, Note [Stopping on a signal]).
     global _stack_file
     _stack_file = open(os.path.join(stacks, f"rank{rank}.txt"), "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
     warm_up_exp()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
@@ -79,7 +80,7 @@ def _where_ranks_wait(ctx, stacks: str) -> str:
     """Each live rank's Python stacks, innermost frames first, as faulthandler writes them."""
     alive = [(rank, p) for rank, p in enumerate(ctx.processes) if p.is_alive()]
     for _, p in alive:
-        os.kill(p.pid, signal.SIGUSR1)
+        os.kill(p.pid, signal.SIGUSR2)
     time.sleep(2.0)
     parts = []
     for rank, _ in alive:

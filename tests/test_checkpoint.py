@@ -143,14 +143,25 @@ def test_a_new_save_removes_an_unfinished_one_in_its_place(ck, capsys):
     assert not list(ck.glob("*.damaged*"))
 
 
-def test_a_failed_write_is_one_line_and_leaves_no_partial_directory(ck, monkeypatch):
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (OSError(28, "No space left on device"), "no space left on device"),
+        # What torch.save raises when the disk fills under it.
+        (
+            RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed\nat"),
+            "RuntimeError: PytorchStreamWriter failed writing file data/0: file write failed",
+        ),
+    ],
+)
+def test_a_failed_write_is_one_line_and_leaves_no_partial_directory(ck, monkeypatch, error, reason):
     def full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     with pytest.raises(CheckpointError) as caught:
         _save(ck, 6)
-    assert str(caught.value) == f"cannot save step 6 to {ck}: no space left on device"
+    assert str(caught.value) == f"cannot save step 6 to {ck}: {reason}"
     assert not (ck / "step_00000006").exists()
     assert checkpoint.select(ck).path == ck / "step_00000004"
 

@@ -26,6 +26,15 @@ class WrongGradients(Named):
         return dq, dk * 0.5, dv
 
 
+class NanOnCausal(Named):
+    """NaN where a document is causal, right elsewhere: a NaN must not be outweighed by the
+    later, correct shard call."""
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        out, lse = super().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return (out * float("nan"), lse) if causal else (out, lse)
+
+
 class Raises(Named):
     def forward(self, *args):
         raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
@@ -91,3 +100,10 @@ def test_training_runs_on_the_backend_that_passed(fakes, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("first-use check") == 1 and "attention backend cudnn failed" in out
     assert "done: steps 1-1" in out
+
+
+def test_a_backend_with_nan_in_one_call_fails(fakes):
+    fakes.update(cudnn=NanOnCausal("cudnn"))
+    lines = []
+    assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "reference"
+    assert "output of the causal call is not finite" in lines[0]

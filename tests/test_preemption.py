@@ -19,7 +19,10 @@ from distributed import patient
 from launch import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+# torchrun gives its ranks this long to finish a step and save after a signal (30 s by default).
+ENV = dict(
+    os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="600"
+)
 STEPS = 10
 COMMON = [
     *("--model", "tiny", "--workload", "wlb-128k", "--tokens-per-step", "3K", "--max-seq", "1K"),
