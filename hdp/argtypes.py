@@ -11,6 +11,7 @@ import argparse
 import functools
 import math
 import os
+import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -249,6 +250,16 @@ __all__ = [
 ]
 
 
+def _reader_gone(stream) -> bool:
+    """Whether the pipe behind ``stream`` has lost its reader (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def command(main: Callable[..., int]) -> Callable[..., int]:
     """A console script's ``main`` that ends quietly when its reader goes away (``hdp-data stats
     X | head``): exit status 1 as ``head``'s writers get, no traceback."""
@@ -260,13 +271,10 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
             sys.stdout.flush()
             return code
         except BrokenPipeError:
-            try:
-                sys.stdout.flush()
-            except BrokenPipeError:  # it was stdout's reader that left
-                # Python would flush stdout again at exit and fail once more: point it at
-                # /dev/null.
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-                return 1
-            raise
+            if not _reader_gone(sys.stdout):
+                raise  # another pipe broke: that is a real error
+            # Python would flush stdout again at exit and fail once more: point it at /dev/null.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
 
     return run

@@ -50,8 +50,8 @@ def _train_kinds(rank, world, dirs, corpus, capacity, out):
     orig_optimizer, orig_step = lt.build_optimizer, lt.train_step
     seen = {}
 
-    def build_optimizer(args, *, model):
-        optimizer, scheduler = orig_optimizer(args, model=model)
+    def build_optimizer(args, *, model, schedule):
+        optimizer, scheduler = orig_optimizer(args, model=model, schedule=schedule)
 
         def keep(opt, a, k):
             for name, p in model.named_parameters():
