@@ -317,7 +317,7 @@ def test_accounting_continues_across_a_resume(tmp_path, capsys):
     assert rc == 0, out
     assert "continuing the saved schedule: its decay ends at step 4" in out
     assert rows(tmp_path / "run.jsonl")[-1]["lr"] == pytest.approx(1e-4)
-    assert "step 5: " in out and " s by the cost model (cpu profile)" in out
+    assert "step 5: " in out and " by the cost model (cpu profile)" in out
     rc, out = train_here(argv + ck, capsys)
     assert rc == 2 and "already holds checkpoints (step_00000005 and 2 more)" in out
 
