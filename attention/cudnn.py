@@ -17,8 +17,11 @@ hundreds of milliseconds each, reported for torch's and other projects' cuDNN at
 lengths of a packed batch's documents rarely repeat: one graph per raw length would be built
 again and again. Each length is rounded up to a bucket (:func:`bucket`: a multiple of 16 below
 512, at most 15 rows more; above, 16-32 buckets per octave, under 6.25% more rows), so a run
-meets a few hundred lengths (under 400 up to 256K tokens), each graph built once. The padding is
-exact where it is applied:
+meets a few hundred lengths (under 400 up to 256K tokens). A graph is built per (batch, length)
+pair, though, and the batch of a grouped call (how many blocks share a bucket) changes with the
+data: on batches whose lengths change at every step the builds never stop, which is why ``auto``
+prefers FlashAttention (:func:`attention.kernels.candidate_names`). The padding is exact where it
+is applied:
 
 * causal diagonal blocks (square) are padded at the end of both queries and keys: a real query
   ``i < L`` sees keys ``j <= i < L`` only, so padded keys never reach it;

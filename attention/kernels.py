@@ -367,7 +367,8 @@ class FlashAttnBackend:
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
-BACKEND_NAMES = ("cudnn", "flash_attn", "torch_flash", "reference")
+# The order ``auto`` prefers them in (see :func:`candidate_names`): every rank tries them in it.
+BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -413,16 +414,18 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 def candidate_names(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The backends for ``device`` and ``dtype``, fastest first, the reference last: on CUDA with
-    fp16/bf16, cuDNN on Hopper and later (compute capability 9.0+; the H100 probe measured its
-    forward 1.8-2.2x and its backward 1.5-1.9x FlashAttention-2's), then the ``flash_attn``
-    package, then PyTorch's FlashAttention."""
-    names = []
-    if device.type == "cuda" and dtype in _HALF:
-        names = ["flash_attn", "torch_flash"]
-        if cuda_capability(device) >= (9, 0):
-            names.insert(0, "cudnn")
-    return [*names, "reference"]
+    """The backends for ``device`` and ``dtype`` in the order ``auto`` tries them, the reference
+    last: on CUDA with fp16/bf16, the ``flash_attn`` package, then PyTorch's FlashAttention, then
+    cuDNN on Hopper and later (compute capability 9.0+).
+
+    cuDNN's kernels are faster on a shape they have seen, but torch builds a cuDNN graph for every
+    new (batch, length) shape, and training's packed batches bring new shapes at every step: on
+    packed batches with new lengths each step it ran many times slower than FlashAttention's
+    varlen kernels, which take any lengths in one launch (``docs/benchmarks.md``). So cuDNN is
+    chosen only by name, or where neither FlashAttention runs."""
+    gpu = device.type == "cuda" and dtype in _HALF
+    hopper = gpu and cuda_capability(device) >= (9, 0)
+    return [n for n in BACKEND_NAMES if n == "reference" or (gpu and (n != "cudnn" or hopper))]
 
 
 def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -308,8 +308,8 @@ def add_training_args(t) -> None:
         "--attention-backend",
         type=choice(["auto", *BACKEND_NAMES], "attention backend"),
         default="auto",
-        help="attention kernels of dist_attn: auto (default: cudnn on Hopper and later, else "
-        "flash_attn, else torch_flash; reference on CPU), or force one of "
+        help="attention kernels of dist_attn: auto (default: flash_attn, else torch_flash, else "
+        "cudnn on Hopper and later; reference on CPU), or force one of "
         f"{', '.join(BACKEND_NAMES)}",
     )
 

@@ -1,15 +1,36 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the project, in one command, with a summary at the end.
 # Run on a machine with a CUDA GPU from the repository root:
-#   bash scripts/gpu_check.sh [OUT_DIR]
+#   bash scripts/gpu_check.sh [--only SECTION,...] [--full] [OUT_DIR]
+# Sections, in the order they run (each under its own time limit, so one hang costs its limit,
+# not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate; --full
+# adds the CPU test suite under the CUDA torch (about 20 minutes alone). Without --only all but
+# the suite run, in about 12 minutes on an H100.
 # Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository is
 # put on PYTHONPATH; wheels in ./.whl, if any, are installed into a scratch folder first: for a
-# machine without internet, `pip download pulp highspy orloge cpsat-logutils -d .whl` elsewhere).
-# OUT_DIR (default /tmp/hdp-gpu-check) receives the logs and the training metrics.
+# machine without internet, `pip download pulp highspy -d .whl` elsewhere).
+# OUT_DIR (default /tmp/hdp-gpu-check) receives the logs, the training metrics and summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${1:-/tmp/hdp-gpu-check}
+ONLY="tests,train32k,backends,plans,train128k,blocks,calibrate"
+OUT_DIR=/tmp/hdp-gpu-check
+while [ $# -gt 0 ]; do
+  case $1 in
+    --only) ONLY=$2; shift 2 ;;
+    --full) ONLY="$ONLY,suite"; shift ;;
+    -h|--help) sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) OUT_DIR=$1; shift ;;
+  esac
+done
+for s in ${ONLY//,/ }; do
+  case $s in
+    tests|train32k|backends|plans|train128k|blocks|calibrate|suite) ;;
+    *) echo "gpu_check.sh: unknown section '$s' (see --help)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
 has_cuda() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 if [ -x .venv/bin/python ] && has_cuda .venv/bin/python; then
   PY=.venv/bin/python
@@ -23,55 +44,89 @@ elif has_cuda python3; then
 else
   echo "no CUDA GPU visible to .venv/bin/python or python3: nothing to check"; exit 1
 fi
-$PY -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")'
+# The device's torch may be older than the one the project is tested with on CPU: print the
+# schemas of the private attention ops the backends call, for the log.
+$PY - <<'EOF'
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")
+for op in ("_flash_attention_forward", "_flash_attention_backward",
+           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
+    print(getattr(torch.ops.aten, op).default._schema)
+EOF
 
+wanted() { [[ ",$ONLY," == *",$1,"* ]]; }
 declare -a summary
-run() {  # run NAME COMMAND...: record pass/fail, keep the log
-  local name=$1; shift
+run() {  # run SECONDS NAME COMMAND...: record pass / fail / timeout and the time taken, keep the log
+  local limit=$1 name=$2; shift 2
   echo "=== $name: $*"
-  local log="$OUT_DIR/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_').log"
-  if "$@" 2>&1 | tee "$log"; then summary+=("PASS  $name"); else summary+=("FAIL  $name"); fi
+  local log="$OUT_DIR/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_').log" start=$SECONDS rc
+  timeout -k 15 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  local took="$((SECONDS - start)) s"
+  if [ "$rc" = 0 ]; then summary+=("PASS     $name ($took)")
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then summary+=("TIMEOUT  $name (limit $limit s)")
+  else summary+=("FAIL     $name (exit $rc, $took)"); fi
 }
-run "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py \
-  tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
-run "block-size benchmark" $PY scripts/bench_attention.py --gpu
-# Each attention backend's forward and backward TFLOP/s on the shard shapes, side by side
-# (llama-1b's head_dim 64, and 128).
-for d in 64 128; do
-  run "attention backends on shard shapes, head_dim $d" $PY scripts/bench_attention.py --backends --head-dim "$d"
-done
-# The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
-# the measured one checked against the shared H100 tables (when ../shared is beside the checkout).
-run "hdp-calibrate measure (CUDA)" $PY -m launch.calibrate measure --out "$OUT_DIR/profile.json"
-for table in hdp/data/measured/h100_measured.csv hdp/data/measured/h100_cudnn_measured.csv; do
-  [ -f "$table" ] || continue
-  run "hdp-calibrate check h100 $(basename "$table")" $PY -m launch.calibrate check h100 --table "$table"
-  run "hdp-calibrate check measured $(basename "$table")" \
-    $PY -m launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
-done
+
+if wanted tests; then
+  run 240 "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider \
+    tests/test_kernels.py tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
+fi
 # One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the auto-selected attention
 # backend in dist_attn (cuDNN on Hopper); then measured / predicted of every step (the target:
 # 0.85-1.15 after the first two); then the plain packed-sequence loop (torch varlen flash, fused
 # AdamW, full checkpointing) on the same batches, its tokens/s and MFU printed beside hdp's.
-for seq in 32K 128K; do
-  tokens=$([ "$seq" = 32K ] && echo 64K || echo 128K)
-  workload=$([ "$seq" = 32K ] && echo wlb-128k || echo byted-2m)
-  run "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run --standalone \
-    --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload "$workload" --max-seq "$seq" \
-    --tokens-per-step "$tokens" --steps 8 --warmup 2 --activation-checkpointing \
-    --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
-  run "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics "$OUT_DIR/train_metrics_$seq.jsonl"
-  run "plain loop at $seq beside hdp" $PY scripts/plain_loop.py --model llama-1b --workload "$workload" \
-    --max-seq "$seq" --tokens-per-step "$tokens" --steps 8 --compare "$OUT_DIR/train_metrics_$seq.jsonl"
-done
+train() {  # train SEQ TOKENS WORKLOAD STEPS
+  local seq=$1 tokens=$2 workload=$3 steps=$4
+  run 240 "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run \
+    --standalone --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload "$workload" \
+    --max-seq "$seq" --tokens-per-step "$tokens" --steps "$steps" --warmup 2 \
+    --activation-checkpointing --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
+  run 30 "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics \
+    "$OUT_DIR/train_metrics_$seq.jsonl"
+  run 240 "plain loop at $seq beside hdp" $PY scripts/plain_loop.py --model llama-1b \
+    --workload "$workload" --max-seq "$seq" --tokens-per-step "$tokens" --steps "$steps" \
+    --compare "$OUT_DIR/train_metrics_$seq.jsonl"
+}
+wanted train32k && train 32K 64K wlb-128k 8
+# Each attention backend's forward and backward TFLOP/s on the shard shapes, side by side.
+if wanted backends; then
+  run 180 "attention backends on shard shapes, head_dim 128" $PY scripts/bench_attention.py \
+    --backends --head-dim 128
+fi
 # One rank's attention from real 1024-rank plans, run with the project's kernels (target: 0.9-1.1).
-run "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention --gpus 1024 \
-  --backends flash --device cuda
+if wanted plans; then
+  run 120 "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention \
+    --gpus 1024 --backends flash --device cuda
+fi
+wanted train128k && train 128K 128K byted-2m 6
+if wanted blocks; then
+  run 120 "block-size benchmark" $PY scripts/bench_attention.py --gpu
+  run 180 "attention backends on shard shapes, head_dim 64" $PY scripts/bench_attention.py \
+    --backends --head-dim 64
+fi
+# The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
+# the measured one checked against the measured H100 tables.
+if wanted calibrate; then
+  run 300 "hdp-calibrate measure (CUDA)" $PY -m launch.calibrate measure --out "$OUT_DIR/profile.json"
+  for table in hdp/data/measured/h100_measured.csv hdp/data/measured/h100_cudnn_measured.csv; do
+    [ -f "$table" ] || continue
+    run 60 "hdp-calibrate check h100 $(basename "$table")" $PY -m launch.calibrate check h100 \
+      --table "$table"
+    [ -f "$OUT_DIR/profile.json" ] && run 60 "hdp-calibrate check measured $(basename "$table")" \
+      $PY -m launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
+  done
+fi
 # The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
 # One test at a time, as CI runs it: the multi-rank tests pick free TCP ports, which tests running
 # in parallel (pytest -n) can take from each other.
-run "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark --timeout 600 tests
-echo
-echo "Summary ($(date -u +%Y-%m-%d), $($PY -c 'import torch; print(torch.cuda.get_device_name())')):"
-printf '  %s\n' "${summary[@]}"
-[[ "${summary[*]}" != *FAIL* ]]
+if wanted suite; then
+  run 1800 "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark \
+    --timeout 600 tests
+fi
+{
+  echo
+  echo "Summary ($(date -u +%Y-%m-%d), $($PY -c 'import torch; print(torch.cuda.get_device_name())')):"
+  printf '  %s\n' "${summary[@]}"
+} | tee "$OUT_DIR/summary.txt"
+[[ "${summary[*]}" != *FAIL* && "${summary[*]}" != *TIMEOUT* ]]

@@ -20,7 +20,7 @@ def _masked_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     s = q @ k.transpose(-1, -2) * scale
     if causal:  # square blocks only: top-left and bottom-right alignment agree
         L = s.shape[-1]
-        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1), -math.inf)
     return s
 
 
@@ -318,22 +318,38 @@ def _fresh(monkeypatch, capability=(9, 0)):
     monkeypatch.setattr(kernels, "cuda_capability", lambda device: capability)
 
 
-def test_selection_prefers_cudnn_on_hopper_and_falls_back(monkeypatch):
+def test_selection_prefers_flash_and_takes_cudnn_only_without_it(monkeypatch):
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     _fresh(monkeypatch)
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: None)  # pretend: ops runnable
-    assert kernels.select_backend(cuda, bf16).name == "cudnn"
-    assert kernels.select_backend(cuda, torch.float32).name == "reference"
-    _fresh(monkeypatch, capability=(8, 0))  # Ampere: FlashAttention first
+    assert kernels.candidate_names(cuda, bf16) == [
+        "flash_attn",
+        "torch_flash",
+        "cudnn",
+        "reference",
+    ]
     assert kernels.select_backend(cuda, bf16).name in ("flash_attn", "torch_flash")
+    assert kernels.select_backend(cuda, torch.float32).name == "reference"
+    assert kernels.select_backend(torch.device("cpu"), bf16).name == "reference"
+    _fresh(monkeypatch, capability=(8, 0))  # Ampere: no cuDNN candidate
+    assert "cudnn" not in kernels.candidate_names(cuda, bf16)
+
+    class NoFlash:
+        def __init__(self):
+            raise RuntimeError("no FlashAttention in this build")
+
+    real = kernels._backend_class
+    no_flash = {"flash_attn", "torch_flash"}
+    monkeypatch.setattr(kernels, "_backend_class", lambda n: NoFlash if n in no_flash else real(n))
+    _fresh(monkeypatch)  # Hopper without FlashAttention: cuDNN
+    assert kernels.select_backend(cuda, bf16).name == "cudnn"
     _fresh(monkeypatch)
 
     def mismatch(fwd, bwd):
         raise RuntimeError("unsupported cuDNN attention schema")
 
-    monkeypatch.setattr(cudnn_mod, "check_schema", mismatch)
-    assert kernels.select_backend(cuda, torch.float16).name in ("flash_attn", "torch_flash")
-    assert kernels.select_backend(torch.device("cpu"), bf16).name == "reference"
+    monkeypatch.setattr(cudnn_mod, "check_schema", mismatch)  # nothing fast runs: the reference
+    assert kernels.select_backend(cuda, torch.float16).name == "reference"
 
 
 def test_a_forced_backend_that_cannot_run_is_one_clear_line(monkeypatch):
@@ -345,7 +361,7 @@ def test_a_forced_backend_that_cannot_run_is_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match="runs on CUDA in fp16/bf16, not on cpu in float32") as e:
         resolve_backend("cudnn", cpu, torch.float32)
     assert "\n" not in str(e.value) and "'auto' or 'reference'" in str(e.value)
-    with pytest.raises(ValueError, match="choose cudnn, flash_attn, torch_flash, reference"):
+    with pytest.raises(ValueError, match="choose flash_attn, torch_flash, cudnn, reference"):
         resolve_backend("xformers", cpu, torch.float32)
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: "no CUDA GPU is visible")
     with pytest.raises(BackendUnavailable, match="'cudnn' is unavailable: no CUDA GPU") as e:
@@ -484,12 +500,12 @@ def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
     cpu, h100 = torch.device("cpu"), gpu_preset("h100")
     assert priced_attention_backend(Namespace(), cpu, gpu_preset("cpu")) == "reference"
     assert priced_attention_backend(Namespace(), cpu, h100) is None  # no reference rows: default
-    _fresh(monkeypatch)  # a Hopper GPU where cuDNN's ops run
+    _fresh(monkeypatch)  # a Hopper GPU where cuDNN's ops run too
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: None)
     cuda = torch.device("cuda")
-    assert priced_attention_backend(Namespace(), cuda, h100) == "cudnn"
-    forced = Namespace(attention_backend="torch_flash")
-    assert priced_attention_backend(forced, cuda, h100) == "flash"
+    assert priced_attention_backend(Namespace(), cuda, h100) == "flash"
+    forced = Namespace(attention_backend="cudnn")
+    assert priced_attention_backend(forced, cuda, h100) == "cudnn"
 
 
 def test_pretrain_flag(capsys):
@@ -500,7 +516,8 @@ def test_pretrain_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--attention-backend", "xformers"])
     assert (
-        "unknown attention backend 'xformers': choose from auto, cudnn" in capsys.readouterr().err
+        "unknown attention backend 'xformers': choose from auto, flash_attn"
+        in capsys.readouterr().err
     )
     argv = ["--model", "tiny", "--steps", "1", "--max-seq", "512", "--tokens-per-step", "1K"]
     argv += ["--device", "cpu"]  # also where a GPU is present

@@ -37,12 +37,12 @@ class NanOnCausal(Named):
 
 class Raises(Named):
     def forward(self, *args):
-        raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+        raise RuntimeError("head_dim 96 is not supported")
 
 
 @pytest.fixture
 def fakes(monkeypatch):
-    """cudnn, flash_attn and torch_flash are fakes, tried in that order on the CPU."""
+    """The GPU backends are fakes on the CPU, tried in ``BACKEND_NAMES`` order."""
     installed = {}
     monkeypatch.setattr(kernels, "_BACKENDS", installed)
     monkeypatch.setattr(first_use, "_checked", {})
@@ -53,20 +53,20 @@ def fakes(monkeypatch):
 
 
 def test_a_backend_with_wrong_gradients_is_passed_over_with_one_line(fakes):
-    fakes.update(cudnn=WrongGradients("cudnn"), flash_attn=Named("flash_attn"))
+    fakes.update(flash_attn=WrongGradients("flash_attn"), torch_flash=Named("torch_flash"))
     lines = []
-    assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "flash_attn"
+    assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "torch_flash"
     assert len(lines) == 1
-    assert lines[0].startswith("warning: attention backend cudnn failed its first-use check")
+    assert lines[0].startswith("warning: attention backend flash_attn failed its first-use check")
     assert "dK of the causal call is off by 0.5 of the largest reference value" in lines[0]
 
 
 def test_a_backend_that_raises_is_passed_over_and_the_reference_closes_the_list(fakes):
-    fakes.update(cudnn=Raises("cudnn"), flash_attn=WrongGradients("flash_attn"))
+    fakes.update(flash_attn=Raises("flash_attn"), cudnn=WrongGradients("cudnn"))
     lines = []
     assert first_use.verified_backend(None, CPU, FP32, **SHAPE, log=lines.append) == "reference"
-    assert "it raised RuntimeError: CUDNN_STATUS_NOT_SUPPORTED" in lines[0]
-    assert "backend flash_attn failed" in lines[1] and len(lines) == 2
+    assert "it raised RuntimeError: head_dim 96 is not supported" in lines[0]
+    assert "backend cudnn failed" in lines[1] and len(lines) == 2
 
 
 def test_a_correct_backend_passes_silently_and_is_checked_once(fakes, monkeypatch):
@@ -92,13 +92,13 @@ def test_training_runs_on_the_backend_that_passed(fakes, tmp_path, capsys):
     from launch.pretrain import parse_args
     from launch.train import train
 
-    fakes.update(cudnn=WrongGradients("cudnn"), flash_attn=Named("flash_attn"))
+    fakes.update(flash_attn=WrongGradients("flash_attn"), cudnn=Named("cudnn"))
     args = parse_args(
         ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps", "1"]
     )
     assert train(args, rank=0, world=1, per_node=1, device=CPU) == 0
     out = capsys.readouterr().out
-    assert out.count("first-use check") == 1 and "attention backend cudnn failed" in out
+    assert out.count("first-use check") == 1 and "attention backend flash_attn failed" in out
     assert "done: steps 1-1" in out
 
 
