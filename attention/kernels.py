@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from hdp import BACKEND_NAMES
+
 # The reference backend's largest blocks: query rows x key rows (on a GPU; smaller on a CPU).
 Q_CHUNK = 1024
 K_CHUNK = 2048
@@ -367,8 +369,8 @@ class FlashAttnBackend:
 
 
 _BACKENDS: dict[str, AttentionBackend] = {}
-# The order ``auto`` prefers them in (see :func:`candidate_names`): every rank tries them in it.
-BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
+# BACKEND_NAMES (from hdp, which names profile rows by it) is the order ``auto`` prefers them
+# in (see :func:`candidate_names`): every rank tries them in it.
 _HALF = (torch.float16, torch.bfloat16)
 
 

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from hdp import ClusterSpec, ModelSpec, Plan, Shard, wire
 
 from .batching import BatchStream, GlobalBatch, SeqRef
 from .sources import Source
+
+if TYPE_CHECKING:  # the planner imports the dataloader's batching; plan_step is imported late
+    from planner import StepPricing
 
 IGNORE_INDEX = -100
 
@@ -114,8 +118,12 @@ class HDPDataLoader:
         plan_ahead: int = 2,
         group=None,
         plan_options: dict | None = None,
+        pricing: StepPricing | None = None,
     ) -> None:
         self.sources = list(sources)
+        if pricing is not None and (pricing.cluster, pricing.model) != (cluster, model):
+            raise ValueError("the pricing is of another cluster or model than the loader's")
+        self.pricing = pricing
         self.stream = stream
         self.cluster = cluster
         self.model = model
@@ -149,7 +157,10 @@ class HDPDataLoader:
         opts = dict(self.plan_options)
         opts.setdefault("max_seq", self.stream.max_seq)
         opts.setdefault("tokens_per_step", self.stream.tokens_per_step)
-        plan = plan_step(batch.lengths, self.cluster, self.model, self.strategy, **opts)
+        if self.pricing is not None:
+            plan = plan_step(batch.lengths, self.pricing, self.strategy, **opts)
+        else:
+            plan = plan_step(batch.lengths, self.cluster, self.model, self.strategy, **opts)
         return plan, time.perf_counter() - t0
 
     def _producer(self) -> None:

@@ -8,7 +8,7 @@ from .cost import CostModel, KVTraffic, StepReport
 from .exchange import KV_EXCHANGES, KVTransfer, Shard
 from .hf_config import ConfigError, RoPE
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan, PlanError
-from .profile import KernelTables, ProfileError
+from .profile import BACKEND_NAMES, KernelTables, ProfileError
 from .rounds import edge_colour_rounds
 from .specs import (
     GPU_PRESETS,
@@ -26,6 +26,7 @@ from .specs import (
 )
 
 __all__ = [
+    "BACKEND_NAMES",
     "BLOCK_TOKENS",
     "DEFAULT_KV_BLOCK_TOKENS",
     "ClusterSpec",

@@ -37,6 +37,12 @@ from typing import Any
 
 import numpy as np
 
+# The attention kernels, in the order training's ``auto`` prefers them (``attention.kernels``);
+# a profile's attention rows are named by the backend that was measured.
+BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
+# Names profiles written by an older hdp-calibrate gave their kernels.
+LEGACY_BACKEND_NAMES = {"flash": "torch_flash"}
+
 FORMAT = "hdp.profile/1"
 TILE_TOKENS = 128  # query rows of one attention kernel tile: fewer run as long as a tile
 TABLE_COLUMNS = {
@@ -374,6 +380,8 @@ class KernelTables:
                         f"{where}: table {name!r}, row {i}: expected {len(columns)} values with "
                         f"positive seconds, got {row!r}"
                     )
+            if name == "attention":  # rows named by an older hdp-calibrate
+                rows = [[LEGACY_BACKEND_NAMES.get(r[0], r[0]), *r[1:]] for r in rows]
             parts[name] = tuple(tuple(r) for r in rows)
         return cls(**parts)
 

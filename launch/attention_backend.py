@@ -12,8 +12,6 @@ from attention import BackendUnavailable, resolve_backend
 from attention.first_use import verified_backend
 from hdp import GPUProfile, ModelSpec
 
-from .calibrate_tables import PROFILE_BACKEND
-
 
 def training_dtype(device: torch.device) -> torch.dtype:
     """The dtype attention runs in: bf16 autocast on CUDA, fp32 on CPU."""
@@ -59,5 +57,4 @@ def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str
         backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
     except (ValueError, BackendUnavailable):
         return None
-    rows = PROFILE_BACKEND.get(backend.name, backend.name)
-    return rows if rows in gpu.tables.attention_backends else None
+    return backend.name if backend.name in gpu.tables.attention_backends else None

@@ -364,7 +364,7 @@ def measure(setup: Setup, quick: bool, collectives: bool, argv: list[str]) -> di
         "hbm_bw": tables.sig(hbm),
         **{f: tables.sig(v) for f, v in links.items()},
         "layer_overhead_s": tables.sig(overhead),
-        "attention_backend": tables.PROFILE_BACKEND.get(backend, backend),
+        "attention_backend": backend,
         "tables": tabs,
     }
 

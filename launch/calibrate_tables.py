@@ -39,7 +39,6 @@ from .model import AttentionContext, DecoderLayer, RMSNorm
 from .rope import Rotary
 
 # Kernel names as a profile spells them.
-PROFILE_BACKEND = {"reference": "reference", "torch_flash": "flash", "flash_attn": "flash"}
 MEMORY_OPS = ("rmsnorm", "swiglu", "residual_add", "rope", "cast")
 # Tensors of [tokens x width] one forward + backward of each op holds at its peak, roughly:
 # (in the run dtype, in fp32).
@@ -265,7 +264,7 @@ def attention_rows(bench: Bench, backend: AttentionBackend, shapes) -> list[list
     """Causal documents of each length (``b`` of them, ``a * b`` about the token budget) and full
     blocks on the ``full_q x full_k`` grid, for each attention shape."""
     g = bench.grids
-    name = PROFILE_BACKEND.get(backend.name, backend.name)
+    name = backend.name
     rows = []
     for shape in shapes:
         points = [("causal", a, max(1, g.causal_budget // a)) for a in g.causal_lengths]

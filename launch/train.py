@@ -33,7 +33,7 @@ from dataloader import (
 )
 from dataloader.loader import StepData
 from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
-from planner import OFFLOADING, PlanningError, choose_sync
+from planner import PlanningError, StepPricing, get_strategy
 
 from . import checkpoint
 from .attention_backend import (
@@ -115,12 +115,12 @@ def _train(
     except ValueError as e:
         log(f"pretrain.py: error: {e}")
         return 2
-    cost = build_cost_model(args, spec=source.spec, world=world, per_node=per_node, device=device)
-    spec, cluster = cost.model, cost.cluster
+    pricing = build_pricing(args, spec=source.spec, world=world, per_node=per_node, device=device)
+    cost, spec, cluster = pricing.cost, pricing.model, pricing.cluster
     try:
-        sync, cap = choose_sync(
-            cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING
-        )
+        # Every step plans in the sync mode the model is built for, the one --max-seq needs.
+        _, sync, cap = pricing.settle(get_strategy(args.strategy), args.max_seq)
+        pricing = replace(pricing, sync=sync)
         sources, stream = build_data(args, source, vocab=spec.vocab)
         setup = fingerprint(args, sources, vocab=spec.vocab, model=source.fingerprint())
         resume = find_resume(args, setup, log)
@@ -130,7 +130,7 @@ def _train(
     except (PlanningError, DataError, ValueError, CheckpointError) as e:
         log(f"pretrain.py: error: {e}")
         return 2
-    loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync=sync)
+    loader = build_loader(args, sources=sources, stream=stream, pricing=pricing)
     schedule = run_schedule(args, resume.schedule if resume else None, log)
     optimizer, scheduler = build_optimizer(args, model=model, schedule=schedule)
     run = Run(
@@ -303,11 +303,11 @@ def save_checkpoint(run: Run, step: int) -> None:
         run.log(f"saved {path} ({size / 1e6:,.1f} MB) in {time.perf_counter() - t0:.1f} s")
 
 
-def build_cost_model(
+def build_pricing(
     args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
-) -> CostModel:
-    """The cost model of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
-    ``--gpu``, or the preset of the detected device)."""
+) -> StepPricing:
+    """The pricing of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
+    ``--gpu``, or the preset of the detected device), with the attention kernels that run."""
     if device.type == "cpu" and spec.dtype_bytes != 4:
         spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
     if args.gpu_profile:
@@ -316,12 +316,15 @@ def build_cost_model(
         gpu = gpu_preset(args.gpu or detect_gpu(device))
     gpu = rank_profile(gpu, device=device, local_ranks=per_node)
     cluster = ClusterSpec(world, min(args.gpus_per_node or per_node, world), gpu)
-    return CostModel(
+    return StepPricing.build(
         spec,
         cluster,
         attention_backend=priced_attention_backend(args, device, gpu),
         activation_checkpointing=args.activation_checkpointing,
-        capacity_override=args.capacity,
+        capacity=args.capacity,
+        sync=args.sync,
+        # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
+        kv_exchange=args.kv_exchange if args.strategy == "hdp" else "rank",
     )
 
 
@@ -331,9 +334,9 @@ def checkpointing_needed(
     """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
     ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
     without = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
-    cost = build_cost_model(without, spec=spec, world=world, per_node=per_node, device=device)
+    pricing = build_pricing(without, spec=spec, world=world, per_node=per_node, device=device)
     try:
-        choose_sync(cost, "peer", args.max_seq, args.sync, offload=args.strategy in OFFLOADING)
+        pricing.settle(get_strategy(args.strategy), args.max_seq)
     except PlanningError:
         return True
     return False
@@ -394,25 +397,20 @@ def build_data(args, source: ModelSource, *, vocab: int) -> tuple[list, BatchStr
 
 
 def build_loader(
-    args, *, sources: list, stream: BatchStream, cost: CostModel, sync: str
+    args, *, sources: list, stream: BatchStream, pricing: StepPricing
 ) -> HDPDataLoader:
     """The loader that plans each global batch and hands this rank its shards' tokens. Its plans
-    are priced by ``cost``, the model of what training runs (the attention backend verified,
-    each rank's memory), so a plan is optimised for the kernels that run and the metrics' two
-    predictions come from one model."""
+    are priced by ``pricing``, what training runs (the attention backend verified, each rank's
+    memory, the sync mode the model is built for), so a plan is optimised for the kernels that
+    run and the metrics' two predictions come from one model."""
     return HDPDataLoader(
         sources,
         stream,
-        cost.cluster,
-        cost.model,
+        pricing.cluster,
+        pricing.model,
         args.strategy,
         plan_ahead=args.plan_ahead,
-        plan_options={
-            "cost": cost,
-            "sync": sync,
-            # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
-            "kv_exchange": args.kv_exchange if args.strategy == "hdp" else "rank",
-        },
+        pricing=pricing,
     )
 
 

@@ -1,7 +1,8 @@
 """Planning one training step: which ranks hold which tokens of which sequence, in which wave.
 
-``plan_step(seq_lens, cluster, model, strategy="hdp", **opts) -> hdp.Plan`` runs one strategy and
-fills ``plan.predicted`` from the one :class:`hdp.CostModel`:
+``plan_step(seq_lens, pricing, strategy="hdp", **opts) -> hdp.Plan`` runs one strategy
+(:data:`STRATEGIES`, :mod:`planner.strategies`) and fills ``plan.predicted`` from the
+:class:`StepPricing`'s one cost model (:mod:`planner.pricing`):
 
 =============  ===========================================================================
 ``static``     DP x CP mesh, one power-of-two CP size, zigzag (Megatron / TransformerEngine)
@@ -12,101 +13,61 @@ fills ``plan.predicted`` from the one :class:`hdp.CostModel`:
                node-aware placement, gap filling, offload; ``form="megatron"``: Megatron's groups
 =============  ===========================================================================
 
-Options (all keyword): ``sync`` (``"wave"`` / ``"peer"``; default: the strategy's own mode where
-parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default from memory),
-``max_seq`` (default: the longest sequence), ``tokens_per_step`` (default: the batch's tokens),
-``activation_checkpointing`` (default True), ``hybridcp_impl`` (``auto``/``megatron``/``ours``),
-``form`` (``hdp`` only: ``free``, or ``megatron`` for aligned power-of-two CP groups and barriers),
-``hdp_options`` (``hdp`` only: a :class:`planner.hdp.HdpOptions`),
-``kv_exchange`` (:func:`exchanges`: ``hdp``: ``auto``, ``rank`` or ``node``; ``flexsp``:
-``ulysses`` or ``rank``), ``validate`` (default True). The baselines exchange K/V as their own
-systems do.
+The first form, ``plan_step(seq_lens, cluster, model, strategy="hdp", **opts)``, still works: it
+builds the pricing from the options ``sync`` (``"wave"`` / ``"peer"``; default: the strategy's
+own mode where parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default
+from memory), ``activation_checkpointing`` (default True) or ``cost`` (a :class:`hdp.CostModel`
+built once for many calls, instead of those two), and ``kv_exchange`` (``hdp``: ``auto``,
+``rank`` or ``node``; ``flexsp``: ``ulysses`` or ``rank``; the baselines exchange K/V as their own
+systems do). With a :class:`StepPricing` those belong to it.
+
+Options of both forms (all keyword): ``max_seq`` (default: the longest sequence),
+``tokens_per_step`` (default: the batch's tokens), ``seed``, ``validate`` (default True),
+``options`` (the strategy's ``Options``: :class:`planner.dynamic.DynamicOptions` for ``hdp``,
+:class:`planner.strategies.HybridCPOptions` for ``hybridcp``), and as shorthands for its knobs
+``form`` (``hdp``: ``free``, ``whole`` or ``megatron``), ``hdp_options`` (``hdp``: a
+``DynamicOptions``) and ``hybridcp_impl`` (``hybridcp``: ``auto``/``megatron``/``ours``; ignored by
+the others).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 
-from . import bytescale, flexsp, hdp, hybridcp, static
 from .common import Context, PlanningError
 from .degrees import length_menu, menu_floor, packed_time
+from .pricing import Settled, StepPricing
+from .strategies import STRATEGIES, Strategy, get_strategy
 
-STRATEGIES: dict[str, tuple[Callable[..., Plan], str]] = {
-    "static": (static.plan_static, static.NATIVE_SYNC),
-    "hybridcp": (hybridcp.plan_hybridcp, hybridcp.NATIVE_SYNC),
-    "bytescale": (bytescale.plan_bytescale, bytescale.NATIVE_SYNC),
-    "flexsp": (flexsp.plan_flexsp, flexsp.NATIVE_SYNC),
-    "hdp": (hdp.plan_hdp, hdp.NATIVE_SYNC),
-}
-
-
-# Strategies that let a rank hold more than the capacity by offloading activations to host memory.
-OFFLOADING = frozenset({"bytescale", "hdp"})
-
-
-def choose_sync(
-    cost: CostModel, native: str, longest: int, requested: str | None = None, offload: bool = False
-) -> tuple[str, int]:
-    """(sync mode, capacity): ``requested`` if given, else ``native`` where its memory holds the
-    longest sequence on the cluster (with activation offload where ``offload``), else ``wave``
-    (parameters sharded). Raises PlanningError with what to change when neither holds it."""
-    n = cost.cluster.num_ranks
-    modes = [requested] if requested else ([native, "wave"] if native != "wave" else ["wave"])
-    best = None
-    for mode in modes:
-        cap = cost.capacity(mode)
-        room = max(cost.offload_capacity(mode), cap) if offload else cap
-        if cap > 0 and longest <= room * n:
-            return mode, cap
-        best = (mode, room)
-    mode, room = best
-    if room <= 0:
-        fixes = "more GPUs, --sync wave," if mode != "wave" else "more GPUs"
-        raise PlanningError(
-            f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: "
-            "parameters, gradients and optimizer states leave no room for activations; use "
-            f"{fixes} or a smaller model"
-        )
-    held = (
-        "tokens per rank per wave with activation offload"
-        if offload
-        else "tokens per rank per wave"
-    )
-    raise PlanningError(
-        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {room} {held} "
-        f"= {n * room} tokens; use at least {-(-longest // room)} GPUs or a smaller --max-seq"
-    )
+_PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange")
 
 
 def plan_step(
     seq_lens: Sequence[int] | np.ndarray,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    strategy: str = "hdp",
+    pricing: StepPricing | ClusterSpec,
+    *args: Any,
     **opts: Any,
 ) -> Plan:
-    """Plan one global batch with ``strategy``; ``predicted`` holds the cost model's view."""
-    return plan_and_evaluate(seq_lens, cluster, model, strategy, **opts)[0]
+    """Plan one global batch with a strategy; ``predicted`` holds the cost model's view.
+    ``plan_step(seq_lens, pricing, strategy="hdp", **opts)``, or the first contract's
+    ``plan_step(seq_lens, cluster, model, strategy="hdp", **opts)``."""
+    return plan_and_evaluate(seq_lens, pricing, *args, **opts)[0]
 
 
 def plan_and_evaluate(
     seq_lens: Sequence[int] | np.ndarray,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    strategy: str = "hdp",
+    pricing: StepPricing | ClusterSpec,
+    *args: Any,
     **opts: Any,
 ) -> tuple[Plan, StepReport]:
-    """:func:`plan_step`, also returning the cost model's full report (per-rank timelines).
-
-    ``cost`` (a :class:`hdp.CostModel`) may be passed to reuse one across calls."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    """:func:`plan_step`, also returning the cost model's full report (per-rank timelines)."""
+    pricing, strategy, opts = _arguments(pricing, args, opts)
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     if lens.size == 0:
         raise PlanningError(
@@ -115,32 +76,13 @@ def plan_and_evaluate(
         )
     if (lens < 0).any():
         raise ValueError(f"sequence {int(np.argmax(lens < 0))} has a negative length")
-    cost = opts.pop("cost", None) or CostModel(
-        model,
-        cluster,
-        activation_checkpointing=opts.pop("activation_checkpointing", True),
-        capacity_override=opts.pop("capacity", None),
-    )
-    form = opts.pop("form", "free")
-    allowed = exchanges(strategy, form)
-    exchange = opts.pop("kv_exchange", None) or "auto"
-    if exchange == "auto" and "auto" not in allowed:
-        exchange = allowed[0]  # the strategy's own
-    if exchange not in allowed:
-        raise TypeError(
-            f"kv_exchange={exchange!r} does not apply to {strategy} (form {form!r}): the "
-            f"baselines exchange K/V as their own systems do; choose {', '.join(allowed)}"
-        )
-    fn, native = STRATEGIES[strategy]
+    options = _strategy_options(strategy, opts)
+    exchange = pricing.exchange(strategy, options)
     longest = int(lens.max(initial=0))
-    # Megatron's runtime (hdp's megatron form) keeps every activation on the GPU.
-    offload = strategy in OFFLOADING and form != "megatron"
-    requested_sync = opts.pop("sync", None)
-    cost = cost.with_exchange("rank" if exchange == "auto" else exchange)
-    sync, cap = choose_sync(cost, native, longest, requested_sync, offload=offload)
-    if exchange == "auto" and nic_may_bind(cost, lens, sync, cap):
-        cost = cost.with_exchange("node")
-        sync, cap = choose_sync(cost, native, longest, requested_sync, offload=offload)
+    settled = pricing.settle(strategy, longest, options, exchange)
+    if exchange == "auto" and nic_may_bind(settled.cost, lens, settled.sync, settled.capacity):
+        settled = pricing.settle(strategy, longest, options, "node")
+    cost, sync, cap = settled
     ctx = Context(
         seq_lens=lens,
         cost=cost,
@@ -151,19 +93,10 @@ def plan_and_evaluate(
         seed=int(opts.pop("seed", 0)),
     )
     validate = opts.pop("validate", True)
-    impl = opts.pop("hybridcp_impl", "auto")
-    hdp_options = opts.pop("hdp_options", None)
-    if (form != "free" or hdp_options is not None) and strategy != "hdp":
-        raise TypeError("form= and hdp_options= apply to the hdp strategy only")
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     t0 = time.perf_counter()
-    if strategy == "hybridcp":
-        plan = fn(ctx, implementation=impl)
-    elif strategy == "hdp":
-        plan = fn(ctx, form=form, options=hdp_options)
-    else:
-        plan = fn(ctx)
+    plan = strategy.plan(ctx, options)
     plan_time = time.perf_counter() - t0
     if validate:
         plan.validate(capacity=cap, offload_capacity=cost.offload_capacity(sync))
@@ -175,16 +108,59 @@ def plan_and_evaluate(
     return plan, report
 
 
-def exchanges(strategy: str, form: str = "free") -> tuple[str, ...]:
-    """The K/V exchanges a strategy's plans may be priced in, its own first (what ``auto`` picks):
-    hdp's P2P ones (``auto``: Note [Node exchange] in :mod:`hdp.exchange`); FlexSP's Ulysses
-    all-to-all, or ``rank`` to run its placement with dist_attn; every other baseline and hdp's
-    Megatron form, ring/P2P from each rank (``rank``)."""
-    if strategy == "hdp" and form != "megatron":
-        return ("auto", "rank", "node")
-    if strategy == "flexsp":
-        return ("ulysses", "rank")
-    return ("rank",)
+def _arguments(
+    pricing: StepPricing | ClusterSpec, args: tuple, opts: dict[str, Any]
+) -> tuple[StepPricing, Strategy, dict[str, Any]]:
+    """(pricing, strategy, the remaining options) of either form of :func:`plan_step`."""
+    opts = dict(opts)
+    if isinstance(pricing, StepPricing):
+        if len(args) > 1:
+            raise TypeError("plan_step(seq_lens, pricing, strategy, **opts) takes one strategy")
+        name = args[0] if args else opts.pop("strategy", "hdp")
+        given = [k for k in _PRICING_OPTIONS if k in opts]
+        if given:
+            raise TypeError(
+                f"{', '.join(given)} belong to the StepPricing: pass them to StepPricing.build"
+            )
+        return pricing, get_strategy(name), opts
+    if not isinstance(pricing, ClusterSpec) or not args or not isinstance(args[0], ModelSpec):
+        raise TypeError(
+            "plan_step takes (seq_lens, pricing, strategy) or (seq_lens, cluster, model, strategy)"
+        )
+    if len(args) > 2:
+        raise TypeError("plan_step(seq_lens, cluster, model, strategy, **opts) takes one strategy")
+    name = args[1] if len(args) > 1 else opts.pop("strategy", "hdp")
+    strategy = get_strategy(name)
+    sync, exchange = opts.pop("sync", None), opts.pop("kv_exchange", None) or "auto"
+    if "cost" in opts:  # a cost model built by the caller, shared across calls
+        return StepPricing(opts.pop("cost"), sync, exchange), strategy, opts
+    built = StepPricing.build(
+        args[0],
+        pricing,
+        activation_checkpointing=opts.pop("activation_checkpointing", True),
+        capacity=opts.pop("capacity", None),
+        sync=sync,
+        kv_exchange=exchange,
+    )
+    return built, strategy, opts
+
+
+def _strategy_options(strategy: Strategy, opts: dict[str, Any]) -> Any:
+    """The strategy's options from ``options=`` and the shorthands, popped from ``opts``."""
+    given = opts.pop("options", None)
+    hdp_options = opts.pop("hdp_options", None)
+    form = opts.pop("form", None)
+    impl = opts.pop("hybridcp_impl", None)
+    if (form is not None or hdp_options is not None) and strategy.name != "hdp":
+        raise TypeError("form= and hdp_options= apply to the hdp strategy only")
+    if hdp_options is not None:
+        given = hdp_options
+    changes = {}
+    if form is not None:
+        changes["form"] = form
+    if impl is not None and strategy.name == "hybridcp":
+        changes["implementation"] = impl
+    return strategy.options(given, **changes)
 
 
 def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
@@ -212,12 +188,13 @@ def _faster_exchange(cost: CostModel, plan: Plan, report: StepReport) -> tuple[P
 
 
 __all__ = [
-    "OFFLOADING",
     "STRATEGIES",
     "PlanningError",
-    "choose_sync",
-    "plan_and_evaluate",
-    "exchanges",
+    "Settled",
+    "StepPricing",
+    "Strategy",
+    "get_strategy",
     "nic_may_bind",
+    "plan_and_evaluate",
     "plan_step",
 ]

@@ -3,7 +3,7 @@
 The table has the columns of ``hdp/data/measured/h100_measured.csv``: ``kind`` (``attn_doc``:
 ``b`` causal documents of ``a`` tokens in one call; ``attn_shard``: ``a`` queries against ``b``
 earlier keys; ``gemm``: ``[a x b] @ [b x c]``), ``heads``, ``kv_heads``, ``head_dim``, ``a``,
-``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend`` (``flash`` where absent).
+``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend`` (``torch_flash`` where absent).
 Each row is priced by the profile; the errors are reported over the step-relevant rows
 (attention calls of at least 512 query tokens, GEMMs of at least 1K tokens). Where the profile
 holds the row itself, the row is also priced by the profile without it (leave-one-out): how well
@@ -119,7 +119,7 @@ def read_table(path: str | Path) -> list[Row]:
                 a=int(_field(path, line, r, "a", 1)),
                 b=int(_field(path, line, r, "b", 1)),
                 c=int(_field(path, line, r, "c", 1 if gemm else 0)),
-                backend=r.get("backend") or "flash",
+                backend=r.get("backend") or "torch_flash",
                 seconds=_field(path, line, r, "ms", 0) / 1e3,
             )
         )

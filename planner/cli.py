@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from hdp import (
+    BACKEND_NAMES,
     GPU_PRESETS,
     MODEL_PRESETS,
     ClusterSpec,
@@ -21,7 +22,8 @@ from hdp import (
 from hdp.argtypes import MAX_RANKS, command, integer, model, output_file, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
-from . import STRATEGIES, PlanningError, plan_and_evaluate
+from . import STRATEGIES, PlanningError, StepPricing, plan_and_evaluate
+from .strategies import add_option_flags, options_from_flags
 
 # Sizes and counts of 0 are refused, not read as "the default": every flag is checked as given.
 _size = size(1)
@@ -57,6 +59,14 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         "config.json (or its directory)",
     )
     g.add_argument(
+        "--attention-backend",
+        choices=("auto", *BACKEND_NAMES),
+        default="auto",
+        help="the attention kernels priced, from the GPU profile's rows measured with them: auto "
+        "(default: what training runs on that GPU: FlashAttention, the reference on a CPU "
+        "profile)",
+    )
+    g.add_argument(
         "--capacity",
         type=_size,
         default=None,
@@ -70,20 +80,7 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         help="synchronisation mode for every strategy (default: each strategy's own where memory "
         "allows)",
     )
-    g.add_argument(
-        "--hybridcp-impl",
-        choices=("auto", "megatron", "ours"),
-        default="auto",
-        help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical "
-        "re-implementation",
-    )
-    g.add_argument(
-        "--hdp-form",
-        choices=("free", "whole", "megatron"),
-        default="free",
-        help="what hdp plans may do: free (default), whole (every sequence on one rank) or "
-        "megatron (aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
-    )
+    add_option_flags(g)
     g.add_argument(
         "--kv-exchange",
         choices=("auto", "rank", "node"),
@@ -97,6 +94,29 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
 
 # Beyond this many ranks a CPU profile is more likely a mistake than a CPU cluster.
 CPU_RANKS_EXPECTED = 8
+
+
+def _pricing(args: argparse.Namespace, strategy: str | None = None) -> StepPricing:
+    """The one pricing of the flags (``strategy``: the one strategy planned, if one)."""
+    cluster, model = _specs(args)
+    backend = None if args.attention_backend == "auto" else args.attention_backend
+    if backend is not None and backend not in cluster.gpu.tables.attention_backends:
+        raise ValueError(
+            f"--attention-backend {backend}: the {cluster.gpu.name} profile has no attention "
+            f"rows for it (it has {', '.join(cluster.gpu.tables.attention_backends)}); measure "
+            "them with hdp-calibrate measure, or choose another"
+        )
+    exchange = args.kv_exchange
+    if strategy is not None and strategy != "hdp":
+        exchange = "auto"  # the baselines exchange K/V as their own systems do
+    return StepPricing.build(
+        model,
+        cluster,
+        attention_backend=backend,
+        capacity=args.capacity,
+        sync=args.sync,
+        kv_exchange=exchange,
+    )
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:
@@ -183,7 +203,8 @@ def sim_main(argv: list[str] | None = None) -> int:
     if args.plot and not _has_matplotlib():
         parser.error("--plot needs matplotlib: pip install matplotlib, or leave out --plot")
     try:
-        cluster, model = _specs(args)
+        pricing = _pricing(args)
+        cluster, model = pricing.cluster, pricing.model
         workload = (
             get_workload(args.workload)
             if args.workload
@@ -192,18 +213,13 @@ def sim_main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         sim = simulate(
             workload,
-            cluster,
-            model,
+            pricing,
             args.strategies,
             steps=args.steps,
             seed=args.seed,
             max_seq=args.max_seq,
             tokens_per_step=args.tokens_per_step,
-            capacity=args.capacity,
-            sync=args.sync,
-            hybridcp_impl=args.hybridcp_impl,
-            hdp_form=args.hdp_form,
-            kv_exchange=args.kv_exchange,
+            options={s: options_from_flags(STRATEGIES[s], args) for s in args.strategies},
             progress=stderr_progress,
         )
         errors = {r.error for r in sim.results.values()}
@@ -212,7 +228,7 @@ def sim_main(argv: list[str] | None = None) -> int:
         c = sim.config
         print(
             f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} "
-            f"({cluster.ranks_per_node} per node), "
+            f"({cluster.ranks_per_node} per node, {c['attention_backend']} attention), "
             f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity "
             f"{c['capacity_peer']} (peer) / {c['capacity_wave']} (wave) tokens per rank, "
             f"{plural(c['steps'], 'step')}, seed {c['seed']}"
@@ -275,25 +291,17 @@ def plan_parser() -> argparse.ArgumentParser:
 def plan_main(argv: list[str] | None = None) -> int:
     args = plan_parser().parse_args(argv)
     try:
-        cluster, model = _specs(args)
+        pricing = _pricing(args, args.strategy)
+        cluster = pricing.cluster
         lens = read_lengths(args.lengths)
         if args.max_seq:
             lens = split_long(lens, args.max_seq)
-        form = (
-            {"form": args.hdp_form, "kv_exchange": args.kv_exchange}
-            if args.strategy == "hdp"
-            else {}
-        )
         plan, report = plan_and_evaluate(
             lens,
-            cluster,
-            model,
+            pricing,
             args.strategy,
-            capacity=args.capacity,
-            sync=args.sync,
             max_seq=args.max_seq,
-            hybridcp_impl=args.hybridcp_impl,
-            **form,
+            options=options_from_flags(STRATEGIES[args.strategy], args),
         )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.out)

@@ -169,7 +169,7 @@ def use_blocks(length, parts, blocked_most, room):
 
 
 @lru_cache(maxsize=1 << 16)
-def hdp_split(length: int, parts: int, room: int) -> Split:
+def block_split(length: int, parts: int, room: int) -> Split:
     """The split :func:`use_blocks` chooses for ``length`` tokens over ``parts`` ranks whose
     members hold at most ``room`` tokens (the offload capacity)."""
 

@@ -18,7 +18,7 @@ all members of all (length, degree) pairs: one call prices a whole degree menu.
 that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job. The rectangles may be
 cut (the area is divisible) but every job keeps its height. The sweep over every height in the
 menus is exact over ``M``, so the bound is at least the LP relaxation of the malleable-job MILP
-(:mod:`planner.hdp_ilp`) and at most any plan built from such jobs. Degrees the menu skips are
+(:mod:`planner.dynamic.milp`) and at most any plan built from such jobs. Degrees the menu skips are
 covered by the smaller height and smaller area of the two menu degrees around them.
 :func:`step_bound` adds the parameter collectives and, in ``wave`` sync, takes the higher of it
 and :func:`shelf_bound`, which accounts for the token room of the longest sequences' waves.

@@ -28,7 +28,7 @@ from hdp import Plan, ulysses
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2
 from .degrees import split_times
-from .hdp_ilp import _make_solver, solver_name
+from .solver import make_solver, solver_name
 
 NATIVE_SYNC = "peer"
 MAX_BUCKETS = 16
@@ -148,7 +148,7 @@ def _feasible(groups: _Groups, n: int, M: float, solver: str) -> dict[tuple[int,
             prob += pulp.lpSum(load) <= M * m[g]
     prob += pulp.lpSum(g * m[g] for g in sizes) <= n
     prob += pulp.lpSum([])  # feasibility only: the first schedule found will do
-    status = prob.solve(_make_solver(solver, TIME_LIMIT_S))
+    status = prob.solve(make_solver(solver, TIME_LIMIT_S))
     if pulp.LpStatus[status] != "Optimal":
         return None
     sol = {k: int(round(v.value() or 0)) for k, v in x.items()}

@@ -6,14 +6,15 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
-from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
+from hdp import Plan, StepReport
 from hdp.workloads import Workload
 
-from . import PlanningError, plan_and_evaluate
+from . import PlanningError, StepPricing, get_strategy, plan_and_evaluate
 
 RESULT_KEYS = (
     "step_time_s",
@@ -64,25 +65,26 @@ class SimResult:
 
 def simulate(
     workload: Workload,
-    cluster: ClusterSpec,
-    model: ModelSpec,
+    pricing: StepPricing,
     strategies: list[str],
     steps: int = 3,
     seed: int = 0,
     max_seq: int | None = None,
     tokens_per_step: int | None = None,
-    capacity: int | None = None,
-    sync: str | None = None,
-    hybridcp_impl: str = "auto",
-    hdp_form: str = "free",
-    kv_exchange: str = "auto",
+    options: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SimResult:
-    """Plan ``steps`` seeded global batches with each strategy and evaluate them (``hdp_form``,
-    ``kv_exchange``: the ``form`` and K/V exchange of the ``hdp`` strategy)."""
+    """Plan ``steps`` seeded global batches with each strategy and evaluate them, all priced by
+    ``pricing`` (``options``: a strategy's ``Options`` by its name, else its defaults). A K/V
+    exchange a strategy cannot run leaves it its own."""
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
-    cost = CostModel(model, cluster, capacity_override=capacity)
+    cost, options = pricing.cost, options or {}
+    priced = {}
+    for name in strategies:
+        strategy = get_strategy(name)
+        own = pricing.kv_exchange not in strategy.exchanges(strategy.options(options.get(name)))
+        priced[name] = replace(pricing, kv_exchange="auto") if own else pricing
     rng = np.random.default_rng(seed)
     results = {s: StrategyResult(s) for s in strategies}
     t_start = time.perf_counter()
@@ -93,18 +95,13 @@ def simulate(
             if r.error is not None:
                 continue
             try:
-                form = {"form": hdp_form, "kv_exchange": kv_exchange} if name == "hdp" else {}
                 plan, report = plan_and_evaluate(
                     lens,
-                    cluster,
-                    model,
+                    priced[name],
                     name,
-                    cost=cost,
-                    sync=sync,
                     max_seq=max_seq,
                     tokens_per_step=tokens_per_step,
-                    hybridcp_impl=hybridcp_impl,
-                    **form,
+                    options=options.get(name),
                 )
             except PlanningError as e:
                 r.error = str(e)
@@ -123,10 +120,11 @@ def simulate(
                 )
     config = {
         "workload": workload.name,
-        "gpus": cluster.num_ranks,
-        "gpus_per_node": cluster.ranks_per_node,
-        "gpu": cluster.gpu.name,
-        "model": model.name,
+        "gpus": pricing.cluster.num_ranks,
+        "gpus_per_node": pricing.cluster.ranks_per_node,
+        "gpu": pricing.cluster.gpu.name,
+        "attention_backend": cost.attention_backend or pricing.cluster.gpu.attention_backend,
+        "model": pricing.model.name,
         "max_seq": max_seq,
         "tokens_per_step": tokens_per_step,
         "capacity_peer": cost.capacity("peer"),
@@ -134,8 +132,8 @@ def simulate(
         "steps": steps,
         "seed": seed,
         "strategies": strategies,
-        "sync": sync or "native",
-        "kv_exchange": kv_exchange,
+        "sync": pricing.sync or "native",
+        "kv_exchange": pricing.kv_exchange,
     }
     return SimResult(config, results)
 

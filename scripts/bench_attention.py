@@ -135,9 +135,9 @@ def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) ->
 def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
     """K/V tokens moved per layer (forward): ours (exact prefixes) against ring attention over each
     multi-rank sequence's ranks (every rank's share visits every other rank)."""
-    from hdp import ClusterSpec, CostModel, model_preset
+    from hdp import ClusterSpec, model_preset
     from hdp.workloads import get_workload
-    from planner import STRATEGIES, PlanningError, plan_and_evaluate
+    from planner import STRATEGIES, PlanningError, StepPricing, plan_and_evaluate
 
     model = model_preset("llama-7b")
     print("K/V tokens moved per layer, forward: our P2P vs ring attention over the same placement")
@@ -149,11 +149,12 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
         w = get_workload(name)
         lens = w.sample_batch(np.random.default_rng(0))
         cluster = ClusterSpec.preset("h100", n)
-        cost = CostModel(model, cluster)
+        pricing = StepPricing.build(model, cluster)
+        cost = pricing.cost
         for s in STRATEGIES:
             try:
                 plan, _ = plan_and_evaluate(
-                    lens, cluster, model, s, cost=cost, max_seq=w.max_seq, hybridcp_impl="ours"
+                    lens, pricing, s, max_seq=w.max_seq, hybridcp_impl="ours"
                 )
             except PlanningError:
                 continue

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hdp import ClusterSpec, CostModel, model_preset
+from hdp import ClusterSpec, model_preset
 from hdp.workloads import get_workload
-from planner import plan_and_evaluate
+from planner import StepPricing, plan_and_evaluate
 
 
 def main() -> int:
@@ -30,9 +30,10 @@ def main() -> int:
     args = p.parse_args()
     model = model_preset("llama-7b")
     cluster = ClusterSpec.preset("h100", args.gpus)
-    cost = CostModel(model, cluster)
+    pricing = StepPricing.build(model, cluster, kv_exchange="node")
+    cost = pricing.cost
     lens = get_workload(args.workload).sample_batch(np.random.default_rng(args.seed))
-    plan, _ = plan_and_evaluate(lens, cluster, model, "hdp", cost=cost, kv_exchange="node")
+    plan, _ = plan_and_evaluate(lens, pricing, "hdp")
     longest = int(np.argmax(lens))
     ranks = np.unique(plan.rank[plan.seq == longest])
     wave = int(plan.seq_wave()[longest])

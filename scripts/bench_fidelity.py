@@ -21,7 +21,7 @@ docs/benchmarks.md; it is a benchmark, not a test, because a busy host moves it.
     python scripts/bench_fidelity.py cpu-train
     python scripts/bench_fidelity.py metrics /tmp/hdp-gpu-check/train_metrics.jsonl
     python scripts/bench_fidelity.py attention --gpus 1024 --workloads byted-2m,wlb-128k \
-        --backends flash,cudnn --device cuda
+        --backends torch_flash,cudnn --device cuda
     python scripts/bench_fidelity.py attention --gpus 16 --tokens 64K --model tiny \
         --profile cpu --backends reference --device cpu
 """
@@ -45,8 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hdp import ClusterSpec, CostModel, Plan, gpu_profile, model_preset, parse_size  # noqa: E402
 from hdp.workloads import get_workload  # noqa: E402
 from planner import plan_step  # noqa: E402
-
-BACKEND_NAMES = {"flash": "torch_flash", "reference": "reference", "cudnn": "cudnn"}
 
 
 def metrics_report(path: Path, skip: int) -> dict:
@@ -172,7 +170,7 @@ def attention_report(args) -> None:
                                  attention_backend=name)  # fmt: skip
                 sl = plan.shard_slice(rank, wave)
                 predicted = float(cost.attn_time(plan.start[sl], plan.end[sl]).sum())
-                measured = time_rank(plan, rank, wave, model, get_backend(BACKEND_NAMES[name]),
+                measured = time_rank(plan, rank, wave, model, get_backend(name),
                                      device, dtype)  # fmt: skip
                 print(
                     f"{wl:15s} {kind:16s} rank {rank:5d} wave {wave:2d} "
@@ -222,7 +220,7 @@ def main() -> int:
     a.add_argument("--workloads", default="byted-2m,github-2m,wlb-128k")
     a.add_argument("--model", default="llama-7b")
     a.add_argument("--profile", default="h100", help="GPU preset or profile JSON")
-    a.add_argument("--backends", default="flash")
+    a.add_argument("--backends", default="torch_flash", help="attention backends, comma-separated")
     a.add_argument("--device", default="cuda")
     a.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("cpu-train", help="a CPU profile of this machine against tiny's steps")

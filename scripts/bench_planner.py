@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hdp import ClusterSpec, CostModel, model_preset
+from hdp import ClusterSpec, model_preset
 from hdp.workloads import get_workload, workload_names
-from planner import plan_and_evaluate
+from planner import StepPricing, plan_and_evaluate
 
 BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
 
@@ -44,12 +44,12 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
             lens = get_workload(wl).sample_batch(np.random.default_rng(seed))
             for n in gpus:
                 cluster = ClusterSpec.preset("h100", n)
-                cost = CostModel(model, cluster)
+                pricing = StepPricing.build(model, cluster)
                 row = {"model": model_name, "workload": wl, "gpus": n}
                 for strategy in BASELINES + ["hdp", "hdp-megatron"]:
                     name, kw = bench_strategy(strategy)
                     try:
-                        plan, rep = plan_and_evaluate(lens, cluster, model, name, cost=cost, **kw)
+                        plan, rep = plan_and_evaluate(lens, pricing, name, **kw)
                     except Exception as e:  # a baseline that cannot form its groups here
                         row[strategy] = {"error": str(e)}
                         continue

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hdp import ClusterSpec, gpu_preset, model_preset
 from hdp.workloads import get_workload, workload_names
-from planner import STRATEGIES
+from planner import STRATEGIES, StepPricing
 from planner.sim import simulate
 
 
@@ -50,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         w = get_workload(wl)
         for n in (int(x) for x in args.gpus.split(",")):
             t0 = time.perf_counter()
+            hybridcp = STRATEGIES["hybridcp"].options(implementation=args.hybridcp_impl)
             sim = simulate(
                 w,
-                ClusterSpec(n, 8, gpu_preset(args.gpu)),
-                model,
+                StepPricing.build(model, ClusterSpec(n, 8, gpu_preset(args.gpu))),
                 names,
                 steps=args.steps,
                 seed=args.seed,
-                hybridcp_impl=args.hybridcp_impl,
+                options={"hybridcp": hybridcp},
             )
             res = sim.to_json()["results"]
             rows.append(

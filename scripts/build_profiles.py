@@ -38,7 +38,10 @@ LINKS = {  # achievable per-GPU, per-direction figures (see docs/cost_model.md)
 def measured_tables(folder: Path) -> dict[str, list[list]]:
     """The shared measurement CSVs as profile tables (seconds, forward + backward)."""
     tables: dict[str, list[list]] = {name: [] for name in TABLE_COLUMNS}
-    for name, backend in (("h100_measured.csv", "flash"), ("h100_cudnn_measured.csv", "cudnn")):
+    for name, backend in (
+        ("h100_measured.csv", "torch_flash"),
+        ("h100_cudnn_measured.csv", "cudnn"),
+    ):
         with open(folder / name) as f:
             for r in csv.DictReader(f):
                 s = float(r["ms"]) / 1e3
@@ -77,7 +80,7 @@ def profile(name: str, source: str, tables: dict[str, list[list]], **figures) ->
         "source": source,
         "device": figures.pop("device"),
         **figures,
-        "attention_backend": "flash",
+        "attention_backend": "torch_flash",
         "tables": {
             t: {
                 "columns": list(cols),

@@ -97,7 +97,7 @@ fi
 # One rank's attention from real 1024-rank plans, run with the project's kernels (target: 0.9-1.1).
 if wanted plans; then
   run 120 "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention \
-    --gpus 1024 --backends flash --device cuda
+    --gpus 1024 --backends torch_flash --device cuda
 fi
 wanted train128k && train 128K 128K byted-2m 6
 if wanted blocks; then

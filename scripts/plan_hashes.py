@@ -20,9 +20,9 @@ import time
 import numpy as np
 from bench_planner import bench_strategy
 
-from hdp import ClusterSpec, CostModel, Plan, model_preset
+from hdp import ClusterSpec, Plan, model_preset
 from hdp.workloads import get_workload, workload_names
-from planner import plan_step
+from planner import StepPricing, plan_step
 
 STRATEGIES = ("static", "hybridcp", "bytescale", "hdp", "hdp-megatron")
 
@@ -55,13 +55,13 @@ def grid_hashes(models, gpus, workloads, strategies, seed=0) -> dict[str, str]:
             lens = get_workload(wl).sample_batch(np.random.default_rng(seed))
             for n in gpus:
                 cluster = ClusterSpec.preset("h100", n)
-                cost = CostModel(model, cluster)
+                pricing = StepPricing.build(model, cluster)
                 for strategy in strategies:
                     name, kw = bench_strategy(strategy)
                     key = f"{model_name}/{wl}/{n}/{strategy}"
                     t0 = time.perf_counter()
                     try:
-                        out[key] = plan_hash(plan_step(lens, cluster, model, name, cost=cost, **kw))
+                        out[key] = plan_hash(plan_step(lens, pricing, name, **kw))
                     except Exception as e:  # noqa: BLE001 - a baseline that cannot plan here
                         out[key] = f"error: {type(e).__name__}"
                     print(f"{key:45s} {out[key]}  {time.perf_counter() - t0:6.2f} s", flush=True)

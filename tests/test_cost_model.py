@@ -66,15 +66,16 @@ def test_measured_calls_are_priced_at_their_measured_time():
 def test_unmeasured_calls_lie_between_their_neighbours():
     tables = gpu_preset("h100").tables
     # Between two measured document lengths the rate (pairs per second) lies between theirs.
-    rate = lambda L: L * (L + 1) / 2 / tables.causal_time(L, 32, 128, "flash")  # noqa: E731
+    rate = lambda L: L * (L + 1) / 2 / tables.causal_time(L, 32, 128, "torch_flash")  # noqa: E731
     assert rate(2048) < rate(4096) < rate(8192)
     # 64 heads give the kernel the parallel tiles of twice the queries at 32 heads.
-    assert tables.full_time(512, 65536, 64, 128, "flash") == pytest.approx(
-        tables.full_time(1024, 65536, 32, 128, "flash"), rel=1e-12
+    assert tables.full_time(512, 65536, 64, 128, "torch_flash") == pytest.approx(
+        tables.full_time(1024, 65536, 32, 128, "torch_flash"), rel=1e-12
     )
     # A head dimension between two measured ones runs at a rate between theirs.
     per_dim = [
-        4096 * 65536 * d / tables.full_time(4096, 65536, 32, d, "flash") for d in (64, 96, 128)
+        4096 * 65536 * d / tables.full_time(4096, 65536, 32, d, "torch_flash")
+        for d in (64, 96, 128)
     ]
     assert per_dim[0] < per_dim[1] < per_dim[2]
     # A GEMM shape that was not measured runs at a rate within the measured shapes' range.
@@ -102,7 +103,7 @@ def test_single_sequence_time(cm):
     # and the dense work of a micro-batch of its tokens.
     tables, L = cm.cluster.gpu.tables, 8192
     per_doc = next(s / b for bk, k, h, _, d, a, b, s in _h100_rows("attention")
-                   if (bk, k, d, a) == ("flash", "causal", 128, L))  # fmt: skip
+                   if (bk, k, d, a) == ("torch_flash", "causal", 128, L))  # fmt: skip
     attn = 32 * per_doc * 4.5 / 3.5
     assert cm.seq_time(L) == pytest.approx(attn + cm.dense_time(L), rel=1e-12)
     m = cm.model

@@ -503,7 +503,7 @@ def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
     _fresh(monkeypatch)  # a Hopper GPU where cuDNN's ops run too
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: None)
     cuda = torch.device("cuda")
-    assert priced_attention_backend(Namespace(), cuda, h100) == "flash"
+    assert priced_attention_backend(Namespace(), cuda, h100) == "torch_flash"
     forced = Namespace(attention_backend="cudnn")
     assert priced_attention_backend(forced, cuda, h100) == "cudnn"
 

@@ -121,7 +121,7 @@ def test_megatron_group_sizes_are_the_groups_megatron_builds(monkeypatch):
     """Megatron's own group construction, with its process-group factory recording the ranks."""
     import megatron.core.parallel_state as ps
 
-    from planner.hdp.megatron import megatron_blocks, megatron_group_sizes
+    from planner.dynamic.megatron import megatron_blocks, megatron_group_sizes
 
     built: list[list[int]] = []
     monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: built.append(list(ranks)))

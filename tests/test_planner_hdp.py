@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import PlanningError, hdp_ilp, nic_may_bind, plan_and_evaluate, plan_step
+from planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, solver
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
-from planner.hdp import HdpOptions, candidate_heights
-from planner.hdp.layout import num_waves_for
-from planner.hdp.place import place
-from planner.hdp.shelves import shelf_candidates
+from planner.dynamic import DynamicOptions, candidate_heights, milp
+from planner.dynamic.layout import num_waves_for
+from planner.dynamic.place import place
+from planner.dynamic.shelves import shelf_candidates
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -315,7 +315,7 @@ def _wave_context(lens, n: int, cap: int) -> Context:
     )
 
 
-def _plan_wave(lens, n: int, cap: int, options: HdpOptions):
+def _plan_wave(lens, n: int, cap: int, options: DynamicOptions):
     return plan_step(
         lens,
         ClusterSpec.preset("h100", n, 4),
@@ -345,7 +345,7 @@ def test_two_tier_wave_plans_are_valid(n, cap, share, data):
             check_plan(placement.plan, lens, n, cap)
             two_tier.append(cand)
 
-    options = HdpOptions(cheap_wave_share=share, skip_by_work=False, on_place=check)
+    options = DynamicOptions(cheap_wave_share=share, skip_by_work=False, on_place=check)
     check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
     assert two_tier
 
@@ -358,7 +358,7 @@ def test_no_stacking_wave_plans_are_valid(n, cap, data):
     # its time): valid plans, and no job stacked.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
     placed = []
-    options = HdpOptions(on_place=lambda cand, placement: placed.append(cand))
+    options = DynamicOptions(on_place=lambda cand, placement: placed.append(cand))
     check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
     ctx = _wave_context(lens, n, cap)
     for cand in placed:
@@ -373,7 +373,7 @@ def test_no_stacking_wave_plans_are_valid(n, cap, data):
 @given(n=st.sampled_from([4, 8, 16]), data=st.data())
 def test_shelf_candidates_are_valid_plans(n, data):
     # Every shelf candidate (the longest sequences side by side in a first wave, the rest fast),
-    # placed as plan_hdp places them: a valid plan with no job stacked.
+    # placed as plan_dynamic places them: a valid plan with no job stacked.
     cap = 1024
     room = _wave_context([1], n, cap).cost.offload_capacity("wave")
     lens = np.array(
@@ -382,7 +382,7 @@ def test_shelf_candidates_are_valid_plans(n, data):
     )
     ctx = _wave_context(lens, n, cap)
     rel = relaxation_bound(ctx.cost, lens, "wave", cap, n)
-    options = HdpOptions()
+    options = DynamicOptions()
     num_waves = num_waves_for(ctx)
     heights = candidate_heights(rel, "wave", options)
     shelves = shelf_candidates(
@@ -421,7 +421,7 @@ def _wave_plans_with_and_without_skipping(
 
     for skip in (True, False):
         runs.append([])
-        options = HdpOptions(skip_by_work=skip, on_place=check)
+        options = DynamicOptions(skip_by_work=skip, on_place=check)
         report = plan_and_evaluate(
             lens, cluster, model, "hdp", sync="wave", capacity=capacity, hdp_options=options
         )[1]
@@ -458,7 +458,7 @@ def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("solver exploded")
 
-    monkeypatch.setattr(hdp_ilp, "_make_solver", broken)
+    monkeypatch.setattr(milp, "make_solver", broken)
     lens = [40000] * 6 + [1000] * 50
     cluster = ClusterSpec.preset("h100", 16, 8)
     with pytest.warns(RuntimeWarning, match="keeping the heuristic"):
@@ -469,9 +469,9 @@ def test_solver_failure_falls_back_with_a_warning(monkeypatch):
 
 
 def test_solver_timeout_falls_back_with_a_warning(monkeypatch):
-    real = hdp_ilp._make_solver
-    monkeypatch.setattr(hdp_ilp, "NODE_LIMIT", 0)
-    monkeypatch.setattr(hdp_ilp, "_make_solver", lambda name, t, mip=True: real(name, 1e-4, mip))
+    real = milp.make_solver
+    monkeypatch.setattr(solver, "NODE_LIMIT", 0)
+    monkeypatch.setattr(milp, "make_solver", lambda name, t, mip=True: real(name, 1e-4, mip))
     lens = [40000 + 977 * i for i in range(12)] + [1000] * 50
     cluster = ClusterSpec.preset("h100", 32, 8)
     with warnings.catch_warnings(record=True) as caught:

@@ -443,27 +443,28 @@ def test_node_exchange_on_virtual_nodes_equals_one_process(tmp_path):
 
 
 def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
-    """A profile whose own attention rows (``flash``, 10x slower) are not those of the backend
+    """A profile whose own attention rows (``torch_flash``, 10x slower) are not those of the backend
     that runs on a CPU (``reference``): the plan's prediction must come from the training's cost
     model, which prices the reference rows, not from the profile's default."""
     from launch.model_source import model_source
     from launch.pretrain import parse_args
-    from launch.train import build_cost_model, build_data, build_loader, resolve_auto
+    from launch.train import build_data, build_loader, build_pricing, resolve_auto
 
     profile = json.loads((ROOT / "hdp" / "data" / "profiles" / "cpu.json").read_text())
     rows = profile["tables"]["attention"]["rows"]
-    rows += [["flash", *row[1:-1], row[-1] * 10] for row in rows]
-    profile["attention_backend"] = "flash"
+    rows += [["torch_flash", *row[1:-1], row[-1] * 10] for row in rows]
+    profile["attention_backend"] = "torch_flash"
     (tmp_path / "p.json").write_text(json.dumps(profile))
     argv = COMMON + ["--steps", "1", "--gpu-profile", str(tmp_path / "p.json")]
     args = parse_args(argv)
     source = model_source(args)
     cpu = torch.device("cpu")
     args = resolve_auto(args, spec=source.spec, world=1, per_node=1, device=cpu, log=print)
-    cost = build_cost_model(args, spec=source.spec, world=1, per_node=1, device=cpu)
+    pricing = build_pricing(args, spec=source.spec, world=1, per_node=1, device=cpu)
+    cost = pricing.cost
     assert cost.attention_backend == "reference"
     sources, stream = build_data(args, source, vocab=cost.model.vocab)
-    loader = build_loader(args, sources=sources, stream=stream, cost=cost, sync="peer")
+    loader = build_loader(args, sources=sources, stream=stream, pricing=pricing)
     try:
         plan = next(loader).plan
     finally:

@@ -94,8 +94,8 @@ def test_the_headline_command_fits_one_sequence_per_step():
     import torch
 
     from launch.memory import host_memory_bytes
-    from launch.train import build_cost_model, checkpointing_needed
-    from planner import choose_sync
+    from launch.train import build_pricing, checkpointing_needed
+    from planner import get_strategy
 
     cpu = torch.device("cpu")
     args = parse_args(["--max-seq", "2M"])
@@ -109,8 +109,8 @@ def test_the_headline_command_fits_one_sequence_per_step():
         parse_args(["--max-seq", "64K"]), spec=tiny, world=2, per_node=2, device=cpu
     )
     args.activation_checkpointing = True
-    cost = build_cost_model(args, spec=tiny, world=2, per_node=2, device=cpu)
-    sync, cap = choose_sync(cost, "peer", args.max_seq, None, offload=True)
+    pricing = build_pricing(args, spec=tiny, world=2, per_node=2, device=cpu)
+    cost, sync, cap = pricing.settle(get_strategy("hdp"), args.max_seq)
     assert sync in ("peer", "wave") and 2 * cap >= args.max_seq
     assert 2 * (cost.memory(cap, sync=sync) + cost.cluster.gpu.reserved_bytes) < host_memory_bytes()
 
@@ -230,13 +230,13 @@ def test_calibrate_threads(capsys, threads):
 
 @pytest.mark.parametrize("sync", ["wave", "peer"])
 def test_a_model_that_cannot_fit_suggests_only_what_would_change(sync):
-    from hdp import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, CostModel
-    from planner import PlanningError, choose_sync
+    from hdp import GPU_PRESETS, MODEL_PRESETS, ClusterSpec
+    from planner import PlanningError, StepPricing, get_strategy
 
     cluster = ClusterSpec(num_ranks=1, ranks_per_node=1, gpu=GPU_PRESETS["h100"])
-    cost = CostModel(MODEL_PRESETS["llama-70b"], cluster)
+    pricing = StepPricing.build(MODEL_PRESETS["llama-70b"], cluster, sync=sync)
     with pytest.raises(PlanningError, match="no room for activations") as err:
-        choose_sync(cost, "peer", 1024, sync)
+        pricing.settle(get_strategy("static"), 1024)
     assert ("--sync wave" in str(err.value)) == (sync != "wave")
 
 

@@ -4,7 +4,7 @@
 with ``groups[g][r]`` the sub-sample lengths and ``sample_id_groups[g][r]`` the sub-sample ids
 rank ``r`` of the DPxCP group runs in group ``g`` (in order, one micro-batch each). A sample
 listed by several ranks of a group runs zigzag-split over them, always one of the CP groups
-Megatron builds (:func:`planner.hdp.megatron.megatron_group_sizes`).
+Megatron builds (:func:`planner.dynamic.megatron.megatron_group_sizes`).
 
 A training run must not stop because one batch is hard to schedule: where hdp's plan cannot be
 made into a schedule Megatron runs, the scheduler falls back to Megatron's own schedule (where it
@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 
 from hdp import ClusterSpec, CostModel, Plan, gpu_preset, model_preset
-from planner import PlanningError, choose_sync
+from planner import PlanningError, StepPricing, get_strategy
 from planner.common import Context
-from planner.hdp.megatron import (
+from planner.dynamic.megatron import (
     megatron_blocks,
     megatron_group_sizes,
     padded_length,
-    plan_hdp_megatron,
+    plan_megatron_form,
 )
 from planner.hybridcp import BalancedCPSchedule, plan_from_sample_id_groups
 
@@ -85,8 +85,10 @@ class HDPScheduler:
         cluster = ClusterSpec(
             self.total_hdp_gpus, min(gpus_per_node, self.total_hdp_gpus), gpu_preset(gpu)
         )
-        self.cost = CostModel(spec, cluster, capacity_override=self.max_seq_len_per_rank)
-        self.sync = sync
+        self.pricing = StepPricing.build(
+            spec, cluster, capacity=self.max_seq_len_per_rank, sync=sync, kv_exchange="rank"
+        )
+        self.cost = self.pricing.cost
         self.token_multiple = max(1, int(token_multiple))
         self.last_schedule_s = 0.0
         self.stats = SchedulerStats()
@@ -138,16 +140,17 @@ class HDPScheduler:
     def _hdp(self, items: list[tuple[int, int]]) -> tuple[list, str]:
         ids = np.array([i for i, _ in items], dtype=np.int64)
         lens = np.array([L for _, L in items], dtype=np.int64)
-        sync, cap = choose_sync(self.cost, "peer", int(lens.max()), self.sync, offload=False)
+        megatron_form = get_strategy("hdp").options(form="megatron")
+        cost, sync, cap = self.pricing.settle(get_strategy("hdp"), int(lens.max()), megatron_form)
         ctx = Context(
             seq_lens=lens,
-            cost=self.cost,
+            cost=cost,
             sync=sync,
             capacity=cap,
             max_seq=int(lens.max()),
             tokens_per_step=int(lens.sum()),
         )
-        plan = plan_hdp_megatron(ctx, token_multiple=self.token_multiple)
+        plan = plan_megatron_form(ctx, token_multiple=self.token_multiple)
         id_groups = sample_id_groups_from_plan(plan, ids)
         return _runnable(id_groups, dict(items), self.total_hdp_gpus), plan.sync
 
@@ -246,7 +249,8 @@ def megatron_plan(
     """The plan Megatron executes for a schedule (ours or ``BalancedCPScheduler``'s), priced by
     ``cost``: ``plan.predicted["step_time_s"]`` is its step time. Sequence ``k`` of the plan is
     the ``k``-th entry of ``sample_id_seqlens``, at the padded length Megatron runs it at
-    (:func:`planner.hdp.megatron.padded_length`); ``predicted["padding_tokens"]`` counts them."""
+    (:func:`planner.dynamic.megatron.padded_length`); ``predicted["padding_tokens"]`` counts
+    them."""
     ids = [int(i) for i, _ in sample_id_seqlens]
     lens = np.array([int(L) for _, L in sample_id_seqlens], dtype=np.int64)
     index_of = {i: k for k, i in enumerate(ids)}

@@ -26,7 +26,7 @@ from hdp import Plan
 from ..common import Context, PlanBuilder, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, split_times, step_bound
 from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
-from .options import HdpOptions
+from .options import DynamicOptions
 
 
 def megatron_group_sizes(n: int) -> list[int]:
@@ -74,13 +74,13 @@ def padded_plan(ctx: Context, plan: Plan, token_multiple: int = 1) -> Plan:
     return builder.build()
 
 
-def plan_hdp_megatron(
-    ctx: Context, options: HdpOptions | None = None, token_multiple: int = 1
+def plan_megatron_form(
+    ctx: Context, options: DynamicOptions | None = None, token_multiple: int = 1
 ) -> Plan:
     """The fastest Megatron-form plan by the cost model with its padding priced
     (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted`` where the
     bound applies (every sequence fits a power-of-two group)."""
-    options = options or HdpOptions()
+    options = options or DynamicOptions()
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
     sizes = megatron_group_sizes(n)
@@ -146,7 +146,7 @@ def _megatron_sizes(ctx: Context, jobs: Jobs, sizes: list[int]) -> Jobs:
     return Jobs(degree, job_time)
 
 
-def _degree_choices(ctx: Context, rel: Relaxation, options: HdpOptions) -> list[Jobs]:
+def _degree_choices(ctx: Context, rel: Relaxation, options: DynamicOptions) -> list[Jobs]:
     """The relaxation's degrees at each of ``options.megatron_height_factors`` of its height,
     and mixes in which the jobs that take a quarter of the ranks or more keep their degree at
     ``M`` while the rest run faster (wider) after them: two sequences on half the ranks each

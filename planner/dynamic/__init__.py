@@ -17,18 +17,18 @@ Read in this order:
 """
 
 from .layout import Candidate, Placement
-from .megatron import aligned_groups, plan_hdp_megatron
-from .options import HdpOptions
-from .search import NATIVE_SYNC, CandidateSearch, candidate_heights, plan_hdp
+from .megatron import aligned_groups, plan_megatron_form
+from .options import DynamicOptions
+from .search import NATIVE_SYNC, CandidateSearch, candidate_heights, plan_dynamic
 
 __all__ = [
     "NATIVE_SYNC",
     "Candidate",
     "CandidateSearch",
-    "HdpOptions",
+    "DynamicOptions",
     "Placement",
     "aligned_groups",
     "candidate_heights",
-    "plan_hdp",
-    "plan_hdp_megatron",
+    "plan_dynamic",
+    "plan_megatron_form",
 ]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import Context, PlanBuilder, hdp_split
+from ..common import Context, PlanBuilder, block_split
 from .layout import Candidate, Placement, jobs_and_singles
-from .options import HdpOptions
+from .options import DynamicOptions
 from .peer import peer_levels, place_peer
 from .wave import place_two_tiers, place_wave
 
 
-def place(ctx: Context, num_waves: int, cand: Candidate, options: HdpOptions) -> Placement:
+def place(ctx: Context, num_waves: int, cand: Candidate, options: DynamicOptions) -> Placement:
     """Place ``cand`` on ranks and waves and build its plan."""
     lens = ctx.seq_lens
     multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
@@ -38,7 +38,7 @@ def place(ctx: Context, num_waves: int, cand: Candidate, options: HdpOptions) ->
         )
     builder = PlanBuilder(ctx, "hdp")
     if multi.size:
-        aligns = [hdp_split(int(lens[i]), int(cand.degree[i]), ctx.offload_capacity).align
+        aligns = [block_split(int(lens[i]), int(cand.degree[i]), ctx.offload_capacity).align
                   for i in multi.tolist()]  # fmt: skip
         builder.add_zigzag(multi, job_wave, layout.job_members, align=np.array(aligns, np.int64))
     if single.size:

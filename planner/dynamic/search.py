@@ -11,7 +11,7 @@ this order:
    tallest job can be up to ``M``.
 2. *Per wave* (``wave`` sync, several waves): the relaxation over ranks x waves, as if the area
    spread evenly over the waves.
-3. *The MILP* (:mod:`planner.hdp_ilp`) where it fits the time budget, warm-started from 1.
+3. *The MILP* (:mod:`planner.dynamic.milp`) where it fits the time budget, warm-started from 1.
 4. At the best height (``wave`` sync): *token-capped* degrees, so more sequences split and every
    cell gets a mix; and *two tiers*, in which the cheapest whole sequences per token get waves
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
@@ -40,12 +40,12 @@ import numpy as np
 
 from hdp import Plan
 
-from .. import hdp_ilp
 from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
+from . import milp
 from .layout import Candidate, num_waves_for
-from .megatron import plan_hdp_megatron
-from .options import HdpOptions
+from .megatron import plan_megatron_form
+from .options import DynamicOptions
 from .place import place
 from .shelves import shelf_candidates
 from .wave import rebalance_wave
@@ -57,7 +57,7 @@ class CandidateSearch:
     """Places candidates, each once, skips those that cannot win (Note [Skipping by work]) and
     keeps the fastest plan by the cost model."""
 
-    def __init__(self, ctx: Context, options: HdpOptions, rel: Relaxation) -> None:
+    def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation) -> None:
         self.ctx, self.options, self.rel = ctx, options, rel
         self.num_waves = num_waves_for(ctx)
         self.skips = ctx.sync == "wave" and options.skip_by_work
@@ -145,14 +145,14 @@ def check_fits(ctx: Context) -> None:
         )
 
 
-def plan_hdp(ctx: Context, form: str = "free", options: HdpOptions | None = None) -> Plan:
+def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     """Plan with the candidate families of Note [The candidate families]; the fastest by the
     cost model reports its gap to the bound (:func:`planner.degrees.step_bound`) in
-    ``predicted["bound_s"]``. ``form``: ``free``, ``whole`` (every sequence on one rank, for
-    trainers whose attention cannot span ranks) or ``megatron`` (:mod:`.megatron`)."""
-    options = options or HdpOptions()
+    ``predicted["bound_s"]``, in the form ``options.form`` asks."""
+    options = options or DynamicOptions()
+    form = options.form
     if form == "megatron":
-        return plan_hdp_megatron(ctx, options)
+        return plan_megatron_form(ctx, options)
     if form not in ("free", "whole"):
         raise ValueError(f"unknown hdp form {form!r}: choose 'free', 'whole' or 'megatron'")
     check_fits(ctx)
@@ -190,7 +190,7 @@ def plan_hdp(ctx: Context, form: str = "free", options: HdpOptions | None = None
     return plan
 
 
-def _plan_whole(ctx: Context, options: HdpOptions) -> Plan:
+def _plan_whole(ctx: Context, options: DynamicOptions) -> Plan:
     """Every sequence on one rank: only the placement balances."""
     longest = int(ctx.seq_lens.max(initial=0))
     if longest > ctx.capacity:
@@ -202,7 +202,7 @@ def _plan_whole(ctx: Context, options: HdpOptions) -> Plan:
     return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s), options).plan
 
 
-def candidate_heights(rel: Relaxation, sync: str, options: HdpOptions) -> list[float]:
+def candidate_heights(rel: Relaxation, sync: str, options: DynamicOptions) -> list[float]:
     """Job heights to place (family 1 of Note [The candidate families]). ``wave``: from the
     shortest the tallest job can be (every job on its fastest degree: narrow shelves, more area)
     up to ``M`` (every job on its smallest area: wide shelves), and below: there the tallest job
@@ -217,7 +217,7 @@ def candidate_heights(rel: Relaxation, sync: str, options: HdpOptions) -> list[f
 
 
 def degree_candidates(
-    ctx: Context, rel: Relaxation, heights: list[float], options: HdpOptions
+    ctx: Context, rel: Relaxation, heights: list[float], options: DynamicOptions
 ) -> tuple[list[Candidate], dict[str, float]]:
     """Families 1-3 of Note [The candidate families], and what the MILP reports."""
     cands = [Candidate(*rel.degrees_at(h, ctx.whole_s), height_s=h) for h in heights]
@@ -231,9 +231,9 @@ def degree_candidates(
         ]
     info: dict[str, float] = {}
     use_ilp = options.use_ilp
-    if use_ilp or (use_ilp is None and hdp_ilp.fits_budget(rel, ctx.num_ranks)):
+    if use_ilp or (use_ilp is None and milp.fits_budget(rel, ctx.num_ranks)):
         warm = Jobs(cands[0].degree, cands[0].job_time)
-        choice = hdp_ilp.solve_degrees(
+        choice = milp.solve_degrees(
             rel, ctx.cost, ctx.sync, ctx.num_ranks, warm, time_limit_s=options.ilp_time_limit_s
         )
         info.update(choice.info)
@@ -243,7 +243,7 @@ def degree_candidates(
 
 
 def best_height_variants(
-    ctx: Context, rel: Relaxation, height: float, options: HdpOptions
+    ctx: Context, rel: Relaxation, height: float, options: DynamicOptions
 ) -> list[Candidate]:
     """Family 4 of Note [The candidate families]: token-capped degrees, then two tiers."""
     cands = [

@@ -25,9 +25,6 @@ solution (CBC). On failure or timeout: a warning, and the caller keeps the heuri
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +33,11 @@ import numpy as np
 
 from hdp import CostModel
 
-from .degrees import Jobs, Relaxation, packed_time
+from ..degrees import Jobs, Relaxation, packed_time
+from ..solver import NODE_LIMIT, make_solver, solver_name
 
 MAX_OPTIONS = 3000  # (bucket, degree) pairs the MILP takes within the planning budget
 MAX_RANKS = 512  # above this the sweep alone plans (and is exact for distinct lengths)
-NODE_LIMIT = 2000
 
 
 @dataclass
@@ -52,63 +49,9 @@ class IlpChoice:
     info: dict[str, float] = field(default_factory=dict)
 
 
-@functools.cache
-def solver_name() -> str:
-    """``highs`` where highspy is importable, else ``cbc``. HiGHS prints its banner to stdout
-    when a process makes its first solver, above whatever table a command prints: that first
-    one is made here, with stdout pointed at /dev/null."""
-    try:
-        import highspy
-    except ImportError:
-        return "cbc"
-    try:
-        sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError):  # no stdout to silence
-        saved = None
-    try:
-        if saved is not None:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-        highspy.Highs()
-    except Exception:  # noqa: BLE001 - a highspy that cannot make a solver: CBC plans instead
-        return "cbc"
-    finally:
-        if saved is not None:
-            os.dup2(saved, 1)
-            os.close(saved)
-    return "highs"
-
-
-solver_name()  # at import, before a planner thread or a table prints anything
-
-
 def fits_budget(rel: Relaxation, num_ranks: int) -> bool:
     """Whether the MILP fits the planning time budget (small and mid-size steps)."""
     return num_ranks <= MAX_RANKS and 0 < sum(mu.degrees.size for mu in rel.menus) <= MAX_OPTIONS
-
-
-def _make_solver(name: str, time_limit_s: float, mip: bool = True):
-    import pulp
-
-    if name == "highs":
-        return pulp.HiGHS(
-            mip=mip,
-            msg=False,
-            threads=1,
-            timeLimit=time_limit_s,
-            mip_max_nodes=NODE_LIMIT,
-            random_seed=0,
-        )
-    return pulp.PULP_CBC_CMD(
-        mip=mip,
-        msg=False,
-        threads=1,
-        timeLimit=time_limit_s,
-        maxNodes=NODE_LIMIT,
-        warmStart=mip,
-        options=["randomSeed 0", "randomCbcSeed 0"],
-    )
 
 
 @dataclass
@@ -143,9 +86,9 @@ def solve_degrees(
         "ilp_solver_highs": float(name == "highs"),
     }
     try:
-        if pulp.LpStatus[milp.prob.solve(_make_solver(name, time_limit_s, mip=False))] == "Optimal":
+        if pulp.LpStatus[milp.prob.solve(make_solver(name, time_limit_s, mip=False))] == "Optimal":
             info["lp_bound_s"] = float(milp.height.value())
-        status = milp.prob.solve(_make_solver(name, time_limit_s))
+        status = milp.prob.solve(make_solver(name, time_limit_s))
     except Exception as e:  # solver missing, crashed, or refused the model
         return _failed(info, f"the MILP solver ({name}) failed ({e})")
     if pulp.LpStatus[status] != "Optimal" or milp.height.value() is None:

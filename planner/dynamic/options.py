@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
-class HdpOptions:
-    """What :func:`planner.hdp.plan_hdp` tries; the defaults are what ``plan_step`` plans with.
+class DynamicOptions:
+    """What :func:`planner.dynamic.plan_dynamic` tries; the defaults are what ``plan_step``
+    plans with.
 
     Heights are relative to the relaxation's ``M``; shares are of the offload capacity (tokens
     per rank per wave) unless said otherwise."""
+
+    # What plans may do: ``free``; ``whole`` (every sequence on one rank, for trainers whose
+    # attention cannot span ranks); ``megatron`` (:mod:`.megatron`).
+    form: str = field(
+        default="free",
+        metadata={
+            "flag": "--hdp-form",
+            "choices": ("free", "whole", "megatron"),
+            "help": "what hdp plans may do: free, whole (every sequence on one rank) or megatron "
+            "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
+        },
+    )
 
     # Relaxation heights placed in ``peer`` sync, and per wave in ``wave`` sync.
     height_factors: tuple[float, ...] = (1.0, 1.04, 1.12)

@@ -1,0 +1,138 @@
+"""How a run prices its steps: one :class:`StepPricing`, built once, handed to everything that
+plans or predicts (``plan_step``, the dataloader, ``hdp-sim``, ``hdp-plan``, the Megatron
+scheduler, training's metrics), so that a plan is optimised for the kernels that run and a
+metrics row's predictions come from the model that made the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from hdp import ClusterSpec, CostModel, ModelSpec
+
+from .common import PlanningError
+from .strategies import Strategy
+
+SYNC_MODES = ("wave", "peer")
+EXCHANGES = ("auto", "rank", "node", "ulysses")
+
+
+class Settled(NamedTuple):
+    """What a strategy plans one batch with: the cost model in its K/V exchange, the sync mode
+    and the capacity (tokens per rank per wave)."""
+
+    cost: CostModel
+    sync: str
+    capacity: int
+
+
+@dataclass(frozen=True)
+class StepPricing:
+    """The one cost model of a run and the policies that settle a step's sync mode, capacity and
+    K/V exchange.
+
+    ``sync``: the mode asked for, or ``None`` for each strategy's own where memory allows (else
+    ``wave``). ``kv_exchange``: ``auto`` (each strategy's own; for hdp, Note [Node exchange] in
+    :mod:`hdp.exchange`), or one the strategy supports."""
+
+    cost: CostModel
+    sync: str | None = None
+    kv_exchange: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.sync not in (None, *SYNC_MODES):
+            raise ValueError(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r}")
+        if self.kv_exchange not in EXCHANGES:
+            raise ValueError(
+                f"kv_exchange must be one of {', '.join(EXCHANGES)}, got {self.kv_exchange!r}"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        *,
+        attention_backend: str | None = None,
+        activation_checkpointing: bool = True,
+        capacity: int | None = None,
+        sync: str | None = None,
+        kv_exchange: str = "auto",
+    ) -> StepPricing:
+        """The pricing of ``model`` on ``cluster`` running ``attention_backend``'s kernels (the
+        profile's measured rows of that backend; ``None``: the profile's own)."""
+        cost = CostModel(
+            model,
+            cluster,
+            attention_backend=attention_backend,
+            activation_checkpointing=activation_checkpointing,
+            capacity_override=capacity,
+        )
+        return cls(cost, sync, kv_exchange)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.cost.model
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.cost.cluster
+
+    def exchange(self, strategy: Strategy, options: Any) -> str:
+        """The K/V exchange ``strategy`` plans in: :attr:`kv_exchange`, where ``auto`` means
+        the strategy's own. TypeError where the strategy cannot run the one asked for."""
+        allowed = strategy.exchanges(options)
+        exchange = self.kv_exchange
+        if exchange == "auto" and "auto" not in allowed:
+            return allowed[0]
+        if exchange not in allowed:
+            raise TypeError(
+                f"kv_exchange={exchange!r} does not apply to the {strategy.name} strategy: the "
+                f"baselines exchange K/V as their own systems do; choose {', '.join(allowed)}"
+            )
+        return exchange
+
+    def settle(
+        self, strategy: Strategy, longest: int, options: Any = None, exchange: str = "rank"
+    ) -> Settled:
+        """The cost model in ``exchange`` (``auto`` prices ``rank``), and the sync mode and
+        capacity ``strategy`` plans sequences of up to ``longest`` tokens with. Raises
+        PlanningError with what to change where no mode holds them."""
+        cost = self.cost.with_exchange("rank" if exchange == "auto" else exchange)
+        offload = strategy.offloads(strategy.options(options))
+        sync, capacity = _choose_sync(cost, strategy.native_sync, longest, self.sync, offload)
+        return Settled(cost, sync, capacity)
+
+
+def _choose_sync(
+    cost: CostModel, native: str, longest: int, requested: str | None, offload: bool
+) -> tuple[str, int]:
+    """(sync mode, capacity): ``requested`` if given, else ``native`` where its memory holds the
+    longest sequence on the cluster (with activation offload where ``offload``), else ``wave``
+    (parameters sharded)."""
+    n = cost.cluster.num_ranks
+    modes = [requested] if requested else ([native, "wave"] if native != "wave" else ["wave"])
+    best = None
+    for mode in modes:
+        cap = cost.capacity(mode)
+        room = max(cost.offload_capacity(mode), cap) if offload else cap
+        if cap > 0 and longest <= room * n:
+            return mode, cap
+        best = (mode, room)
+    mode, room = best
+    if room <= 0:
+        fixes = "more GPUs, --sync wave," if mode != "wave" else "more GPUs"
+        raise PlanningError(
+            f"{cost.model.name} does not fit on {cost.cluster.gpu.name} in '{mode}' sync: "
+            "parameters, gradients and optimizer states leave no room for activations; use "
+            f"{fixes} or a smaller model"
+        )
+    held = (
+        "tokens per rank per wave with activation offload"
+        if offload
+        else "tokens per rank per wave"
+    )
+    raise PlanningError(
+        f"the cluster cannot hold a {longest}-token sequence: {n} ranks x {room} {held} "
+        f"= {n * room} tokens; use at least {-(-longest // room)} GPUs or a smaller --max-seq"
+    )
