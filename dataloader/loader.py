@@ -6,9 +6,9 @@ step rank 0 broadcasts one message (:func:`encode_step`: the batch's sequence de
 plan's wire form), and every rank, rank 0 included, runs the plan decoded from it, so all ranks
 derive the same communication rounds. Every rank then reads only the tokens of its own shards (plus
 one token past a shard's end, for the label). It yields a :class:`StepData`: for each wave,
-``input_ids``, ``labels`` (the next token of the same sequence; ``-100`` after a sequence's last
-token), ``position_ids`` (position inside the sequence) and ``cu_seqlens`` of its shards, and the
-step's global ``loss_tokens``.
+``input_ids``, ``labels`` (the next token of the same sequence; ``IGNORE_INDEX`` after a
+sequence's last token), ``position_ids`` (position inside the sequence) and ``cu_seqlens`` of its
+shards, and the step's global ``loss_tokens``.
 
 ``state_dict()`` is the stream state after the last step handed out (prefetched plans are formed
 again on resume), so a resumed run sees exactly the same global batches, on any number of ranks.

@@ -5,11 +5,12 @@ Core types shared by every part: :class:`ModelSpec`, :class:`ClusterSpec` (with
 """
 
 from .cost import CostModel, KVTraffic, StepReport
-from .exchange import KV_EXCHANGES, KVTransfer, Shard
+from .exchange import KV_EXCHANGES, KVTransfer
 from .hf_config import ConfigError, RoPE
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan, PlanError
 from .profile import BACKEND_NAMES, KernelTables, ProfileError
 from .rounds import edge_colour_rounds
+from .shard import Shard
 from .specs import (
     GPU_PRESETS,
     MODEL_PRESETS,

@@ -30,27 +30,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from .rounds import edge_colour_rounds
+from .shard import Shard
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 KV_EXCHANGES = ("rank", "node", "ulysses")
 RELAY_SLOTS = 2  # fetched blocks a relay holds at once (Note [Node exchange rounds])
-
-
-class Shard(NamedTuple):
-    """Tokens ``[start, end)`` of sequence ``seq`` of the global batch."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def tokens(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)

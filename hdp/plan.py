@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from . import exchange, wire
-from .exchange import KV_EXCHANGES, KVTransfer, Shard, WaveExchange
+from .exchange import KV_EXCHANGES, KVTransfer, WaveExchange
+from .shard import Shard
 
 SYNC_MODES = ("wave", "peer")
 

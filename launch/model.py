@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from attention import dist_attn
+from dataloader import IGNORE_INDEX
 from hdp import ModelSpec, Plan
 
 from .rope import Rotary
@@ -151,7 +152,7 @@ class DecoderLayer(nn.Module):
 
 class Llama(nn.Module):
     """``forward(input_ids [T], position_ids [T], ctx) -> logits [T, vocab]`` (fp32 logits), or with
-    ``labels [T]`` (next tokens, ``-100`` ignored) the summed cross-entropy, a scalar.
+    ``labels [T]`` (next tokens, ``IGNORE_INDEX`` ignored) the summed cross-entropy, a scalar.
 
     The loss path never holds more than ``loss_chunk_tokens`` rows of logits: each chunk's LM head
     and cross-entropy are recomputed in backward (with a 128K vocabulary, 32K tokens of fp32 logits
@@ -243,7 +244,7 @@ class Llama(nn.Module):
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over labelled tokens (``-100`` ignored), fp32."""
+    """Sum of next-token cross-entropy over labelled tokens (``IGNORE_INDEX`` ignored), fp32."""
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    return F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -30,7 +30,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import BACKEND_NAMES, BackendUnavailable, resolve_backend  # noqa: E402
-from dataloader import BatchStream, SyntheticSource  # noqa: E402
+from dataloader import IGNORE_INDEX, BatchStream, SyntheticSource  # noqa: E402
 from hdp import MODEL_PRESETS, ClusterSpec, CostModel, gpu_preset, model_preset  # noqa: E402
 from hdp.argtypes import choice, input_file, integer, number, size  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
@@ -101,7 +101,7 @@ def packed_batch(source: SyntheticSource, seqs, device: torch.device):
         tok = source.read(s.doc, s.offset, s.offset + s.length)
         ids.append(tok)
         pos.append(np.arange(s.length))
-        labels.append(np.append(tok[1:], -100))
+        labels.append(np.append(tok[1:], IGNORE_INDEX))
         lens.append(s.length)
     pin = device.type == "cuda"
     host = [torch.from_numpy(np.concatenate(x)) for x in (ids, pos, labels)]

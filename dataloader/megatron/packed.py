@@ -10,6 +10,8 @@ import torch
 
 from planner import PlanningError
 
+from ..loader import IGNORE_INDEX
+
 
 class PackedBatchIterator:
     """Megatron batches for ``--dataloader-type external`` (and Megatron versions without hybrid
@@ -63,8 +65,8 @@ class PackedBatchIterator:
         for ids, lab, pos in docs:
             pad = -len(ids) % self.pad_multiple
             tokens.append(torch.cat([ids, torch.full((pad,), self.pad_id, dtype=ids.dtype)]))
-            # Labels -100 (ignored) become pad_id with loss_mask 0, Megatron's convention.
-            keep = lab != -100
+            # Ignored labels become pad_id with loss_mask 0, Megatron's convention.
+            keep = lab != IGNORE_INDEX
             labels.append(
                 torch.cat(
                     [
@@ -130,7 +132,7 @@ class PackedBatchIterator:
             m = self.pad_multiple
             filler = (
                 torch.full((m,), self.pad_id, dtype=torch.int64),
-                torch.full((m,), -100, dtype=torch.int64),
+                torch.full((m,), IGNORE_INDEX, dtype=torch.int64),
                 torch.arange(m),
             )
             batches += [self._batch([filler]) for _ in range(self.num_microbatches - len(batches))]
