@@ -20,9 +20,11 @@ and not counted). Token ids are int64 numpy arrays.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +47,24 @@ class Source(Protocol):
     skipped_tokens: int
 
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray: ...
+
+    def fingerprint(self) -> dict:
+        """What identifies the source's tokens without reading them (a resumed run checks it)."""
+        ...
+
+
+def fingerprint(name: str, lengths: np.ndarray, files: Sequence[Path], **extra: int) -> dict:
+    """A source's :meth:`Source.fingerprint`: its name (a file's, without its folder), the size of
+    its files, its documents and tokens, a hash of its lengths, and ``extra``."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    return {
+        "name": name if name.startswith("synthetic:") else Path(name).name,
+        "bytes": sum(os.stat(p).st_size for p in files),
+        "documents": int(np.count_nonzero(lengths)),
+        "tokens": int(lengths.sum()),
+        "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest()[:16],
+        **extra,
+    }
 
 
 @dataclass
@@ -196,6 +216,9 @@ class JsonlSource:
                 lengths.append(ids.size)
         return np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64), skips
 
+    def fingerprint(self) -> dict:
+        return fingerprint(self.name, self.lengths, [self.path])
+
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         if self._fh is None:
             self._fh = open(self.path, "rb")
@@ -282,6 +305,9 @@ class ParquetSource:
         if not isinstance(val, str):
             return None, f"column 'text' must hold strings, got {type(val).__name__}", 0
         return _encode_text(self.tokenizer, val, self.vocab_size)
+
+    def fingerprint(self) -> dict:
+        return fingerprint(self.name, self.lengths, [self.path])
 
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         row = int(self.rows[doc])
@@ -403,6 +429,9 @@ class MegatronSource:
         self.skipped_documents += n_empty
         self.lengths = lengths
 
+    def fingerprint(self) -> dict:
+        return fingerprint(self.name, self.lengths, [self.bin_path])
+
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         base = int(self.pointers[doc]) // self.dtype.itemsize
         n = int(self.lengths[doc])
@@ -439,6 +468,9 @@ class SyntheticSource:
             .astype(np.int64)
         )
         self.skipped_documents = self.skipped_tokens = 0
+
+    def fingerprint(self) -> dict:
+        return fingerprint(self.name, self.lengths, [], seed=int(self.seed))  # tokens from the seed
 
     def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
         n = int(self.lengths[doc])

@@ -16,14 +16,11 @@ in launch/schedule.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from . import checkpoint
 from .checkpoint import CheckpointError
@@ -43,23 +40,6 @@ class Resume:
     schedule: dict | None = None  # the learning-rate schedule saved (launch.schedule.Schedule)
 
 
-def describe_source(src) -> dict:
-    """A source's part of the fingerprint: what identifies its tokens without reading them."""
-    lengths = np.ascontiguousarray(src.lengths, dtype=np.int64)
-    files = [p for p in (getattr(src, "path", None), getattr(src, "bin_path", None)) if p]
-    name = src.name if src.name.startswith("synthetic:") else Path(src.name).name
-    out = {
-        "name": name,
-        "bytes": sum(os.stat(p).st_size for p in files),
-        "documents": int(np.count_nonzero(lengths)),
-        "tokens": int(lengths.sum()),
-        "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest()[:16],
-    }
-    if hasattr(src, "seed"):  # synthetic: its tokens come from the seed
-        out["seed"] = int(src.seed)
-    return out
-
-
 def fingerprint(args, sources: list, *, vocab: int, model: dict) -> dict:
     """The setup a checkpoint continues: ``model`` (:meth:`ModelSource.fingerprint
     <launch.model_source.ModelSource.fingerprint>`), ``data``, ``planning`` and ``optimizer``
@@ -67,7 +47,7 @@ def fingerprint(args, sources: list, *, vocab: int, model: dict) -> dict:
     return {
         "model": model,
         "data": {
-            "sources": [describe_source(s) for s in sources],
+            "sources": [s.fingerprint() for s in sources],
             "tokenizers": sorted({s.tokenizer.id for s in sources if hasattr(s, "tokenizer")}),
             "weights": args.data_weights,
             "vocab": vocab,
@@ -222,4 +202,4 @@ def open_metrics(path: Path | None, start: int, log: Callable[[str], None]):
     return open(path, "a")
 
 
-__all__ = ["Resume", "check_setup", "describe_source", "find_resume", "fingerprint", "open_metrics"]
+__all__ = ["Resume", "check_setup", "find_resume", "fingerprint", "open_metrics"]

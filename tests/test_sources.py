@@ -273,3 +273,22 @@ def test_records_beyond_int64_or_unicode_are_named_and_skippable(tmp_path, capsy
     assert data_main(["stats", str(p), "--skip-bad-records", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["documents"] == 2 and out["tokens"] == 3 and out["skipped_documents"] == 1
+
+
+def test_a_source_fingerprint_names_its_file_size_documents_and_lengths(tmp_path):
+    """What a checkpoint records of each source, written out here independently: the same for
+    runs made before sources computed it themselves, so their checkpoints still resume."""
+    import hashlib
+
+    p = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": d} for d in DOCS] + [{"input_ids": []}])
+    lengths = np.array([len(d) for d in DOCS], dtype=np.int64)  # the empty one is skipped
+    assert JsonlSource(p).fingerprint() == {
+        "name": "d.jsonl",
+        "bytes": os.path.getsize(p),
+        "documents": len(DOCS),
+        "tokens": int(lengths.sum()),
+        "lengths_sha256": hashlib.sha256(lengths.tobytes()).hexdigest()[:16],
+    }
+    synthetic = SyntheticSource("wlb-128k", documents=5, seed=7).fingerprint()
+    assert synthetic["name"] == "synthetic:wlb-128k" and synthetic["seed"] == 7
+    assert synthetic["bytes"] == 0 and synthetic["documents"] == 5
