@@ -404,8 +404,8 @@ def get_backend(name: str) -> AttentionBackend:
         except (ImportError, RuntimeError, AttributeError) as e:
             why = " ".join(str(e).split()) or type(e).__name__
             raise BackendUnavailable(
-                f"attention backend {name!r} is unavailable: {why}; use 'auto' (the fastest "
-                "backend available here) or another backend"
+                f"attention backend {name!r} is unavailable: {why}; use 'auto' (the first "
+                "backend that runs here) or another backend"
             ) from e
     return _BACKENDS[name]
 

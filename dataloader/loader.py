@@ -35,7 +35,7 @@ from hdp import ClusterSpec, ModelSpec, Plan, Shard, wire
 from .batching import BatchStream, GlobalBatch, SeqRef
 from .sources import Source
 
-if TYPE_CHECKING:  # the planner imports the dataloader's batching; plan_step is imported late
+if TYPE_CHECKING:  # for annotations only: the planner (plan_step) is imported where it plans
     from planner import StepPricing
 
 IGNORE_INDEX = -100

@@ -26,6 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .profile import backend_name
 from .specs import GPUProfile, ModelSpec
 
 _GRID_PER_OCTAVE = 16
@@ -44,7 +45,7 @@ class ComputeModel:
 
     @property
     def backend(self) -> str:
-        return self.attention_backend or self.gpu.attention_backend
+        return backend_name(self.attention_backend or self.gpu.attention_backend)
 
     @property
     def attn_recompute(self) -> float:

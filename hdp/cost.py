@@ -405,8 +405,11 @@ class CostModel:
             )
         return traffic.kv_traffic(plan, rpn, labels)
 
-    def comm_time_per_layer(self, traffic: KVTraffic) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) KV transfer time of one layer per cell, seconds."""
+    def comm_time_per_layer(
+        self, traffic: KVTraffic, latency: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) KV transfer time of one layer per cell, seconds (``latency``
+        False: the bytes' time alone, without each message's latency)."""
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
         dkv = 4.0 / self.model.dtype_bytes  # dK/dV partials travel in fp32
         blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
@@ -426,7 +429,7 @@ class CostModel:
                 np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw),
             )
 
-        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
+        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency) * latency
         t_fwd[cells] = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
         # Backward: KV in again and dK/dV of the owners' blocks in; KV out again and dK/dV out.
         t_bwd[cells] = (

@@ -43,6 +43,12 @@ BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
 # Names profiles written by an older hdp-calibrate gave their kernels.
 LEGACY_BACKEND_NAMES = {"flash": "torch_flash"}
 
+
+def backend_name(name: str) -> str:
+    """``name``, or the backend name an older hdp-calibrate's ``name`` stands for."""
+    return LEGACY_BACKEND_NAMES.get(name, name)
+
+
 FORMAT = "hdp.profile/1"
 TILE_TOKENS = 128  # query rows of one attention kernel tile: fewer run as long as a tile
 TABLE_COLUMNS = {
@@ -227,6 +233,16 @@ class KernelTables:
     def attention_backends(self) -> tuple[str, ...]:
         return tuple(self._attention)
 
+    def rows_for(self, backend: str) -> str | None:
+        """The attention rows that price ``backend``: its own, else for the ``flash_attn``
+        package (FlashAttention-2, as torch's own) the ``torch_flash`` rows; ``None`` where the
+        tables have neither."""
+        backend = backend_name(backend)
+        for rows in (backend, "torch_flash") if backend == "flash_attn" else (backend,):
+            if rows in self._attention:
+                return rows
+        return None
+
     def _log_rate(self, backend: str, head_dim: int, rate_at) -> np.ndarray:
         fits = self._attention.get(backend)
         if fits is None:
@@ -381,7 +397,7 @@ class KernelTables:
                         f"positive seconds, got {row!r}"
                     )
             if name == "attention":  # rows named by an older hdp-calibrate
-                rows = [[LEGACY_BACKEND_NAMES.get(r[0], r[0]), *r[1:]] for r in rows]
+                rows = [[backend_name(r[0]), *r[1:]] for r in rows]
             parts[name] = tuple(tuple(r) for r in rows)
         return cls(**parts)
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .hf_config import RoPE, spec_from_config, spec_from_path
-from .profile import FORMAT, LEGACY_BACKEND_NAMES, KernelTables, ProfileError, read_profile_json
+from .profile import FORMAT, KernelTables, ProfileError, backend_name, read_profile_json
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -349,9 +349,7 @@ class GPUProfile:
             raise ProfileError(f"{where}: lacks {', '.join(missing)}")
         kw = {k: v for k, v in data.items() if k in fields}
         if "attention_backend" in kw:
-            kw["attention_backend"] = LEGACY_BACKEND_NAMES.get(
-                kw["attention_backend"], kw["attention_backend"]
-            )
+            kw["attention_backend"] = backend_name(kw["attention_backend"])
         for k, v in kw.items():
             if k not in ("name", "attention_backend", "source", "device") and not (
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0

@@ -50,11 +50,11 @@ def verify_attention_backend(
 
 def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:
     """The attention rows of ``gpu``'s profile that price the kernels ``dist_attn`` will run here
-    (cuDNN's on Hopper, FlashAttention's on older GPUs, ...), or ``None`` for the profile's own
+    (:meth:`hdp.profile.KernelTables.rows_for`), or ``None`` for the profile's own
     backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
     forced backend cannot run (:func:`check_attention_backend` reports that)."""
     try:
         backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
     except (ValueError, BackendUnavailable):
         return None
-    return backend.name if backend.name in gpu.tables.attention_backends else None
+    return gpu.tables.rows_for(backend.name)

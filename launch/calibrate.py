@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_check(args: argparse.Namespace, argv: list[str]) -> int:
-    from planner.calibration import check_main  # the other half of issue #15
+    from planner.calibration import check_main  # hdp-calibrate check
 
     return check_main(args)
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RANKS = 2
-# all_gather_single / reduce_scatter_single are the names from torch 2.13 on; older releases have
-# only the *_tensor ones (same signatures).
+# all_gather_single / reduce_scatter_single are the newer names; older torch releases have only
+# the *_tensor ones (same signatures).
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

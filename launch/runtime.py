@@ -133,9 +133,9 @@ def run_waves(
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (a host tensor of the batch) on ``device``; to a GPU from pinned memory without
-    blocking the host, so the copy overlaps the work queued before it (issue #16 measured
-    pageable host-to-device copies at 4% of the step). torch's pinned allocator keeps the
-    staging buffer until the copy is done."""
+    blocking the host, so the copy overlaps the work queued before it: a copy from pageable
+    memory waits for the GPU stream. torch's pinned allocator keeps the staging buffer until the
+    copy is done."""
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
@@ -145,7 +145,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     """End a rank's process with ``code`` once its work is done and its process group destroyed:
     flush output and logs, then ``os._exit``, skipping the interpreter's teardown.
 
-    Why: with ``torch.distributed.fsdp`` imported, torch 2.13 keeps the default gloo group alive
+    Why: with ``torch.distributed.fsdp`` imported, torch keeps the default gloo group alive
     after ``destroy_process_group`` (its ``pt_gloo_runloop`` and ``gloo_tcp_loop`` threads still
     run). The interpreter's teardown then destroys it along with everything else, and now and then
     a rank that had finished aborts there ("terminate called without an active exception",

@@ -1,7 +1,8 @@
 """The training loop, read top to bottom in :func:`train`.
 
-Set-up is one function per part: the cost model, the data, the loader, the model with its
-techniques, the optimizer, and the restore of a checkpoint (``build_*`` and :func:`restore`).
+Set-up is one function per part: the pricing (the one cost model), the data, the loader, the
+model with its techniques, the optimizer, and the restore of a checkpoint (``build_*`` and
+:func:`restore`).
 Each step runs :func:`train_step` and gathers what the ranks measured (:mod:`launch.metrics`).
 Then it writes one metrics record and checkpoints when due.
 """

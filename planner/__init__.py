@@ -45,7 +45,7 @@ from .degrees import length_menu, menu_floor, packed_time
 from .pricing import Settled, StepPricing
 from .strategies import STRATEGIES, Strategy, get_strategy
 
-_PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange")
+_PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange", "cost")
 
 
 def plan_step(
@@ -132,8 +132,9 @@ def _arguments(
     name = args[1] if len(args) > 1 else opts.pop("strategy", "hdp")
     strategy = get_strategy(name)
     sync, exchange = opts.pop("sync", None), opts.pop("kv_exchange", None) or "auto"
-    if "cost" in opts:  # a cost model built by the caller, shared across calls
-        return StepPricing(opts.pop("cost"), sync, exchange), strategy, opts
+    cost = opts.pop("cost", None)
+    if cost is not None:  # a cost model built by the caller, shared across calls
+        return StepPricing(cost, sync, exchange), strategy, opts
     built = StepPricing.build(
         args[0],
         pricing,
@@ -151,9 +152,13 @@ def _strategy_options(strategy: Strategy, opts: dict[str, Any]) -> Any:
     hdp_options = opts.pop("hdp_options", None)
     form = opts.pop("form", None)
     impl = opts.pop("hybridcp_impl", None)
-    if (form is not None or hdp_options is not None) and strategy.name != "hdp":
+    if (form not in (None, "free") or hdp_options is not None) and strategy.name != "hdp":
         raise TypeError("form= and hdp_options= apply to the hdp strategy only")
+    if strategy.name != "hdp":
+        form = None
     if hdp_options is not None:
+        if given is not None:
+            raise TypeError("pass the hdp strategy's options as options= or hdp_options=, not both")
         given = hdp_options
     changes = {}
     if form is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hdp.profile import KernelTables, ProfileError
+from hdp.profile import KernelTables, ProfileError, backend_name
 from hdp.specs import GPUProfile, gpu_profile
 
 STEP_RELEVANT_QUERIES = 512
@@ -119,7 +119,7 @@ def read_table(path: str | Path) -> list[Row]:
                 a=int(_field(path, line, r, "a", 1)),
                 b=int(_field(path, line, r, "b", 1)),
                 c=int(_field(path, line, r, "c", 1 if gemm else 0)),
-                backend=r.get("backend") or "torch_flash",
+                backend=backend_name(r.get("backend") or "torch_flash"),
                 seconds=_field(path, line, r, "ms", 0) / 1e3,
             )
         )
@@ -176,6 +176,7 @@ def check_main(args) -> int:
         print(f"hdp-calibrate: error: {e}", file=sys.stderr)
         return 2
     if args.backend:
+        args.backend = backend_name(args.backend)
         backends = sorted({r.backend for r in rows if r.kind != "gemm"})
         if args.backend not in backends:
             print(

@@ -62,9 +62,9 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend",
         choices=("auto", *BACKEND_NAMES),
         default="auto",
-        help="the attention kernels priced, from the GPU profile's rows measured with them: auto "
-        "(default: what training runs on that GPU: FlashAttention, the reference on a CPU "
-        "profile)",
+        help="the attention kernels priced, from the GPU profile's rows measured with them "
+        "(flash_attn: torch_flash's where it has none); auto (default): the profile's own, "
+        "what training runs by default (FlashAttention on GPUs, the reference on a CPU profile)",
     )
     g.add_argument(
         "--capacity",
@@ -99,12 +99,13 @@ CPU_RANKS_EXPECTED = 8
 def _pricing(args: argparse.Namespace, strategy: str | None = None) -> StepPricing:
     """The one pricing of the flags (``strategy``: the one strategy planned, if one)."""
     cluster, model = _specs(args)
-    backend = None if args.attention_backend == "auto" else args.attention_backend
-    if backend is not None and backend not in cluster.gpu.tables.attention_backends:
+    asked = args.attention_backend
+    backend = None if asked == "auto" else cluster.gpu.tables.rows_for(asked)
+    if asked != "auto" and backend is None:
         raise ValueError(
-            f"--attention-backend {backend}: the {cluster.gpu.name} profile has no attention "
-            f"rows for it (it has {', '.join(cluster.gpu.tables.attention_backends)}); measure "
-            "them with hdp-calibrate measure, or choose another"
+            f"--attention-backend {asked}: the {cluster.gpu.name} profile has no attention rows "
+            f"for it (it has {', '.join(cluster.gpu.tables.attention_backends)}); measure them "
+            "with hdp-calibrate measure, or choose another"
         )
     exchange = args.kv_exchange
     if strategy is not None and strategy != "hdp":

@@ -23,6 +23,14 @@ covered by the smaller height and smaller area of the two menu degrees around th
 :func:`step_bound` adds the parameter collectives and, in ``wave`` sync, takes the higher of it
 and :func:`shelf_bound`, which accounts for the token room of the longest sequences' waves.
 
+Note [Bounds price bytes, not messages]: the closed form counts a member's messages as its
+``d - 1`` partners plus one per K/V block it receives, while a plan's exchange
+(:meth:`hdp.Plan.exchange`) merges a member's adjacent pieces and may send fewer. A bound that
+charged the closed form's per-message latency could then exceed a plan: a 2049-token sequence of
+the tiny model split over 5 ranks ran 0.7% under it. So the entries bounds use (``Menu.bound_*``)
+price the K/V traffic by its bytes alone, which every zigzag split of the sequence must move,
+while hdp's own entries keep the latency that decides between its degrees.
+
 Note [Menus end at the floor]: every relaxation value is at least the packed work spread over
 the slots (:func:`menu_floor`), so below that height a job's height no longer matters, only its
 area, and past the first degree no taller than the floor the area only grows (a job's members
@@ -57,10 +65,13 @@ def split_times(
     parts: np.ndarray,
     sync: str = "peer",
     align: int | np.ndarray = 1,
+    latency: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
     job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
-    capacity offload the needed share of their activations (priced by the cost model)."""
+    capacity offload the needed share of their activations (priced by the cost model).
+    ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
+    bytes, not messages])."""
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = np.asarray(parts, dtype=np.int64)
     m, rpn = cost.model, cost.cluster.ranks_per_node
@@ -95,7 +106,7 @@ def split_times(
     traffic = KVTraffic(
         in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
     )
-    t_fwd, t_bwd = cost.comm_time_per_layer(traffic)
+    t_fwd, t_bwd = cost.comm_time_per_layer(traffic, latency)
     fs = cost.attn_fwd_share
     exposed = m.layers * (
         np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
@@ -180,7 +191,8 @@ class Menu:
     ``area``, ``most_tokens``: a member's figures as ``hdp`` splits the sequence (128-token blocks),
     the feasible degrees up to the fastest. ``bound_*``: for bounds over every strategy's plans,
     the degrees that either split can hold, each at the faster of hdp's split and the exact
-    zigzag split other strategies use, up to the fastest."""
+    zigzag split other strategies use, traffic priced by its bytes (Note [Bounds price bytes, not
+    messages]), up to the fastest."""
 
     degrees: np.ndarray
     height: np.ndarray
@@ -213,11 +225,15 @@ def length_menu(
         # blocks first and exactly where the blocks leave a member over the offload capacity.
         lengths = np.full(deg.size, length)
         blocked = blocks_fit(length, deg) & (not pow2)
-        h, a, most = split_times(cost, lengths, deg, sync, np.where(blocked, BLOCK_TOKENS, 1))
+        align = np.where(blocked, BLOCK_TOKENS, 1)
+        h, a, most = split_times(cost, lengths, deg, sync, align)
         over = blocked & ~use_blocks(length, deg, most, off_cap)
         if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
+        # The bound's entries: either split, by bytes alone.
+        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
+        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
         h, a, most = (
             np.where(over, h_exact, h),
             np.where(over, a_exact, a),
@@ -225,7 +241,7 @@ def length_menu(
         )
         if not exact_too:
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(h, h_exact), np.fmin(a, a_exact)))
+        return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(hb, he), np.fmin(ab, ae)))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))

@@ -80,15 +80,15 @@ class StepPricing:
 
     def exchange(self, strategy: Strategy, options: Any) -> str:
         """The K/V exchange ``strategy`` plans in: :attr:`kv_exchange`, where ``auto`` means
-        the strategy's own. TypeError where the strategy cannot run the one asked for."""
+        the strategy's own. ValueError where the strategy cannot run the one asked for."""
         allowed = strategy.exchanges(options)
         exchange = self.kv_exchange
         if exchange == "auto" and "auto" not in allowed:
             return allowed[0]
         if exchange not in allowed:
-            raise TypeError(
-                f"kv_exchange={exchange!r} does not apply to the {strategy.name} strategy: the "
-                f"baselines exchange K/V as their own systems do; choose {', '.join(allowed)}"
+            raise ValueError(
+                f"K/V exchange {exchange!r} does not apply to {strategy.name} plans "
+                f"({strategy.exchange_reason(options)}); choose {', '.join(allowed)}"
             )
         return exchange
 

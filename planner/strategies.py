@@ -18,7 +18,7 @@ from hdp import Plan
 
 from . import bytescale, flexsp, hybridcp, static
 from .common import Context
-from .dynamic import DynamicOptions, plan_dynamic
+from .dynamic import NATIVE_SYNC, DynamicOptions, plan_dynamic
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     summary: ClassVar[str]
-    native_sync: ClassVar[str] = "peer"
+    native_sync: ClassVar[str]  # the sync mode its system runs in, where memory allows
     Options: ClassVar[type] = NoOptions
 
     def offloads(self, options: Any) -> bool:
@@ -54,6 +54,10 @@ class Strategy(ABC):
     def exchanges(self, options: Any) -> tuple[str, ...]:
         """The K/V exchanges its plans may be priced in, its own first (what ``auto`` picks)."""
         return ("rank",)
+
+    def exchange_reason(self, options: Any) -> str:
+        """Why :meth:`exchanges` is all it supports, for error messages."""
+        return "a baseline exchanges K/V as its own system does"
 
     @abstractmethod
     def plan(self, ctx: Context, options: Any) -> Plan:
@@ -76,6 +80,7 @@ class Strategy(ABC):
 
 class Static(Strategy):
     name = "static"
+    native_sync = static.NATIVE_SYNC
     summary = "DP x CP mesh, one power-of-two CP size, zigzag (Megatron / TransformerEngine)"
 
     def plan(self, ctx: Context, options: NoOptions) -> Plan:
@@ -84,6 +89,7 @@ class Static(Strategy):
 
 class HybridCP(Strategy):
     name = "hybridcp"
+    native_sync = hybridcp.NATIVE_SYNC
     summary = "Megatron-LM hybrid_context_parallel with its BalancedCPScheduler"
     Options = HybridCPOptions
 
@@ -93,6 +99,7 @@ class HybridCP(Strategy):
 
 class ByteScale(Strategy):
     name = "bytescale"
+    native_sync = bytescale.NATIVE_SYNC
     summary = "ByteScale: whole short sequences, ceil(L / C) ranks for long ones, offload"
 
     def offloads(self, options: NoOptions) -> bool:
@@ -104,6 +111,7 @@ class ByteScale(Strategy):
 
 class FlexSP(Strategy):
     name = "flexsp"
+    native_sync = flexsp.NATIVE_SYNC
     summary = "FlexSP: MILP over power-of-two groups, DP length buckets, time limit"
 
     def exchanges(self, options: NoOptions) -> tuple[str, ...]:
@@ -117,6 +125,7 @@ class Dynamic(Strategy):
     """The project's own strategy (named ``hdp`` on every command line)."""
 
     name = "hdp"
+    native_sync = NATIVE_SYNC
     summary = (
         "ours: degrees from the malleable-job relaxation / MILP, 128-token zigzag blocks, "
         "node-aware placement, gap filling, offload"
@@ -129,6 +138,9 @@ class Dynamic(Strategy):
     def exchanges(self, options: DynamicOptions) -> tuple[str, ...]:
         # auto: Note [Node exchange] in hdp.exchange; Megatron's runtime exchanges per rank.
         return ("rank",) if options.form == "megatron" else ("auto", "rank", "node")
+
+    def exchange_reason(self, options: DynamicOptions) -> str:
+        return "in the megatron form, Megatron's runtime fetches K/V per rank"
 
     def plan(self, ctx: Context, options: DynamicOptions) -> Plan:
         return plan_dynamic(ctx, options)

@@ -8,9 +8,9 @@ planner-made plans of the standard workloads.
 GPU (``--gpu``): block-sharded varlen attention of one rank's blocks against one monolithic varlen
 FlashAttention call on the same tokens, and TFLOP/s by block size.
 GPU (``--backends``): every attention backend available here (cuDNN, ``flash_attn``, PyTorch's
-FlashAttention) side by side, forward and backward TFLOP/s, on the shard shapes of issue #16: 512-8K
-query tokens against 8K-262K earlier keys (full blocks) and causal diagonal blocks, alone and
-packed many to a call; plus the first call of a new shape (cuDNN builds a graph per shape).
+FlashAttention) side by side, forward and backward TFLOP/s, on the shard shapes dist_attn runs:
+512-8K query tokens against 8K-262K earlier keys (full blocks) and causal diagonal blocks, alone
+and packed many to a call; plus the first call of a new shape (cuDNN builds a graph per shape).
 
     python scripts/bench_attention.py --ranks 4 --tokens 16384
     python scripts/bench_attention.py --gpu

@@ -42,9 +42,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hdp import ClusterSpec, CostModel, Plan, gpu_profile, model_preset, parse_size  # noqa: E402
+from hdp import ClusterSpec, Plan, gpu_profile, model_preset, parse_size  # noqa: E402
 from hdp.workloads import get_workload  # noqa: E402
-from planner import plan_step  # noqa: E402
+from planner import StepPricing, plan_step  # noqa: E402
 
 
 def metrics_report(path: Path, skip: int) -> dict:
@@ -166,8 +166,8 @@ def attention_report(args) -> None:
         plan = plan_step(lens, cluster, model, "hdp", max_seq=w.max_seq)
         for kind, (rank, wave) in pick_ranks(plan).items():
             for name in args.backends.split(","):
-                cost = CostModel(model, cluster, activation_checkpointing=False,
-                                 attention_backend=name)  # fmt: skip
+                cost = StepPricing.build(model, cluster, activation_checkpointing=False,
+                                         attention_backend=name).cost  # fmt: skip
                 sl = plan.shard_slice(rank, wave)
                 predicted = float(cost.attn_time(plan.start[sl], plan.end[sl]).sum())
                 measured = time_rank(plan, rank, wave, model, get_backend(name),

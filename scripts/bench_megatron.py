@@ -1,5 +1,5 @@
 """Our Megatron scheduler (``dataloader.megatron.HDPScheduler``) against megatron-core's own
-``BalancedCPScheduler`` (issue #7), side by side on the same global batches.
+``BalancedCPScheduler``, side by side on the same global batches.
 
 For each standard workload and cluster size: both schedules priced by the one cost model as
 Megatron executes them (``megatron_plan``: one sub-sample per micro-batch, CP partners in lock
@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from dataloader.megatron import HDPScheduler, megatron_plan
-from hdp import ClusterSpec, CostModel, gpu_preset, model_preset
+from hdp import ClusterSpec, gpu_preset, model_preset
 from hdp.workloads import get_workload, workload_names
+from planner import StepPricing
 from planner.degrees import step_bound
 from planner.hybridcp import GroupOfSize
 
@@ -57,7 +58,8 @@ def main() -> None:
         w = get_workload(wl)
         for n in [int(x) for x in args.gpus.split(",")]:
             cluster = ClusterSpec(n, min(8, n), gpu_preset("h100"))
-            cap = CostModel(model_preset(args.model), cluster).capacity("peer")  # from memory
+            pricing = StepPricing.build(model_preset(args.model), cluster)
+            cap = pricing.cost.capacity("peer")  # from memory
             ours = HDPScheduler(cap, GroupOfSize(n), model=args.model)
             lens = w.sample_batch(
                 np.random.default_rng(args.seed), n * args.tokens_per_rank, min(w.max_seq, n * cap)

@@ -1,4 +1,4 @@
-r"""The planner's targets (issue #3), measured side by side in one run.
+r"""The planner's targets, measured side by side in one run.
 
 1. Quality: every strategy on the four standard workloads at several cluster sizes, for each
    model: step / simple lower bound, step / the planner's bound (``predicted["bound_s"]``), and

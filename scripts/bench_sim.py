@@ -88,10 +88,9 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
     zigzag splits can finish sooner, whatever the lower bound says."""
     import numpy as np
 
-    from hdp import CostModel
     from planner.degrees import split_times
 
-    cost = CostModel(model, cluster)
+    cost = StepPricing.build(model, cluster).cost
     cap = cost.capacity("peer")
     rng = np.random.default_rng(seed)
     out = []

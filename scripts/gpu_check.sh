@@ -73,7 +73,7 @@ if wanted tests; then
     tests/test_kernels.py tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
 fi
 # One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the auto-selected attention
-# backend in dist_attn (cuDNN on Hopper); then measured / predicted of every step (the target:
+# backend in dist_attn (FlashAttention); then measured / predicted of every step (the target:
 # 0.85-1.15 after the first two); then the plain packed-sequence loop (torch varlen flash, fused
 # AdamW, full checkpointing) on the same batches, its tokens/s and MFU printed beside hdp's.
 train() {  # train SEQ TOKENS WORKLOAD STEPS

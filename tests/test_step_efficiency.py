@@ -1,4 +1,4 @@
-"""The step's memory-bound work (issue #16 item 2) where it can be checked on CPU: batch copies,
+"""The step's memory-bound work where it can be checked on CPU: batch copies,
 the optimizer's fused kernel, and selective activation checkpointing."""
 
 from argparse import Namespace
