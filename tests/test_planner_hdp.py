@@ -16,7 +16,7 @@ from planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, s
 from planner.common import Context, zigzag_arrays
 from planner.degrees import relaxation_bound, split_times, step_bound, work_area
 from planner.dynamic import DynamicOptions, candidate_heights, milp
-from planner.dynamic.layout import num_waves_for
+from planner.dynamic.candidates import num_waves_for
 from planner.dynamic.place import place
 from planner.dynamic.shelves import shelf_candidates
 

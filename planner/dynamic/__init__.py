@@ -16,7 +16,7 @@ Read in this order:
 4. :mod:`.megatron` is the form Megatron's hybrid context parallelism executes.
 """
 
-from .layout import Candidate, Placement
+from .candidates import Candidate, Placement
 from .megatron import aligned_groups, plan_megatron_form
 from .options import DynamicOptions
 from .search import NATIVE_SYNC, CandidateSearch, candidate_heights, plan_dynamic

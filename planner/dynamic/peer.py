@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..common import Context, PlanningError, block_split
-from .layout import Candidate, Layout, pick_members
+from .candidates import Assignment, Candidate, pick_members
 
 
 @dataclass
@@ -30,7 +30,7 @@ class _Tail:
 
 def place_peer(
     ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candidate, polish_moves: int
-) -> Layout:
+) -> Assignment:
     """Keys order each rank's work: a multi-rank job placed ``k``-th has key ``(2k + 1) * S``;
     whole sequences in the gap before it ``2k * S + j``; the tail after a rank's last job
     ``(2 K + 2) * S + j`` (``S`` exceeds any count of single waves)."""
@@ -38,7 +38,9 @@ def place_peer(
     off_cap = ctx.offload_capacity
     stride = int(lens.size) + 2
     rank_load = np.zeros(n)
-    layout = Layout([], [], np.full(lens.size, -1, np.int64), np.full(lens.size, -1, np.int64))
+    assignment = Assignment(
+        [], [], np.full(lens.size, -1, np.int64), np.full(lens.size, -1, np.int64)
+    )
     gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job k) before job k on rank
     for k, i in enumerate(multi.tolist()):
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
@@ -50,27 +52,27 @@ def place_peer(
             if start - rank_load[r] > 0:
                 gaps.append((start - float(rank_load[r]), r, k))
         rank_load[members] = start + t
-        layout.job_members.append(members)
-        layout.job_key.append((2 * k + 1) * stride)
-    rest = _fill_gaps(ctx, layout, single, sorted(gaps), stride)
-    tail = _Tail([[] for _ in range(n)], rank_load, (2 * len(layout.job_members) + 2) * stride)
+        assignment.job_members.append(members)
+        assignment.job_key.append((2 * k + 1) * stride)
+    rest = _fill_gaps(ctx, assignment, single, sorted(gaps), stride)
+    tail = _Tail([[] for _ in range(n)], rank_load, (2 * len(assignment.job_members) + 2) * stride)
     # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
     heap = [(float(rank_load[r]), r) for r in range(n)]
     heapq.heapify(heap)
     for i in rest:
         _, r = heapq.heappop(heap)
-        layout.single_rank[i] = r
+        assignment.single_rank[i] = r
         rank_load[r] += ctx.packed_s[i]
-        layout.single_key[i] = tail.key + _first_fit(tail.waves[r], int(lens[i]), ctx.capacity)
+        assignment.single_key[i] = tail.key + _first_fit(tail.waves[r], int(lens[i]), ctx.capacity)
         heapq.heappush(heap, (float(rank_load[r]), r))
     if polish_moves and rest:
-        _polish(ctx, layout, tail, np.asarray(rest), polish_moves)
-    return layout
+        _polish(ctx, assignment, tail, np.asarray(rest), polish_moves)
+    return assignment
 
 
 def _fill_gaps(
     ctx: Context,
-    layout: Layout,
+    assignment: Assignment,
     single: np.ndarray,
     room: list[tuple[float, int, int]],
     stride: int,
@@ -88,7 +90,7 @@ def _fill_gaps(
         left, r, k = room.pop(j)
         waves = gap_waves.setdefault((r, k), [])
         slot = _first_fit(waves, int(ctx.seq_lens[i]), ctx.capacity)
-        layout.single_rank[i], layout.single_key[i] = r, 2 * k * stride + slot
+        assignment.single_rank[i], assignment.single_key[i] = r, 2 * k * stride + slot
         if left - t > 0:
             bisect.insort(room, (left - t, r, k))
     return rest
@@ -103,12 +105,12 @@ def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
     return k
 
 
-def _polish(ctx: Context, layout: Layout, tail: _Tail, ids: np.ndarray, moves: int) -> None:
+def _polish(ctx: Context, assignment: Assignment, tail: _Tail, ids: np.ndarray, moves: int) -> None:
     """Move tail sequences from the most to the least loaded rank while the maximum falls."""
     whole, load = ctx.packed_s, tail.rank_load
     by_rank: dict[int, list[int]] = {}
     for i in ids.tolist():
-        by_rank.setdefault(int(layout.single_rank[i]), []).append(i)
+        by_rank.setdefault(int(assignment.single_rank[i]), []).append(i)
     for _ in range(moves):
         hi = int(np.argmax(load))
         lo = int(np.argmin(load))
@@ -121,13 +123,13 @@ def _polish(ctx: Context, layout: Layout, tail: _Tail, ids: np.ndarray, moves: i
         if best is None:
             return
         L = int(ctx.seq_lens[best])
-        tail.waves[hi][int(layout.single_key[best] - tail.key)] -= L
+        tail.waves[hi][int(assignment.single_key[best] - tail.key)] -= L
         by_rank[hi].remove(best)
         by_rank.setdefault(lo, []).append(best)
         load[hi] -= whole[best]
         load[lo] += whole[best]
         slot = _first_fit(tail.waves[lo], L, ctx.capacity)
-        layout.single_rank[best], layout.single_key[best] = lo, tail.key + slot
+        assignment.single_rank[best], assignment.single_key[best] = lo, tail.key + slot
 
 
 def peer_levels(

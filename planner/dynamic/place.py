@@ -2,7 +2,8 @@
 
 Multi-rank jobs go first, tallest first, then the sequences that stay whole, slowest first
 (``wave`` sync: :mod:`.wave`; ``peer`` sync: :mod:`.peer`). Both placers return a
-:class:`~.layout.Layout` of sparse, ordered keys, which :func:`place` turns into waves and shards.
+:class:`~.candidates.Assignment` of sparse, ordered keys, which :func:`place` turns into waves
+and shards.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..common import Context, PlanBuilder, block_split
-from .layout import Candidate, Placement, jobs_and_singles
+from .candidates import Candidate, Placement, jobs_and_singles
 from .options import DynamicOptions
 from .peer import peer_levels, place_peer
 from .wave import place_two_tiers, place_wave
@@ -22,31 +23,37 @@ def place(ctx: Context, num_waves: int, cand: Candidate, options: DynamicOptions
     multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
     share = options.stack_share
     if ctx.sync == "wave" and cand.cheap_share is not None:
-        layout = place_two_tiers(ctx, num_waves, multi, single, cand, stacked_share=share)
+        assignment = place_two_tiers(ctx, num_waves, multi, single, cand, stacked_share=share)
     elif ctx.sync == "wave":
-        layout = place_wave(ctx, num_waves, multi, single, cand, stacked_share=share)
+        assignment = place_wave(ctx, num_waves, multi, single, cand, stacked_share=share)
     else:
-        layout = place_peer(ctx, multi, single, cand, options.polish_moves)
-    job_key = np.asarray(layout.job_key, dtype=np.int64)
-    single_key = layout.single_key[single]
+        assignment = place_peer(ctx, multi, single, cand, options.polish_moves)
+    job_key = np.asarray(assignment.job_key, dtype=np.int64)
+    single_key = assignment.single_key[single]
     if ctx.sync == "wave":  # the distinct keys in order are the waves
         uniq = np.unique(np.concatenate([job_key, single_key]))
         job_wave, single_wave = np.searchsorted(uniq, job_key), np.searchsorted(uniq, single_key)
     else:
         job_wave, single_wave = peer_levels(
-            ctx.num_ranks, layout.job_members, job_key, layout.single_rank[single], single_key
+            ctx.num_ranks,
+            assignment.job_members,
+            job_key,
+            assignment.single_rank[single],
+            single_key,
         )
     builder = PlanBuilder(ctx, "hdp")
     if multi.size:
         aligns = [block_split(int(lens[i]), int(cand.degree[i]), ctx.offload_capacity).align
                   for i in multi.tolist()]  # fmt: skip
-        builder.add_zigzag(multi, job_wave, layout.job_members, align=np.array(aligns, np.int64))
+        builder.add_zigzag(
+            multi, job_wave, assignment.job_members, align=np.array(aligns, np.int64)
+        )
     if single.size:
-        builder.add(single_wave, layout.single_rank[single], single, 0, lens[single])
+        builder.add(single_wave, assignment.single_rank[single], single, 0, lens[single])
     builder.offload_where_needed()
     builder.info = {
         "multi_rank_sequences": float(multi.size),
         "max_degree": float(cand.degree.max(initial=1)),
         "offloading_cells": float(len(builder.offload)),
     }
-    return Placement(builder.build(), layout.stacked_jobs)
+    return Placement(builder.build(), assignment.stacked_jobs)

@@ -2,7 +2,7 @@
 
 Note [The candidate families]
 -----------------------------
-A candidate is one degree per sequence (:class:`~.layout.Candidate`). The search places, in
+A candidate is one degree per sequence (:class:`~.assignment.Candidate`). The search places, in
 this order:
 
 1. *Heights*: the relaxation's degrees at a few heights (:func:`candidate_heights`). ``peer``
@@ -43,7 +43,7 @@ from hdp import Plan
 from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
 from . import milp
-from .layout import Candidate, num_waves_for
+from .candidates import Candidate, num_waves_for
 from .megatron import plan_megatron_form
 from .options import DynamicOptions
 from .place import place

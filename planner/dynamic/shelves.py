@@ -16,7 +16,7 @@ import numpy as np
 
 from ..common import Context
 from ..degrees import Relaxation
-from .layout import Candidate, jobs_and_singles
+from .candidates import Candidate, jobs_and_singles
 from .wave import place_wave_jobs
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from hdp import Plan
 
 from ..common import Context, PlanBuilder, block_split
-from .layout import Candidate, Layout, pick_members
+from .candidates import Assignment, Candidate, pick_members
 
 
 @dataclass
@@ -56,12 +56,12 @@ def place_wave(
     cand: Candidate,
     *,
     stacked_share: float,
-) -> Layout:
+) -> Assignment:
     """Multi-rank jobs, then whole sequences; keys are waves (``stacked_share``: see
     :func:`place_wave_jobs`)."""
     layer = place_wave_jobs(ctx, num_waves, multi, cand, stacked_share=stacked_share)
     single_rank, single_key = fill_waves(ctx, layer, single)
-    return Layout(layer.members, layer.wave, single_rank, single_key, layer.stacked)
+    return Assignment(layer.members, layer.wave, single_rank, single_key, layer.stacked)
 
 
 def place_two_tiers(
@@ -72,7 +72,7 @@ def place_two_tiers(
     cand: Candidate,
     *,
     stacked_share: float,
-) -> Layout:
+) -> Assignment:
     """The cheapest whole sequences per token (those that fill a cell's tokens long before its
     time) go to waves of their own after the rest, until the rest fits ``cand.cheap_share`` of
     the ranks' offload capacity in one wave, so the dense waves keep token room."""
@@ -83,17 +83,19 @@ def place_two_tiers(
     is_cheap = np.zeros(lens.size, dtype=bool)
     is_cheap[by_density[:n_cheap]] = True
     cheap_mask = is_cheap[single]  # ``single`` keeps its longest-first order in both tiers
-    layout = place_wave(
+    assignment = place_wave(
         ctx, num_waves, multi, single[~cheap_mask], cand, stacked_share=stacked_share
     )
     cheap = single[cheap_mask]
     if cheap.size:
         plain = Candidate(cand.degree, cand.job_time)
         tier = place_wave(ctx, 1, multi[:0], cheap, plain, stacked_share=stacked_share)
-        after = max(max(layout.job_key, default=-1), int(layout.single_key.max(initial=-1))) + 1
-        layout.single_rank[cheap] = tier.single_rank[cheap]
-        layout.single_key[cheap] = tier.single_key[cheap] + after
-    return layout
+        after = (
+            max(max(assignment.job_key, default=-1), int(assignment.single_key.max(initial=-1))) + 1
+        )
+        assignment.single_rank[cheap] = tier.single_rank[cheap]
+        assignment.single_key[cheap] = tier.single_key[cheap] + after
+    return assignment
 
 
 def place_wave_jobs(

@@ -1,4 +1,5 @@
-"""What the placers share: candidates, placements, layouts, and how a job picks its ranks."""
+"""What the placers share: candidates, placements, the assignment of work to ranks, and how a job
+picks its ranks."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Placement:
 
 
 @dataclass
-class Layout:
+class Assignment:
     """Where the placers put the work. Multi-rank jobs (in placement order): their members and
     keys; sequences placed whole (indexed by sequence, -1 where not placed): rank and key. Keys
     order the work: a wave index in ``wave`` sync, an order within each rank in ``peer`` sync."""
