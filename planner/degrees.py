@@ -231,9 +231,6 @@ def length_menu(
         if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
-        # The bound's entries: either split, by bytes alone.
-        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
-        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
         h, a, most = (
             np.where(over, h_exact, h),
             np.where(over, a_exact, a),
@@ -241,6 +238,9 @@ def length_menu(
         )
         if not exact_too:
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
+        # The bound's entries: either split, by bytes alone.
+        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
+        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
         return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(hb, he), np.fmin(ab, ae)))
 
     if pow2:
