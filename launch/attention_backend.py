@@ -18,22 +18,21 @@ def training_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def forced_attention_backend(args) -> str | None:
-    """The attention backend ``--attention-backend`` forces, or ``None`` (``auto``, or a caller
-    without the flag): the fastest for the device and dtype."""
-    name = getattr(args, "attention_backend", None)
+def forced_attention_backend(name: str | None) -> str | None:
+    """The attention backend ``--attention-backend name`` forces, or ``None`` (``auto``): the
+    fastest for the device and dtype."""
     return None if name in (None, "auto") else name
 
 
 def verify_attention_backend(
-    args, *, spec: ModelSpec, device: torch.device, log: Callable[[str], None]
+    name: str | None, *, spec: ModelSpec, device: torch.device, log: Callable[[str], None]
 ) -> str:
     """The attention backend the run trains on, checked against the reference on a small case of
-    the model's shape (Note [Checking a kernel before training on it]): ``--attention-backend``'s,
-    or the fastest that passes. Raises ValueError, one line saying why and what to use, when the
-    forced backend cannot run on ``device`` in the training dtype (bf16 autocast on CUDA, fp32 on
-    CPU)."""
-    name = forced_attention_backend(args)
+    the model's shape (Note [Checking a kernel before training on it]): ``name``, the one
+    ``--attention-backend`` forces, or the fastest that passes. Raises ValueError, one line saying
+    why and what to use, when the forced backend cannot run on ``device`` in the training dtype
+    (bf16 autocast on CUDA, fp32 on CPU)."""
+    name = forced_attention_backend(name)
     try:
         return verified_backend(
             name,
@@ -48,13 +47,13 @@ def verify_attention_backend(
         raise ValueError(f"--attention-backend {name}: {e}") from None
 
 
-def priced_attention_backend(args, device: torch.device, gpu: GPUProfile) -> str | None:
+def priced_attention_backend(name: str | None, device: torch.device, gpu: GPUProfile) -> str | None:
     """The attention rows of ``gpu``'s profile that price the kernels ``dist_attn`` will run here
-    (:meth:`hdp.profile.KernelTables.rows_for`), or ``None`` for the profile's own
-    backend: when the profile has no rows for them (a CPU run planned for a GPU preset) or the
-    forced backend cannot run (:func:`check_attention_backend` reports that)."""
+    (``name``: ``--attention-backend``; :meth:`hdp.profile.KernelTables.rows_for`), or ``None``
+    for the profile's own backend: when the profile has no rows for them (a CPU run planned for a
+    GPU preset) or the forced backend cannot run (:func:`check_attention_backend` reports that)."""
     try:
-        backend = resolve_backend(forced_attention_backend(args), device, training_dtype(device))
+        backend = resolve_backend(forced_attention_backend(name), device, training_dtype(device))
     except (ValueError, BackendUnavailable):
         return None
     return gpu.tables.rows_for(backend.name)

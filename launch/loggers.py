@@ -10,8 +10,13 @@ import importlib.util
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .resume import open_metrics
+
+if TYPE_CHECKING:
+    from .config import OutputConfig
 
 NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -43,23 +48,31 @@ def scalars(record: dict) -> dict[str, float]:
 class Loggers:
     """The metrics sinks of rank 0 (none elsewhere), written once per step."""
 
-    def __init__(self, args, start: int, setup: dict, log: Callable[[str], None]):
-        self._file = open_metrics(args.metrics, start, log)
+    def __init__(
+        self,
+        output: OutputConfig,
+        start: int,
+        setup: dict,
+        log: Callable[[str], None],
+        checkpoint_dir: Path | None = None,
+    ):
+        """``start``: the step the run resumes from; ``setup``: its fingerprint, W&B's config;
+        ``checkpoint_dir``: names the W&B run, so a resumed run continues its curves."""
+        self._file = open_metrics(output.metrics, start, log)
         self._tensorboard = self._wandb = None
-        if getattr(args, "tensorboard", None):
+        if output.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=str(args.tensorboard), purge_step=start + 1)
-            log(f"TensorBoard: tensorboard --logdir {args.tensorboard}")
-        if getattr(args, "wandb", None):
+            self._tensorboard = SummaryWriter(log_dir=str(output.tensorboard), purge_step=start + 1)
+            log(f"TensorBoard: tensorboard --logdir {output.tensorboard}")
+        if output.wandb:
             import wandb
 
-            # One W&B run per checkpoint folder, so a resumed run continues its curves.
-            folder = getattr(args, "checkpoint_dir", None)
+            folder = checkpoint_dir
             run_id = (
                 hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16] if folder else None
             )
-            self._wandb = wandb.init(project=args.wandb, id=run_id, config=setup, resume="allow")
+            self._wandb = wandb.init(project=output.wandb, id=run_id, config=setup, resume="allow")
 
     def write(self, record: dict) -> None:
         if self._file:

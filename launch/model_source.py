@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hdp import MODEL_PRESETS, ModelSpec, model_spec
 from hdp.hf_config import (
@@ -22,6 +22,9 @@ from hdp.hf_config import (
 )
 
 from .hf_weights import GENERATION_CONFIG, TOKENIZER_FILES, HFCheckpoint, open_checkpoint
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 DEFAULT_MODEL = "tiny"
 
@@ -61,40 +64,41 @@ class ModelSource:
         return files
 
 
-def model_source(args) -> ModelSource:
-    """The :class:`ModelSource` of ``pretrain.py``'s flags (``--model``, ``--init-from``,
-    ``--rope-theta``, ``--rope-scaling``, ``--tokenizer``). Raises ValueError with one line naming
-    the flag, file and field at fault."""
-    checkpoint = open_checkpoint(args.init_from) if args.init_from else None
+def model_source(model: ModelConfig, tokenizer: Path | None = None) -> ModelSource:
+    """The :class:`ModelSource` of the model's flags (``--model``, ``--init-from``,
+    ``--rope-theta``, ``--rope-scaling``) and ``--tokenizer``. Raises ValueError with one line
+    naming the flag, file and field at fault."""
+    checkpoint = open_checkpoint(model.init_from) if model.init_from else None
     config: dict[str, Any] | None = None
     if checkpoint is not None:
         spec, config = checkpoint.spec, checkpoint.config
-        if args.model is not None:
-            named = model_spec(args.model)
+        if model.name_or_config is not None:
+            named = model_spec(model.name_or_config)
             differ = shape_differences(named, spec, MODEL_FIELDS)
             if differ:
                 raise ValueError(
-                    f"--model {args.model} is not the model of --init-from {args.init_from} "
+                    f"--model {model.name_or_config} is not the model of "
+                    f"--init-from {model.init_from} "
                     f"({'; '.join(differ[:3])}): leave --model out, the checkpoint's config.json "
                     "sets the architecture (--rope-theta and --rope-scaling change its RoPE)"
                 )
-    elif args.model is not None and args.model not in MODEL_PRESETS:
-        file = Path(args.model)
+    elif model.name_or_config is not None and model.name_or_config not in MODEL_PRESETS:
+        file = Path(model.name_or_config)
         file = file / "config.json" if file.is_dir() else file
         config = read_config(file)
         spec = spec_from_config(config, name=file.resolve().parent.name, where=str(file))
     else:
-        spec = model_spec(args.model or DEFAULT_MODEL)
-    overridden = args.rope_theta is not None or args.rope_scaling is not None
+        spec = model_spec(model.name_or_config or DEFAULT_MODEL)
+    overridden = model.rope_theta is not None or model.rope_scaling is not None
     if overridden:
         spec = with_rope_overrides(
             spec,
-            theta=args.rope_theta,
-            scaling=args.rope_scaling,
+            theta=model.rope_theta,
+            scaling=model.rope_scaling,
             max_positions=(config or {}).get("max_position_embeddings"),
             where="--rope-scaling",
         )
-    tokenizer = tokenizer_file(args.tokenizer, checkpoint)
+    tokenizer = tokenizer_file(tokenizer, checkpoint)
     companions = companion_files(tokenizer, checkpoint)
     return ModelSource(spec, config, checkpoint, tokenizer, companions, overridden)
 

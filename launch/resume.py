@@ -21,9 +21,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import checkpoint
 from .checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    from .config import CheckpointingConfig, RunConfig
 
 
 @dataclass
@@ -40,37 +44,19 @@ class Resume:
     schedule: dict | None = None  # the learning-rate schedule saved (launch.schedule.Schedule)
 
 
-def fingerprint(args, sources: list, *, vocab: int, model: dict) -> dict:
+def fingerprint(config: RunConfig, sources: list, *, vocab: int, model: dict) -> dict:
     """The setup a checkpoint continues: ``model`` (:meth:`ModelSource.fingerprint
-    <launch.model_source.ModelSource.fingerprint>`), ``data``, ``planning`` and ``optimizer``
-    sections."""
-    return {
-        "model": model,
-        "data": {
-            "sources": [s.fingerprint() for s in sources],
-            "tokenizers": sorted({s.tokenizer.id for s in sources if hasattr(s, "tokenizer")}),
-            "weights": args.data_weights,
-            "vocab": vocab,
-            "tokens_per_step": args.tokens_per_step,
-            "max_seq": args.max_seq,
-            "seed": args.seed,
-            "truncate": args.truncate,
-        },
-        "planning": {
-            "strategy": args.strategy,
-            "sync": args.sync,
-            "capacity": args.capacity,
-            "activation_checkpointing": args.activation_checkpointing,
-            "kv_exchange": args.kv_exchange,
-            "gpus_per_node": args.gpus_per_node,  # as given: None follows torchrun's ranks
-        },
-        "optimizer": {
-            "lr": args.lr,
-            "warmup": args.warmup,
-            "weight_decay": args.weight_decay,
-            "grad_clip": args.grad_clip,
-        },
+    <launch.model_source.ModelSource.fingerprint>`), then the config's fields that define the run
+    (:meth:`RunConfig.fingerprint <launch.config.RunConfig.fingerprint>`: ``data``, ``planning``,
+    ``optimizer``), the data section with the sources read and the vocabulary."""
+    flags = config.fingerprint()
+    data = {
+        "sources": [s.fingerprint() for s in sources],
+        "tokenizers": sorted({s.tokenizer.id for s in sources if hasattr(s, "tokenizer")}),
+        "vocab": vocab,
+        **flags.pop("data"),
     }
+    return {"model": model, "data": data, **flags}
 
 
 def _flatten(obj, prefix: str = "") -> dict[str, object]:
@@ -120,13 +106,16 @@ def check_setup(saved: dict, now: dict, *, allow: bool, where: Path) -> bool:
     return not data
 
 
-def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
-    """The checkpoint this run continues, checked against its flags (a collective); ``None``
-    starts from step 0. Raises CheckpointError with the line to print otherwise."""
-    folder = args.checkpoint_dir
+def find_resume(
+    ck: CheckpointingConfig, steps: int, setup: dict, log: Callable[[str], None]
+) -> Resume | None:
+    """The checkpoint a run of ``steps`` steps continues, checked against its checkpointing flags
+    (a collective); ``None`` starts from step 0. Raises CheckpointError with the line to print
+    otherwise."""
+    folder = ck.dir
     if folder is None:
         return None
-    if not args.resume:
+    if not ck.resume:
         existing = checkpoint.existing(folder)
         if existing:
             raise CheckpointError(
@@ -135,7 +124,7 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
                 "directory"
             )
         return None
-    found = checkpoint.select(folder, step=args.resume_step)
+    found = checkpoint.select(folder, step=ck.resume_step)
     for line in found.warnings:
         log(line)
     if found.path is None:
@@ -143,13 +132,13 @@ def find_resume(args, setup: dict, log: Callable[[str], None]) -> Resume | None:
         return None
     meta = checkpoint.read_state(found.path)
     step = int(meta["step"])
-    if args.steps <= step:
+    if steps <= step:
         raise CheckpointError(
-            f"--steps {args.steps} is not above step {step}, where {found.path} resumes: "
+            f"--steps {steps} is not above step {step}, where {found.path} resumes: "
             "pass a larger --steps to train on"
         )
     keep_data = check_setup(
-        meta.get("fingerprint", {}), setup, allow=args.allow_changed_setup, where=found.path
+        meta.get("fingerprint", {}), setup, allow=ck.allow_changed_setup, where=found.path
     )
     if not keep_data:
         log(f"warning: the data changed since {found.path}: the data position starts afresh")

@@ -16,8 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hdp import plural
+
+if TYPE_CHECKING:
+    from .config import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,14 @@ class Schedule:
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def run_schedule(args, saved: dict | None, log: Callable[[str], None]) -> Schedule:
-    """This run's schedule from its flags and, when it resumes, the ``saved`` schedule
-    (``{"warmup", "decay_steps"}``), with one line for each choice a user would not assume."""
-    if args.lr_decay_steps is not None:
-        horizon = args.lr_decay_steps
+def run_schedule(
+    optimizer: OptimizerConfig, steps: int, saved: dict | None, log: Callable[[str], None]
+) -> Schedule:
+    """The schedule of a run of ``steps`` steps from its optimizer's flags and, when it resumes,
+    the ``saved`` schedule (``{"warmup", "decay_steps"}``), with one line for each choice a user
+    would not assume."""
+    if optimizer.lr_decay_steps is not None:
+        horizon = optimizer.lr_decay_steps
         if saved and saved["decay_steps"] != horizon:
             log(
                 f"the learning-rate decay now ends at step {horizon} (--lr-decay-steps), "
@@ -45,19 +52,19 @@ def run_schedule(args, saved: dict | None, log: Callable[[str], None]) -> Schedu
             )
     elif saved:
         horizon = saved["decay_steps"]
-        if args.steps > horizon:
+        if steps > horizon:
             log(
                 f"continuing the saved schedule: its decay ends at step {horizon}, and steps after "
                 "it train at 10% of --lr (pass --lr-decay-steps to decay to a later step)"
             )
     else:
-        horizon = args.steps
+        horizon = steps
     # A resumed run's warm-up is the one it ran (the flag is in the fingerprint): a moved
     # horizon must not start a warm-up again in the middle of a run.
-    warmup = min(saved["warmup"] if saved else args.warmup, horizon)
-    if warmup < args.warmup and not saved:
+    warmup = min(saved["warmup"] if saved else optimizer.warmup, horizon)
+    if warmup < optimizer.warmup and not saved:
         log(
-            f"warm-up of {plural(warmup, 'step')}, not --warmup {args.warmup}: it ends where "
+            f"warm-up of {plural(warmup, 'step')}, not --warmup {optimizer.warmup}: it ends where "
             f"the decay does, at step {horizon}"
         )
     return Schedule(warmup, horizon)

@@ -140,4 +140,18 @@ class Stopped:
         )
 
 
-__all__ = ["DEFAULT_SIGNALS", "StopOnSignal", "Stopped", "parse_signals"]
+def kill_point() -> tuple[int, int]:
+    """(rank, step) from ``HDP_KILL_AT=RANK:STEP``, for resilience tests: that rank SIGKILLs
+    itself in the middle of that step (after its forward/backward, before the optimizer step).
+    Raises ValueError naming the variable when it is not two integers."""
+    text = os.environ.get("HDP_KILL_AT", "").strip()
+    if not text:
+        return -1, -1
+    try:
+        kill_rank, kill_step = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"HDP_KILL_AT={text!r}: expected RANK:STEP, e.g. 1:5") from None
+    return kill_rank, kill_step
+
+
+__all__ = ["DEFAULT_SIGNALS", "StopOnSignal", "Stopped", "kill_point", "parse_signals"]

@@ -1,15 +1,14 @@
 """The training loop, read top to bottom in :func:`train`.
 
-Set-up is one function per part: the pricing (the one cost model), the data, the loader, the
-model with its techniques, the optimizer, and the restore of a checkpoint (``build_*`` and
-:func:`restore`).
+Set-up is one function per part (:mod:`launch.setup`): the pricing (the one cost model), the
+data, the loader, the model with its techniques, the optimizer; then the restore of a checkpoint
+(:func:`restore`).
 Each step runs :func:`train_step` and gathers what the ranks measured (:mod:`launch.metrics`).
 Then it writes one metrics record and checkpoints when due.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
@@ -25,26 +24,18 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from attention import COMM
 from dataloader import (
-    BatchStream,
     DataError,
     HDPDataLoader,
-    SyntheticSource,
-    load_tokenizer,
-    open_source,
 )
 from dataloader.loader import StepData
-from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
-from planner import PlanningError, StepPricing, get_strategy
+from hdp import CostModel
+from planner import PlanningError, get_strategy
 
 from . import checkpoint
-from .attention_backend import (
-    forced_attention_backend,
-    priced_attention_backend,
-    verify_attention_backend,
-)
 from .checkpoint import CheckpointError
+from .config import CheckpointingConfig, RunConfig
 from .loggers import Loggers, NoLoggers
-from .memory import PeakMemory, rank_profile
+from .memory import PeakMemory
 from .metrics import (
     Heartbeat,
     Predicted,
@@ -56,11 +47,20 @@ from .metrics import (
     step_line,
 )
 from .model import Llama
-from .model_source import ModelSource, model_source
+from .model_source import model_source
 from .resume import Resume, find_resume, fingerprint
-from .runtime import StepResult, run_waves, shard_model
+from .runtime import StepResult, run_waves
 from .schedule import Schedule, run_schedule
-from .stopping import StopOnSignal, Stopped
+from .setup import (
+    apply_optimizer_flags,
+    build_data,
+    build_loader,
+    build_model,
+    build_optimizer,
+    build_pricing,
+    resolve_auto,
+)
+from .stopping import StopOnSignal, Stopped, kill_point
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Totals:
 class Run:
     """Everything the step loop uses, built by :func:`train`."""
 
-    args: object
+    config: RunConfig
     rank: int
     world: int
     device: torch.device
@@ -96,51 +96,72 @@ class Run:
     stop: StopOnSignal
 
 
-def train(args, *, rank: int, world: int, per_node: int, device: torch.device) -> int:
-    """Train as the flags of ``pretrain.py`` say. Returns the exit code: 0 (also when stopped by
-    a signal, with the step in hand saved), 2 for a bad setup, 3 for a non-finite step."""
-    with StopOnSignal(args.exit_signal, rank=rank, device=device) as stop:
-        return _train(args, rank=rank, world=world, per_node=per_node, device=device, stop=stop)
+def train(
+    config: RunConfig,
+    *,
+    rank: int,
+    world: int,
+    per_node: int,
+    device: torch.device,
+    prog: str = "pretrain.py",
+) -> int:
+    """Train as ``config`` says. Returns the exit code: 0 (also when stopped by a signal, with
+    the step in hand saved), 2 for a bad setup (one line, ``prog: error: ...``), 3 for a
+    non-finite step."""
+    with StopOnSignal(config.training.exit_signals, rank=rank, device=device) as stop:
+        return _train(
+            config, rank=rank, world=world, per_node=per_node, device=device, stop=stop, prog=prog
+        )
 
 
 def _train(
-    args, *, rank: int, world: int, per_node: int, device: torch.device, stop: StopOnSignal
+    config: RunConfig,
+    *,
+    rank: int,
+    world: int,
+    per_node: int,
+    device: torch.device,
+    stop: StopOnSignal,
+    prog: str,
 ) -> int:
     log = rank0_log(rank)
+
+    def error(e: Exception) -> None:
+        log(f"{prog}: error: {e}")
+
     memory = PeakMemory(device)  # before anything big is built
     try:
-        source = model_source(args)
-        args = resolve_auto(
-            args, spec=source.spec, world=world, per_node=per_node, device=device, log=log
+        source = model_source(config.model, config.data.tokenizer)
+        config = resolve_auto(
+            config, spec=source.spec, world=world, per_node=per_node, device=device, log=log
         )
-    except ValueError as e:
-        log(f"pretrain.py: error: {e}")
-        return 2
-    pricing = build_pricing(args, spec=source.spec, world=world, per_node=per_node, device=device)
-    cost, spec, cluster = pricing.cost, pricing.model, pricing.cluster
-    try:
+        pricing = build_pricing(
+            config, spec=source.spec, world=world, per_node=per_node, device=device
+        )
+        cost, spec = pricing.cost, pricing.model
         # Every step plans in the sync mode the model is built for, the one --max-seq needs.
-        _, sync, cap = pricing.settle(get_strategy(args.strategy), args.max_seq)
+        _, sync, cap = pricing.settle(get_strategy(config.planning.strategy), config.data.max_seq)
         pricing = replace(pricing, sync=sync)
-        sources, stream = build_data(args, source, vocab=spec.vocab)
-        setup = fingerprint(args, sources, vocab=spec.vocab, model=source.fingerprint())
-        resume = find_resume(args, setup, log)
+        sources, stream = build_data(config, source, vocab=spec.vocab)
+        setup = fingerprint(config, sources, vocab=spec.vocab, model=source.fingerprint())
+        resume = find_resume(config.checkpointing, config.training.steps, setup, log)
         model = build_model(
-            args, cost=cost, sync=sync, device=device, source=source, resume=resume, log=log
+            config, cost=cost, sync=sync, device=device, source=source, resume=resume, log=log
         )
     except (PlanningError, DataError, ValueError, CheckpointError) as e:
-        log(f"pretrain.py: error: {e}")
+        error(e)
         return 2
-    loader = build_loader(args, sources=sources, stream=stream, pricing=pricing)
-    schedule = run_schedule(args, resume.schedule if resume else None, log)
-    optimizer, scheduler = build_optimizer(args, model=model, schedule=schedule)
+    loader = build_loader(config, sources=sources, stream=stream, pricing=pricing)
+    saved_schedule = resume.schedule if resume else None
+    schedule = run_schedule(config.optimizer, config.training.steps, saved_schedule, log)
+    optimizer, scheduler = build_optimizer(config.optimizer, model=model, schedule=schedule)
     run = Run(
-        args,
+        config,
         rank,
         world,
         device,
         cost,
-        source.hf_files(args.max_seq),
+        source.hf_files(config.data.max_seq),
         sources,
         loader,
         model,
@@ -154,50 +175,47 @@ def _train(
         stop,
     )
     start = restore(run, resume)
-    params = sum(p.numel() for p in model.parameters())
-    log(
-        f"{spec.name} ({spec.architecture}, RoPE {spec.rope.describe()}): "
-        f"{params / 1e6:.1f}M parameters on {world} x {device.type} "
-        f"({cluster.gpu.name} profile), {sync} sync, capacity {cap} tokens per rank per wave, "
-        f"strategy {args.strategy}, {args.tokens_per_step} tokens/step, max_seq {args.max_seq}"
+    log(run_line(run, sync=sync, capacity=cap))
+    log(data_line(sources, config.data.max_seq))
+    return run_all(run, start, error)
+
+
+def run_all(run: Run, start: int, error: Callable[[Exception], None]) -> int:
+    """Steps ``start + 1`` on with the run's loggers, and its last line; the exit code."""
+    config = run.config
+    loggers = (
+        Loggers(config.output, start, run.setup, run.log, config.checkpointing.dir)
+        if run.rank == 0
+        else NoLoggers()
     )
-    log(data_line(sources, args.max_seq))
-    loggers = Loggers(args, start, setup, log) if rank == 0 else NoLoggers()
     t_run = time.perf_counter()
     try:
         stopped = run_steps(run, start, loggers, t_run)
     except CheckpointError as e:
-        log(f"pretrain.py: error: {e}")
+        error(e)
         return 2
     except Diverged as e:
-        log(f"pretrain.py: error: {e}")
+        error(e)
         return 3
     finally:
-        loader.close()
+        run.loader.close()
         loggers.close()
     seconds = time.perf_counter() - t_run
-    log(stopped.line(args.checkpoint_dir) if stopped else done_line(run, start, seconds))
+    run.log(stopped.line(config.checkpointing.dir) if stopped else done_line(run, start, seconds))
     return 0
 
 
-def resolve_auto(
-    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device, log
-) -> argparse.Namespace:
-    """The flags with what their ``auto`` defaults resolve to here: the attention backend that
-    passed its first-use check (its kernels and its pricing alike), and activation checkpointing
-    where ``--max-seq`` needs it. Raises ValueError when a forced backend cannot run."""
-    backend = verify_attention_backend(args, spec=spec, device=device, log=log)
-    args = argparse.Namespace(**{**vars(args), "attention_backend": backend})
-    if args.activation_checkpointing is None:
-        args.activation_checkpointing = checkpointing_needed(
-            args, spec=spec, world=world, per_node=per_node, device=device
-        )
-        if args.activation_checkpointing:
-            log(
-                f"activation checkpointing on: --max-seq {args.max_seq} needs it on "
-                f"{plural(world, 'rank')}"
-            )
-    return args
+def run_line(run: Run, *, sync: str, capacity: int) -> str:
+    """The run's first line: the model, the ranks, and what the planner plans with."""
+    spec, config = run.cost.model, run.config
+    params = sum(p.numel() for p in run.model.parameters())
+    return (
+        f"{spec.name} ({spec.architecture}, RoPE {spec.rope.describe()}): "
+        f"{params / 1e6:.1f}M parameters on {run.world} x {run.device.type} "
+        f"({run.cost.cluster.gpu.name} profile), {sync} sync, capacity {capacity} tokens per rank "
+        f"per wave, strategy {config.planning.strategy}, {config.data.tokens_per_step} "
+        f"tokens/step, max_seq {config.data.max_seq}"
+    )
 
 
 def done_line(run: Run, start: int, seconds: float) -> str:
@@ -205,7 +223,7 @@ def done_line(run: Run, start: int, seconds: float) -> str:
     (resumes included): read = trained + skipped in sources, and what was truncated."""
     t, sources = run.totals, run.sources
     return (
-        f"done: steps {start + 1}-{run.args.steps} in {seconds:.1f} s; "
+        f"done: steps {start + 1}-{run.config.training.steps} in {seconds:.1f} s; "
         f"tokens trained {t.trained_tokens:,} (all steps), "
         f"skipped in sources {sum(s.skipped_tokens for s in sources):,} "
         f"({sum(s.skipped_documents for s in sources):,} documents), "
@@ -218,13 +236,15 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
     """Steps ``start + 1`` to ``--steps``: train, measure, log, checkpoint when due; after each
     step, stop with it saved when some rank received an exit signal. ``t_run``: when the run's
     steps began (``time.perf_counter``), for the ETA."""
-    args, cost, totals = run.args, run.cost, run.totals
+    training, cost, totals = run.config.training, run.cost, run.totals
+    grad_clip, log_every = run.config.optimizer.grad_clip, run.config.output.log_every
+    ck = run.config.checkpointing
     autocast = torch.bfloat16 if run.device.type == "cuda" else None
     kill_at = kill_point()
     received = run.stop.agreed()  # during set-up: nothing trained, nothing to save
     if received:
         return Stopped(received, start, saved=False, before_training=True)
-    for step_idx in range(start, args.steps):
+    for step_idx in range(start, training.steps):
         t0 = time.perf_counter()
         data = next(run.loader)
         if step_idx == start and run.rank == 0:
@@ -237,7 +257,7 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
                 model=run.model,
                 optimizer=run.optimizer,
                 scheduler=run.scheduler,
-                grad_clip=args.grad_clip,
+                grad_clip=grad_clip,
                 autocast=autocast,
                 kill=kill_at == (run.rank, step_idx + 1),
                 memory=run.memory,
@@ -264,19 +284,21 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
             vocab=cost.model.vocab,
         )
         loggers.write(record)
-        if (step_idx + 1) % args.log_every == 0 or not stepped:
+        if (step_idx + 1) % log_every == 0 or not stepped:
             done, elapsed = step_idx + 1 - start, time.perf_counter() - t_run
             run.log(
-                step_line(record, data, elapsed=elapsed, left=args.steps - start - done, done=done)
+                step_line(
+                    record, data, elapsed=elapsed, left=training.steps - start - done, done=done
+                )
             )
-        if not stepped and args.nan_policy == "stop":
+        if not stepped and training.nan_policy == "stop":
             raise Diverged(nonfinite_line(run, res, grad_norm, step_idx + 1))
         step = step_idx + 1
-        received = run.stop.agreed() if step < args.steps else None
-        if checkpoint_due(args, step) or (received and args.checkpoint_dir):
+        received = run.stop.agreed() if step < training.steps else None
+        if checkpoint_due(ck, training.steps, step) or (received and ck.dir):
             save_checkpoint(run, step)
         if received:
-            return Stopped(received, step, saved=bool(args.checkpoint_dir))
+            return Stopped(received, step, saved=bool(ck.dir))
     return None
 
 
@@ -291,7 +313,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         "fingerprint": run.setup,
     }
     path = checkpoint.save(
-        run.args.checkpoint_dir,
+        run.config.checkpointing.dir,
         step,
         run.model,
         run.optimizer,
@@ -304,45 +326,6 @@ def save_checkpoint(run: Run, step: int) -> None:
         run.log(f"saved {path} ({size / 1e6:,.1f} MB) in {time.perf_counter() - t0:.1f} s")
 
 
-def build_pricing(
-    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
-) -> StepPricing:
-    """The pricing of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
-    ``--gpu``, or the preset of the detected device), with the attention kernels that run."""
-    if device.type == "cpu" and spec.dtype_bytes != 4:
-        spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
-    if args.gpu_profile:
-        gpu = GPUProfile.load(args.gpu_profile)
-    else:
-        gpu = gpu_preset(args.gpu or detect_gpu(device))
-    gpu = rank_profile(gpu, device=device, local_ranks=per_node)
-    cluster = ClusterSpec(world, min(args.gpus_per_node or per_node, world), gpu)
-    return StepPricing.build(
-        spec,
-        cluster,
-        attention_backend=priced_attention_backend(args, device, gpu),
-        activation_checkpointing=args.activation_checkpointing,
-        capacity=args.capacity,
-        sync=args.sync,
-        # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
-        kv_exchange=args.kv_exchange if args.strategy == "hdp" else "rank",
-    )
-
-
-def checkpointing_needed(
-    args, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
-) -> bool:
-    """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
-    ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
-    without = argparse.Namespace(**{**vars(args), "activation_checkpointing": False})
-    pricing = build_pricing(without, spec=spec, world=world, per_node=per_node, device=device)
-    try:
-        pricing.settle(get_strategy(args.strategy), args.max_seq)
-    except PlanningError:
-        return True
-    return False
-
-
 def rank0_log(rank: int) -> Callable[[str], None]:
     """A ``print`` that only rank 0 does, flushed so torchrun's output interleaves in order."""
 
@@ -353,176 +336,18 @@ def rank0_log(rank: int) -> Callable[[str], None]:
     return log
 
 
-def detect_gpu(device: torch.device) -> str:
-    """The GPU preset that prices plans on ``device``: ``cpu`` off the GPU, ``h100`` if unknown."""
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for key, preset in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80g")):
-        if key in name:
-            return (
-                "a100-40g"
-                if preset == "a100-80g"
-                and torch.cuda.get_device_properties(device).total_memory < 50e9
-                else preset
-            )
-    return "h100"
-
-
-def build_sources(args, source: ModelSource, vocab: int) -> list:
-    """The ``--data`` sources (``text`` records read with the model source's tokenizer), or one
-    synthetic corpus with a workload's lengths."""
-    if args.data:
-        tok = load_tokenizer(source.tokenizer)
-        if source.tokenizer is not None and tok.vocab_size > vocab:
-            raise DataError(
-                f"tokenizer {source.tokenizer} has {tok.vocab_size} tokens, more than the "
-                f"model's vocabulary of {vocab}"
-            )
-        return [open_source(p, tok, vocab, args.skip_bad_records) for p in args.data]
-    return [SyntheticSource(args.workload or "wlb-128k", args.synthetic_docs, vocab, args.seed)]
-
-
-def build_data(args, source: ModelSource, *, vocab: int) -> tuple[list, BatchStream]:
-    """The sources and the stream of global batches drawn from them."""
-    sources = build_sources(args, source, vocab)
-    stream = BatchStream(
-        [s.lengths for s in sources],
-        args.tokens_per_step,
-        args.max_seq,
-        seed=args.seed,
-        weights=args.data_weights,
-        truncate=args.truncate,
-    )
-    return sources, stream
-
-
-def build_loader(
-    args, *, sources: list, stream: BatchStream, pricing: StepPricing
-) -> HDPDataLoader:
-    """The loader that plans each global batch and hands this rank its shards' tokens. Its plans
-    are priced by ``pricing``, what training runs (the attention backend verified, each rank's
-    memory, the sync mode the model is built for), so a plan is optimised for the kernels that
-    run and the metrics' two predictions come from one model."""
-    return HDPDataLoader(
-        sources,
-        stream,
-        pricing.cluster,
-        pricing.model,
-        args.strategy,
-        plan_ahead=args.plan_ahead,
-        pricing=pricing,
-    )
-
-
-def build_model(
-    args,
-    *,
-    cost: CostModel,
-    sync: str,
-    device: torch.device,
-    source: ModelSource | None = None,
-    resume: Resume | None = None,
-    log: Callable[[str], None] = print,
-) -> Llama:
-    """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked: random
-    weights (the same on every rank), or, with ``--init-from``, built on the meta device, sharded,
-    and filled from the checkpoint's files (Note [Loading a checkpoint into shards] in
-    launch/hf_weights.py; not read when a checkpoint of the run is resumed instead). Raises
-    :class:`launch.hf_weights.WeightsError` naming the file and tensor when the checkpoint does
-    not fit."""
-    checkpoint = source.checkpoint if source is not None else None
-    torch.manual_seed(args.seed)  # identical initial weights on every rank, sharded below
-    with torch.device("meta") if checkpoint is not None else nullcontext():
-        model = Llama(
-            cost.model,
-            activation_checkpointing=args.activation_checkpointing,
-            loss_chunk_tokens=cost.loss_chunk_tokens,
-            attention_backend=forced_attention_backend(args),
-            # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
-            # model's memory estimate assumes full checkpointing (absent flag: full).
-            keep_attention=getattr(args, "keep_attention", False),
-        )
-    if checkpoint is None:
-        model.to(device)
-    if args.compile:
-        apply_compile(model)
-    if dist.is_initialized():
-        shard_model(model, sync, mixed_precision=device.type == "cuda")
-    if checkpoint is not None:
-        model.materialize(device)
-        if resume is None:
-            t0 = time.perf_counter()
-            checkpoint.load_into(model)
-            files = len({t.file for t in checkpoint.tensors.values()})
-            log(
-                f"loaded {checkpoint.directory} ({files} weight files) in "
-                f"{time.perf_counter() - t0:.1f} s"
-            )
-    return model
-
-
-def apply_compile(model: Llama) -> None:
-    """``torch.compile`` each decoder layer's MLP. Attention runs eager: its P2P exchanges change
-    with every plan."""
-    for layer in model.layers:
-        layer.mlp.compile()
-
-
-def build_optimizer(args, *, model: Llama, schedule: Schedule) -> tuple[Optimizer, LRScheduler]:
-    """AdamW (fused on GPUs) and its learning-rate ``schedule``."""
-    params = list(model.parameters())
-    # One fused kernel per step instead of loops of elementwise kernels, where every parameter
-    # lives on a GPU (FSDP2's sharded parameters included); torch's default elsewhere.
-    fused = True if params and all(p.is_cuda for p in params) else None
-    optimizer = torch.optim.AdamW(
-        params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
-    return optimizer, scheduler
-
-
-def apply_optimizer_flags(args, optimizer: Optimizer, scheduler: LRScheduler) -> None:
-    """Make this run's flags, not the checkpoint's, set the learning rate and weight decay.
-
-    A checkpoint restores the optimizer's and schedule's saved ``lr``, ``initial_lr`` and
-    ``weight_decay``; :func:`launch.resume.check_setup` refused any change the user did not allow,
-    so what is applied here is either the same values or the ones allowed."""
-    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = args.lr
-        group["lr"] = args.lr * factor
-        group["weight_decay"] = args.weight_decay
-    scheduler.base_lrs = [args.lr] * len(optimizer.param_groups)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
-
 def restore(run: Run, resume: Resume | None) -> int:
     """Load the checkpoint :func:`find_resume` chose into the run; returns the step to start
     from (0 without one)."""
     if resume is None:
         return 0
     checkpoint.load(resume.path, run.model, run.optimizer, run.scheduler)
-    apply_optimizer_flags(run.args, run.optimizer, run.scheduler)
+    apply_optimizer_flags(run.config.optimizer, run.optimizer, run.scheduler)
     if resume.data_state is not None:
         run.loader.load_state_dict(resume.data_state)
     run.totals = Totals(resume.trained_tokens, resume.truncated_tokens, resume.skipped_updates)
     run.log(f"resumed from {resume.path} at step {resume.step}")
     return resume.step
-
-
-def kill_point() -> tuple[int, int]:
-    """(rank, step) from ``HDP_KILL_AT=RANK:STEP``, for resilience tests: that rank SIGKILLs
-    itself in the middle of that step (after its forward/backward, before the optimizer step).
-    Raises ValueError naming the variable when it is not two integers."""
-    text = os.environ.get("HDP_KILL_AT", "").strip()
-    if not text:
-        return -1, -1
-    try:
-        kill_rank, kill_step = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ValueError(f"HDP_KILL_AT={text!r}: expected RANK:STEP, e.g. 1:5") from None
-    return kill_rank, kill_step
 
 
 def train_step(
@@ -580,8 +405,7 @@ def nonfinite_line(run: Run, res: StepResult, grad_norm: float, step: int) -> st
     )
 
 
-def checkpoint_due(args, step: int) -> bool:
-    """Whether to checkpoint after ``step``: every ``--save-every`` steps and at the end."""
-    return bool(args.checkpoint_dir) and (
-        bool(args.save_every and step % args.save_every == 0) or step == args.steps
-    )
+def checkpoint_due(ck: CheckpointingConfig, steps: int, step: int) -> bool:
+    """Whether to checkpoint after ``step`` of ``steps``: every ``--save-every`` steps and at the
+    end."""
+    return bool(ck.dir) and (bool(ck.save_every and step % ck.save_every == 0) or step == steps)

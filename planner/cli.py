@@ -22,7 +22,7 @@ from hdp import (
 from hdp.argtypes import MAX_RANKS, command, integer, model, output_file, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
-from . import STRATEGIES, PlanningError, StepPricing, plan_and_evaluate
+from . import STRATEGIES, PlanningError, StepPricing, get_strategy, plan_and_evaluate
 from .strategies import add_option_flags, options_from_flags
 
 # Sizes and counts of 0 are refused, not read as "the default": every flag is checked as given.
@@ -107,17 +107,15 @@ def _pricing(args: argparse.Namespace, strategy: str | None = None) -> StepPrici
             f"for it (it has {', '.join(cluster.gpu.tables.attention_backends)}); measure them "
             "with hdp-calibrate measure, or choose another"
         )
-    exchange = args.kv_exchange
-    if strategy is not None and strategy != "hdp":
-        exchange = "auto"  # the baselines exchange K/V as their own systems do
-    return StepPricing.build(
+    pricing = StepPricing.build(
         model,
         cluster,
         attention_backend=backend,
         capacity=args.capacity,
         sync=args.sync,
-        kv_exchange=exchange,
+        kv_exchange=args.kv_exchange,
     )
+    return pricing if strategy is None else pricing.for_strategy(get_strategy(strategy))
 
 
 def _specs(args: argparse.Namespace) -> tuple[ClusterSpec, object]:

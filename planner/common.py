@@ -6,9 +6,9 @@ Token counts are ints; times are seconds from the one :class:`hdp.CostModel`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -261,3 +261,9 @@ class PlanBuilder:
             kv_exchange=self.ctx.cost.kv_exchange,
             ranks_per_node=self.ctx.ranks_per_node,
         )
+
+
+def option_flag(default: str, *, flag: str, choices: tuple[str, ...], help: str) -> Any:
+    """A strategy option that is also a command-line flag of ``hdp-sim`` and ``hdp-plan``
+    (:func:`planner.strategies.add_option_flags`)."""
+    return field(default=default, metadata={"flag": flag, "choices": choices, "help": help})

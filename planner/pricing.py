@@ -5,7 +5,7 @@ metrics row's predictions come from the model that made the plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from hdp import ClusterSpec, CostModel, ModelSpec
@@ -77,6 +77,15 @@ class StepPricing:
     @property
     def cluster(self) -> ClusterSpec:
         return self.cost.cluster
+
+    def for_strategy(self, strategy: Strategy, baseline_exchange: str = "auto") -> StepPricing:
+        """The pricing ``strategy`` plans with: this one where the K/V exchange asked for applies
+        to it (:attr:`Strategy.takes_kv_exchange`), else this one with ``baseline_exchange``
+        (``auto``: the baseline's own; training passes ``rank``, the P2P exchange ``dist_attn``
+        runs)."""
+        if strategy.takes_kv_exchange:
+            return self
+        return replace(self, kv_exchange=baseline_exchange)
 
     def exchange(self, strategy: Strategy, options: Any) -> str:
         """The K/V exchange ``strategy`` plans in: :attr:`kv_exchange`, where ``auto`` means

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,12 +80,8 @@ def simulate(
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
     cost, options = pricing.cost, options or {}
-    # The K/V exchange asked for is hdp's; the baselines exchange K/V as their systems do.
-    priced = {
-        n: pricing if n == "hdp" else replace(pricing, kv_exchange="auto") for n in strategies
-    }
-    for name in strategies:
-        get_strategy(name)  # an unknown name fails before any planning
+    # An unknown name fails before any planning.
+    priced = {n: pricing.for_strategy(get_strategy(n)) for n in strategies}
     rng = np.random.default_rng(seed)
     results = {s: StrategyResult(s) for s in strategies}
     t_start = time.perf_counter()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
 from hdp import Plan
 
 from . import bytescale, flexsp, hybridcp, static
-from .common import Context
+from .common import Context, option_flag
 from .dynamic import NATIVE_SYNC, DynamicOptions, plan_dynamic
 
 
@@ -28,14 +28,12 @@ class NoOptions:
 
 @dataclass(frozen=True)
 class HybridCPOptions:
-    implementation: str = field(
-        default="auto",
-        metadata={
-            "flag": "--hybridcp-impl",
-            "choices": ("auto", "megatron", "ours"),
-            "help": "hybridcp scheduler: megatron-core's own (auto when installed) or our "
-            "identical re-implementation",
-        },
+    implementation: str = option_flag(
+        "auto",
+        flag="--hybridcp-impl",
+        choices=("auto", "megatron", "ours"),
+        help="hybridcp scheduler: megatron-core's own (auto when installed) or our identical "
+        "re-implementation",
     )
 
 
@@ -46,6 +44,9 @@ class Strategy(ABC):
     summary: ClassVar[str]
     native_sync: ClassVar[str]  # the sync mode its system runs in, where memory allows
     Options: ClassVar[type] = NoOptions
+    # Whether a K/V exchange asked for (--kv-exchange) applies to its plans; a baseline
+    # exchanges K/V as its own system does.
+    takes_kv_exchange: ClassVar[bool] = False
 
     def offloads(self, options: Any) -> bool:
         """Whether a rank may hold more than the capacity by offloading activations."""
@@ -126,6 +127,7 @@ class Dynamic(Strategy):
 
     name = "hdp"
     native_sync = NATIVE_SYNC
+    takes_kv_exchange = True
     summary = (
         "ours: degrees from the malleable-job relaxation / MILP, 128-token zigzag blocks, "
         "node-aware placement, gap filling, offload"

@@ -25,11 +25,11 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 def _rank(rank: int, world: int, argv: list[str]) -> None:
     import torch
 
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
     from launch.train import train
 
     torch.set_num_threads(1)
-    train(parse_args(argv), rank=rank, world=world, per_node=world, device=torch.device("cpu"))
+    train(parse_config(argv), rank=rank, world=world, per_node=world, device=torch.device("cpu"))
 
 
 def main() -> int:

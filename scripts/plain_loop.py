@@ -35,7 +35,7 @@ from hdp import MODEL_PRESETS, ClusterSpec, gpu_preset, model_preset  # noqa: E4
 from hdp.argtypes import choice, input_file, integer, number, size  # noqa: E402
 from hdp.workloads import workload_names  # noqa: E402
 from launch.model import Attention, Llama  # noqa: E402
-from launch.train import detect_gpu  # noqa: E402
+from launch.setup import detect_gpu  # noqa: E402
 from planner import StepPricing  # noqa: E402
 
 WARMUP_STEPS = 2  # steps left out of the summary (allocator and kernel warm-up)

@@ -193,7 +193,7 @@ def run_export(argv: list[str]) -> subprocess.CompletedProcess:
 def train_in_process(argv: list[str]) -> None:
     """``pretrain.py`` with ``argv`` as one rank without a process group."""
     import launch.train as lt
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
 
-    args = parse_args(argv)
+    args = parse_config(argv)
     assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0

@@ -4,13 +4,13 @@ a changed setup, a --steps it has passed, and a folder it cannot read."""
 
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from launch import checkpoint
 from launch.checkpoint import CheckpointError
+from launch.config import CheckpointingConfig
 from launch.resume import check_setup, find_resume, open_metrics
 
 # DCP's note that it saves and loads in one process, as these tests mean it to.
@@ -212,42 +212,41 @@ def test_saving_over_a_damaged_checkpoint_keeps_it_aside(ck, capsys):
     assert "step_00000004.damaged2 (file" in line and "does not match its checksum" in line, line
 
 
-def _args(ck, **kw):
-    base = dict(
-        checkpoint_dir=ck, resume=True, resume_step=None, steps=10, allow_changed_setup=False
-    )
-    return SimpleNamespace(**{**base, **kw})
+def _args(ck, steps=10, **kw):
+    """(the checkpointing section of ``--checkpoint-dir ck --resume``, with ``kw``), ``steps``."""
+    base = dict(dir=ck, save_every=0, resume=True, resume_step=None, allow_changed_setup=False)
+    return CheckpointingConfig(**{**base, **kw}), steps
 
 
 def test_find_resume_continues_the_accounting(ck):
     lines = []
-    res = find_resume(_args(ck), SETUP, lines.append)
+    res = find_resume(*_args(ck), SETUP, lines.append)
     assert res.step == 4 and res.trained_tokens == 400 and res.data_state == {"step": 4}
     assert lines == []
 
 
 def test_a_fresh_run_refuses_a_folder_with_checkpoints(ck):
     with pytest.raises(CheckpointError, match="already holds checkpoints .*pass --resume"):
-        find_resume(_args(ck, resume=False), SETUP, print)
+        find_resume(*_args(ck, resume=False), SETUP, print)
 
 
 @pytest.mark.parametrize("steps", [3, 4])
 def test_steps_at_or_below_the_resumed_step_is_an_error(ck, steps):
     with pytest.raises(CheckpointError, match=f"--steps {steps} is not above step 4"):
-        find_resume(_args(ck, steps=steps), SETUP, print)
+        find_resume(*_args(ck, steps=steps), SETUP, print)
 
 
 def test_a_changed_setup_is_refused_unless_allowed(ck):
     data = {**SETUP, "data": {"seed": 1}}
     with pytest.raises(CheckpointError, match=r"data.seed: 0 -> 1\): restore it, or pass --allow"):
-        find_resume(_args(ck), data, print)
+        find_resume(*_args(ck), data, print)
     lines = []
-    res = find_resume(_args(ck, allow_changed_setup=True), data, lines.append)
+    res = find_resume(*_args(ck, allow_changed_setup=True), data, lines.append)
     assert res.step == 4 and res.data_state is None and "data position starts afresh" in lines[0]
     planning = {**SETUP, "planning": {"strategy": "static"}}
     with pytest.raises(CheckpointError, match="planning.strategy: 'hdp' -> 'static'"):
-        find_resume(_args(ck), planning, print)
-    res = find_resume(_args(ck, allow_changed_setup=True), planning, print)
+        find_resume(*_args(ck), planning, print)
+    res = find_resume(*_args(ck, allow_changed_setup=True), planning, print)
     assert res.data_state == {"step": 4}  # the data did not change: its position is kept
     model = {**SETUP, "model": {"model": "llama-1b"}}
     with pytest.raises(CheckpointError, match="holds another model"):
@@ -259,30 +258,30 @@ def test_a_changed_optimizer_is_refused_unless_allowed(ck):
     _save(ck, 6, saved)
     now = {**SETUP, "optimizer": {"lr": 1e-4, "warmup": 10}}
     with pytest.raises(CheckpointError, match=r"optimizer.lr: 0.0003 -> 0.0001\): restore it"):
-        find_resume(_args(ck), now, print)
-    res = find_resume(_args(ck, allow_changed_setup=True), now, print)
+        find_resume(*_args(ck), now, print)
+    res = find_resume(*_args(ck, allow_changed_setup=True), now, print)
     assert res.step == 6 and res.data_state == {"step": 6}
     # The checkpoints of steps 2 and 4 predate the optimizer section: it is not compared.
     os.rename(ck / "step_00000006", ck.parent / "kept_step_6")
-    assert find_resume(_args(ck), now, print).step == 4
+    assert find_resume(*_args(ck), now, print).step == 4
 
 
 def test_resume_step_picks_that_checkpoint_when_nothing_newer_is_valid(ck):
     with pytest.raises(CheckpointError, match=r"holds newer checkpoints \(step_00000004\) that"):
-        find_resume(_args(ck, resume_step=2), SETUP, print)
+        find_resume(*_args(ck, resume_step=2), SETUP, print)
     os.rename(ck / "step_00000004", ck.parent / "kept_step_4")
-    res = find_resume(_args(ck, resume_step=2), SETUP, print)
+    res = find_resume(*_args(ck, resume_step=2), SETUP, print)
     assert res.step == 2 and res.path == ck / "step_00000002"
 
 
 def test_resume_step_refuses_a_missing_or_damaged_one_without_falling_back(ck):
     with pytest.raises(CheckpointError, match=r"no step_00000003 in .*step_00000004, step_000"):
-        find_resume(_args(ck, resume_step=3), SETUP, print)
+        find_resume(*_args(ck, resume_step=3), SETUP, print)
     _flip_a_byte(ck / "step_00000004")
     with pytest.raises(CheckpointError, match="step_00000004 is damaged .*checksum"):
-        find_resume(_args(ck, resume_step=4), SETUP, print)
+        find_resume(*_args(ck, resume_step=4), SETUP, print)
     # A damaged newer checkpoint is no obstacle: saving moves it aside.
-    assert find_resume(_args(ck, resume_step=2), SETUP, print).step == 2
+    assert find_resume(*_args(ck, resume_step=2), SETUP, print).step == 2
 
 
 def test_metrics_rows_of_redone_steps_are_replaced(tmp_path):

@@ -474,47 +474,43 @@ def test_the_model_runs_the_backend_it_is_given(monkeypatch):
 
 
 def test_training_refuses_a_forced_backend_that_cannot_run():
-    from argparse import Namespace
-
     from hdp import model_preset
     from launch.attention_backend import forced_attention_backend, verify_attention_backend
 
     def verify(name):
-        args = Namespace(attention_backend=name)
-        return verify_attention_backend(args, spec=tiny, device=torch.device("cpu"), log=print)
+        return verify_attention_backend(name, spec=tiny, device=torch.device("cpu"), log=print)
 
     tiny = model_preset("tiny")
-    assert forced_attention_backend(Namespace()) is None  # callers without the flag
-    assert forced_attention_backend(Namespace(attention_backend="auto")) is None
+    assert forced_attention_backend(None) is None
+    assert forced_attention_backend("auto") is None
     assert verify("reference") == verify("auto") == "reference"
     with pytest.raises(ValueError, match="--attention-backend cudnn: .* use 'auto' or 'reference'"):
         verify("cudnn")
 
 
 def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
-    from argparse import Namespace
-
     from hdp import gpu_preset
     from launch.attention_backend import priced_attention_backend
 
     cpu, h100 = torch.device("cpu"), gpu_preset("h100")
-    assert priced_attention_backend(Namespace(), cpu, gpu_preset("cpu")) == "reference"
-    assert priced_attention_backend(Namespace(), cpu, h100) is None  # no reference rows: default
+    assert priced_attention_backend("auto", cpu, gpu_preset("cpu")) == "reference"
+    assert priced_attention_backend("auto", cpu, h100) is None  # no reference rows: default
     _fresh(monkeypatch)  # a Hopper GPU where cuDNN's ops run too
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: None)
     cuda = torch.device("cuda")
-    assert priced_attention_backend(Namespace(), cuda, h100) == "torch_flash"
-    forced = Namespace(attention_backend="cudnn")
-    assert priced_attention_backend(forced, cuda, h100) == "cudnn"
+    assert priced_attention_backend("auto", cuda, h100) == "torch_flash"
+    assert priced_attention_backend("cudnn", cuda, h100) == "cudnn"
 
 
 def test_pretrain_flag(capsys):
-    from launch.pretrain import main, parse_args
+    from launch.cli import main
+    from launch.config import parse_config
 
-    assert parse_args([]).attention_backend == "auto"
-    assert parse_args(["--attention-backend", "reference"]).attention_backend == "reference"
+    assert parse_config([]).training.attention_backend == "auto"
+    chosen = parse_config(["--attention-backend", "reference"]).training.attention_backend
+    assert chosen == "reference"
     with pytest.raises(SystemExit):
-        parse_args(["--attention-backend", "xformers"])
+        parse_config(["--attention-backend", "xformers"])
     assert (
         "unknown attention backend 'xformers': choose from auto, flash_attn"
         in capsys.readouterr().err

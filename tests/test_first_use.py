@@ -89,11 +89,11 @@ def test_a_forced_backend_is_kept_with_a_warning(fakes, monkeypatch):
 
 
 def test_training_runs_on_the_backend_that_passed(fakes, tmp_path, capsys):
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
     from launch.train import train
 
     fakes.update(flash_attn=WrongGradients("flash_attn"), cudnn=Named("cudnn"))
-    args = parse_args(
+    args = parse_config(
         ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps", "1"]
     )
     assert train(args, rank=0, world=1, per_node=1, device=CPU) == 0

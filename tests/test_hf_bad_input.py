@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from hf_models import run_export, train_in_process, write_checkpoint, write_corpus  # noqa: E402
 
-from launch.pretrain import parse_args  # noqa: E402
+from launch.config import parse_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def _copy(good: Path, tmp_path: Path) -> Path:
 
 def _error(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
-        parse_args(argv)
+        parse_config(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -181,7 +181,7 @@ def test_init_from_flags_that_do_not_fit_are_refused(good, tmp_path, capsys):
     line = _error(["--init-from", str(good), "--rope-scaling", '{"rope_type": "yarn"}'], capsys)
     assert "rope_type 'yarn' needs 'factor'" in line
     # the same shape by its config.json is allowed, and sets nothing new
-    parse_args(["--init-from", str(good), "--model", str(good / "config.json")])
+    parse_config(["--init-from", str(good), "--model", str(good / "config.json")])
 
 
 def test_a_bad_checkpoint_trains_nothing(good, tmp_path):

@@ -45,7 +45,7 @@ def _train_kinds(rank, world, dirs, corpus, capacity, out):
     """Step 1 of ``--init-from`` training of every checkpoint: rank 0 saves the loss, the widest
     split of a document, and the full gradients (taken just before the optimizer steps)."""
     import launch.train as lt
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
 
     orig_optimizer, orig_step = lt.build_optimizer, lt.train_step
     seen = {}
@@ -73,7 +73,7 @@ def _train_kinds(rank, world, dirs, corpus, capacity, out):
         if capacity:
             argv += ["--capacity", capacity]
         seen["grads"] = {}
-        args = parse_args(argv)
+        args = parse_config(argv)
         assert (
             lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 0
         )
@@ -248,9 +248,9 @@ def test_resuming_an_init_from_run_continues_it(models, tmp_path, capsys):
     )
     assert split == straight
     import launch.train as lt
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
 
-    args = parse_args([*base, *ck, "--steps", "4", "--resume", "--rope-theta", "2e6"])
+    args = parse_config([*base, *ck, "--steps", "4", "--resume", "--rope-theta", "2e6"])
     assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 2
     assert (
         "holds another model (rope.rope_theta: 1000000.0 -> 2000000.0)" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from launch import loggers
-from launch.pretrain import parse_args
+from launch.config import parse_config
 from launch.train import train
 
 RUN = ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps", "2"]
@@ -19,7 +19,7 @@ RUN = ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps
 
 def run(argv, tmp_path) -> list[dict]:
     metrics = tmp_path / "m.jsonl"
-    args = parse_args(RUN + ["--metrics", str(metrics)] + argv)
+    args = parse_config(RUN + ["--metrics", str(metrics)] + argv)
     assert train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -73,7 +73,7 @@ def test_wandb_gets_every_step_when_installed(tmp_path, monkeypatch):
 def test_a_logger_without_its_package_is_one_line(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(loggers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit) as e:
-        parse_args([flag, value])
+        parse_config([flag, value])
     assert e.value.code == 2
     package = flag.removeprefix("--")
     line = capsys.readouterr().err.strip().splitlines()[-1]

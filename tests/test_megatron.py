@@ -121,7 +121,7 @@ def test_megatron_group_sizes_are_the_groups_megatron_builds(monkeypatch):
     """Megatron's own group construction, with its process-group factory recording the ranks."""
     import megatron.core.parallel_state as ps
 
-    from planner.dynamic.megatron import megatron_blocks, megatron_group_sizes
+    from planner.dynamic.megatron import megatron_cp_groups, megatron_group_sizes
 
     built: list[list[int]] = []
     monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: built.append(list(ranks)))
@@ -129,11 +129,11 @@ def test_megatron_group_sizes_are_the_groups_megatron_builds(monkeypatch):
         built.clear()
         ps.create_hybrid_dp_cp_groups(0, list(range(n)), None)
         ours = {
-            tuple(b) for k in megatron_group_sizes(n) if 1 < k < n for b in megatron_blocks(n, k)
+            tuple(b) for k in megatron_group_sizes(n) if 1 < k < n for b in megatron_cp_groups(n, k)
         }
-        # Megatron also builds each size's trailing partial block (ranks 16-21 of 22 as the
-        # "group of 8" there); hdp uses only blocks whose size is what it asks for, and a
-        # power-of-two partial block is an aligned block of a smaller size.
+        # Megatron also builds each size's trailing partial group (ranks 16-21 of 22 as the
+        # "group of 8" there); hdp uses only groups whose size is what it asks for, and a
+        # power-of-two partial group is an aligned group of a smaller size.
         assert ours == {tuple(r) for r in built if len(r) & (len(r) - 1) == 0}, n
         assert megatron_group_sizes(n)[-1] == n
 

@@ -12,7 +12,7 @@ from distributed import run_ranks
 from hf_models import VOCAB, train_in_process, write_checkpoint, write_corpus
 
 import launch.train as lt
-from launch.pretrain import parse_args
+from launch.config import parse_config
 
 # --lr 1e6 makes tiny's loss overflow within a few steps.
 DIVERGE = ["--model", "tiny", "--tokens-per-step", "608", "--max-seq", "128", "--lr", "1e6"]
@@ -28,7 +28,7 @@ def test_a_non_finite_step_stops_the_run_without_its_checkpoint(tmp_path, capsys
     argv = [*DIVERGE, "--data", str(tmp_path / "c.jsonl"), "--steps", "12", "--grad-clip", clip]
     argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
     argv += ["--metrics", str(tmp_path / "m.jsonl")]
-    code = lt.train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    code = lt.train(parse_config(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
     assert code == 3
     errors = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pretrain.py")]
     assert len(errors) == 1, errors
@@ -81,7 +81,7 @@ def _nan_token_run(rank, world, ck, corpus, out):
 
     lt.train_step = train_step
     argv = ["--init-from", ck, "--data", corpus, "--tokens-per-step", "608", "--max-seq", "128"]
-    args = parse_args([*argv, "--capacity", "64", "--steps", "1"])
+    args = parse_config([*argv, "--capacity", "64", "--steps", "1"])
     assert lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 3
     if rank == 0:
         Path(out).write_text(json.dumps(seen["holders"]))

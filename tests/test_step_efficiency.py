@@ -1,23 +1,22 @@
 """The step's memory-bound work where it can be checked on CPU: batch copies,
 the optimizer's fused kernel, and selective activation checkpointing."""
 
-from argparse import Namespace
-
 import torch
 
 from hdp import model_preset
+from launch.config import OptimizerConfig
 from launch.model import Llama
 from launch.runtime import to_device
 from launch.schedule import Schedule
-from launch.train import build_optimizer
+from launch.setup import build_optimizer
 
 
 def test_batch_copies_and_the_optimizer_keep_cpu_runs_as_they_were():
     t = torch.arange(5)
     assert to_device(t, torch.device("cpu")) is t  # no pinning, no copy off the GPU
     model = Llama(model_preset("tiny"))
-    args = Namespace(lr=1e-3, weight_decay=0.1)
-    optimizer, _ = build_optimizer(args, model=model, schedule=Schedule(1, 4))
+    flags = OptimizerConfig(lr=1e-3, warmup=1, lr_decay_steps=None, weight_decay=0.1, grad_clip=1)
+    optimizer, _ = build_optimizer(flags, model=model, schedule=Schedule(1, 4))
     assert (
         optimizer.param_groups[0]["fused"] is None
     )  # fused only where every parameter is on a GPU

@@ -40,9 +40,9 @@ def _train(rank, world, argv, out):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     import launch.train as lt
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
 
-    args = parse_args(argv)
+    args = parse_config(argv)
     captured = {}
     orig = lt.build_model
 
@@ -61,11 +61,11 @@ def _train(rank, world, argv, out):
 
 def run_single(argv, out, tmp_path):
     """The same run on one process, no process group, no FSDP."""
+    from launch.config import parse_config
     from launch.model import Llama
-    from launch.pretrain import parse_args
     from launch.train import train
 
-    args = parse_args(argv)
+    args = parse_config(argv)
     captured = {}
     orig_init = Llama.__init__
 
@@ -261,10 +261,10 @@ def test_kill_a_rank_and_resume(tmp_path):
 
 def train_here(argv, capsys) -> tuple[int, str]:
     """A run in this process (one rank, no process group): (exit code, what it printed)."""
-    from launch.pretrain import parse_args
+    from launch.config import parse_config
     from launch.train import train
 
-    rc = train(parse_args(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    rc = train(parse_config(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
     return rc, capsys.readouterr().out
 
 
@@ -446,9 +446,9 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     """A profile whose own attention rows (``torch_flash``, 10x slower) are not those of the backend
     that runs on a CPU (``reference``): the plan's prediction must come from the training's cost
     model, which prices the reference rows, not from the profile's default."""
+    from launch.config import parse_config
     from launch.model_source import model_source
-    from launch.pretrain import parse_args
-    from launch.train import build_data, build_loader, build_pricing, resolve_auto
+    from launch.setup import build_data, build_loader, build_pricing, resolve_auto
 
     profile = json.loads((ROOT / "hdp" / "data" / "profiles" / "cpu.json").read_text())
     rows = profile["tables"]["attention"]["rows"]
@@ -456,8 +456,8 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     profile["attention_backend"] = "torch_flash"
     (tmp_path / "p.json").write_text(json.dumps(profile))
     argv = COMMON + ["--steps", "1", "--gpu-profile", str(tmp_path / "p.json")]
-    args = parse_args(argv)
-    source = model_source(args)
+    args = parse_config(argv)
+    source = model_source(args.model)
     cpu = torch.device("cpu")
     args = resolve_auto(args, spec=source.spec, world=1, per_node=1, device=cpu, log=print)
     pricing = build_pricing(args, spec=source.spec, world=1, per_node=1, device=cpu)

@@ -8,7 +8,7 @@ import pytest
 
 from dataloader.cli import main as data_main
 from hdp import model_preset, parse_size
-from launch.pretrain import parse_args
+from launch.config import parse_config
 from planner.cli import plan_main, sim_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,12 +79,12 @@ def test_parse_size_refuses_what_is_not_finite(text):
 def test_pretrain_flags(tmp_path, capsys, argv, message):
     (tmp_path / "f").write_text("a file")
     argv = [a.format(file=tmp_path / "f") for a in argv]
-    assert message.format(file=tmp_path / "f") in _usage_error(parse_args, argv, capsys)
+    assert message.format(file=tmp_path / "f") in _usage_error(parse_config, argv, capsys)
 
 
 def test_a_bad_kill_point_names_the_variable(monkeypatch, capsys):
     monkeypatch.setenv("HDP_KILL_AT", "abc")
-    assert "HDP_KILL_AT='abc': expected RANK:STEP" in _usage_error(parse_args, [], capsys)
+    assert "HDP_KILL_AT='abc': expected RANK:STEP" in _usage_error(parse_config, [], capsys)
 
 
 def test_the_headline_command_fits_one_sequence_per_step():
@@ -94,38 +94,41 @@ def test_the_headline_command_fits_one_sequence_per_step():
     import torch
 
     from launch.memory import host_memory_bytes
-    from launch.train import build_pricing, checkpointing_needed
+    from launch.setup import build_pricing, checkpointing_needed
     from planner import get_strategy
 
     cpu = torch.device("cpu")
-    args = parse_args(["--max-seq", "2M"])
-    assert args.tokens_per_step == 2 << 20
-    assert parse_args([]).tokens_per_step == 64 << 10
-    assert parse_args(["--max-seq", "4K"]).tokens_per_step == 64 << 10
-    assert args.activation_checkpointing is None
+    args = parse_config(["--max-seq", "2M"])
+    assert args.data.tokens_per_step == 2 << 20
+    assert parse_config([]).data.tokens_per_step == 64 << 10
+    assert parse_config(["--max-seq", "4K"]).data.tokens_per_step == 64 << 10
+    assert args.planning.activation_checkpointing is None
     tiny = model_preset("tiny")
     assert checkpointing_needed(args, spec=tiny, world=2, per_node=2, device=cpu)
     assert not checkpointing_needed(
-        parse_args(["--max-seq", "64K"]), spec=tiny, world=2, per_node=2, device=cpu
+        parse_config(["--max-seq", "64K"]), spec=tiny, world=2, per_node=2, device=cpu
     )
-    args.activation_checkpointing = True
+    args = args.resolved(planning={"activation_checkpointing": True})
     pricing = build_pricing(args, spec=tiny, world=2, per_node=2, device=cpu)
-    cost, sync, cap = pricing.settle(get_strategy("hdp"), args.max_seq)
-    assert sync in ("peer", "wave") and 2 * cap >= args.max_seq
+    cost, sync, cap = pricing.settle(get_strategy("hdp"), args.data.max_seq)
+    assert sync in ("peer", "wave") and 2 * cap >= args.data.max_seq
     assert 2 * (cost.memory(cap, sync=sync) + cost.cluster.gpu.reserved_bytes) < host_memory_bytes()
 
 
 def test_activation_checkpointing_flags():
-    assert parse_args(["--activation-checkpointing"]).activation_checkpointing is True
-    assert parse_args(["--no-activation-checkpointing"]).activation_checkpointing is False
-    assert parse_args(["--keep-attention"]).activation_checkpointing is True
+    def checkpointing(argv):
+        return parse_config(argv).planning.activation_checkpointing
+
+    assert checkpointing(["--activation-checkpointing"]) is True
+    assert checkpointing(["--no-activation-checkpointing"]) is False
+    assert checkpointing(["--keep-attention"]) is True
 
 
 def test_pretrain_help_lists_every_strategy(capsys):
     from planner import STRATEGIES
 
     with pytest.raises(SystemExit):
-        parse_args(["--help"])
+        parse_config(["--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
     assert all(name in out for name in STRATEGIES) and "--allow-changed-setup" in out
     # Every flag with a default shows it.
@@ -241,17 +244,19 @@ def test_a_model_that_cannot_fit_suggests_only_what_would_change(sync):
 
 
 def test_a_config_file_gives_flags_that_the_command_line_replaces(tmp_path):
-    args = parse_args(["--config", str(ROOT / "examples" / "run.toml"), "--steps", "40"])
-    assert (args.model, args.workload, args.max_seq, args.tokens_per_step) == (
-        "tiny",
+    args = parse_config(["--config", str(ROOT / "examples" / "run.toml"), "--steps", "40"])
+    assert args.model.name_or_config == "tiny"
+    assert (args.data.workload, args.data.max_seq, args.data.tokens_per_step) == (
         "wlb-128k",
         4096,
         16384,
     )
-    assert args.steps == 40 and args.save_every == 10 and args.activation_checkpointing is False
+    assert args.training.steps == 40 and args.checkpointing.save_every == 10
+    assert args.planning.activation_checkpointing is False
     (tmp_path / "data.toml").write_text('data = ["a.jsonl", "b.jsonl"]\ntruncate = true\n')
-    args = parse_args(["--config", str(tmp_path / "data.toml"), "--data-weights", "1,2"])
-    assert args.data == ["a.jsonl", "b.jsonl"] and args.truncate is True
+    args = parse_config(["--config", str(tmp_path / "data.toml"), "--data-weights", "1,2"])
+    assert args.data.paths == ("a.jsonl", "b.jsonl") and args.data.truncate is True
+    assert args.data.weights == (1.0, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -268,4 +273,4 @@ def test_a_config_file_gives_flags_that_the_command_line_replaces(tmp_path):
 )
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
     (tmp_path / "run.toml").write_text(text)
-    assert message in _usage_error(parse_args, ["--config", str(tmp_path / "run.toml")], capsys)
+    assert message in _usage_error(parse_config, ["--config", str(tmp_path / "run.toml")], capsys)

@@ -25,7 +25,7 @@ from hdp import ClusterSpec, CostModel, Plan, gpu_preset, model_preset
 from planner import PlanningError, StepPricing, get_strategy
 from planner.common import Context
 from planner.dynamic.megatron import (
-    megatron_blocks,
+    megatron_cp_groups,
     megatron_group_sizes,
     padded_length,
     plan_megatron_form,
@@ -186,7 +186,7 @@ def schedule_problem(
     if not id_groups:
         return "empty schedule: no group"
     sizes = set(megatron_group_sizes(n))
-    blocks = {(b.start, len(b)) for k in sizes if k > 1 for b in megatron_blocks(n, k)}
+    cp_groups = {(g.start, len(g)) for k in sizes if k > 1 for g in megatron_cp_groups(n, k)}
     placed: set[int] = set()
     for g, group in enumerate(id_groups):
         if len(group) != n:
@@ -204,7 +204,7 @@ def schedule_problem(
                 return f"misplaced sample: {s} is unknown or in two groups"
             placed.add(s)
             if k > 1 and (
-                ranks != list(range(ranks[0], ranks[0] + k)) or (ranks[0], k) not in blocks
+                ranks != list(range(ranks[0], ranks[0] + k)) or (ranks[0], k) not in cp_groups
             ):
                 return f"unbuilt CP group: sample {s} on ranks {ranks}"
             if length[s] > k * cap:

@@ -1,7 +1,7 @@
 """``hdp`` restricted to what Megatron's hybrid context parallelism executes (``form="megatron"``).
 
 Each sequence lies whole on one rank or zigzag-split over one of the CP groups Megatron builds
-for a DPxCP group of ``n`` ranks (:func:`megatron_group_sizes`): a block of ``2^i`` consecutive
+for a DPxCP group of ``n`` ranks (:func:`megatron_group_sizes`): a range of ``2^i`` consecutive
 ranks starting at a multiple of ``2^i`` for ``2^i < 2^floor(log2 n)``, or all ``n`` ranks; with
 no offload. On ``k > 1`` ranks Megatron needs the sub-sample's length to be a multiple of
 ``2k`` (times the tensor-parallel size with sequence parallelism), so sub-samples are padded and
@@ -32,15 +32,15 @@ from .options import DynamicOptions
 def megatron_group_sizes(n: int) -> list[int]:
     """The CP sizes Megatron's hybrid context parallelism can run on a DPxCP group of ``n``
     ranks, ascending: 1, the powers of two ``2^i`` with ``1 <= i < floor(log2 n)`` (it builds a
-    group of each such size over every aligned block of ranks), and ``n`` (the DPxCP group
+    group of each such size over every aligned range of ranks), and ``n`` (the DPxCP group
     itself). For 6 ranks: 1, 2, 6; for 12: 1, 2, 4, 12; for 8: 1, 2, 4, 8."""
     top = int(math.floor(math.log2(n))) if n >= 1 else 0
     return sorted({1, n, *(1 << i for i in range(1, top))})
 
 
-def megatron_blocks(n: int, size: int) -> list[range]:
-    """The rank blocks of one CP size Megatron builds: all ranks for ``size == n``, else the
-    aligned blocks of ``size`` consecutive ranks that lie wholly inside the group."""
+def megatron_cp_groups(n: int, size: int) -> list[range]:
+    """The CP groups of one size Megatron builds: all ranks for ``size == n``, else the aligned
+    ranges of ``size`` consecutive ranks that lie wholly inside the DPxCP group."""
     if size == n:
         return [range(n)]
     return [range(a, a + size) for a in range(0, n - size + 1, size)]
@@ -167,7 +167,7 @@ def _degree_choices(ctx: Context, rel: Relaxation, options: DynamicOptions) -> l
 
 def aligned_groups(plan: Plan) -> bool:
     """Whether every sequence lies on one rank or on a CP group Megatron builds
-    (:func:`megatron_group_sizes`, :func:`megatron_blocks`): all ranks, or an aligned block of
+    (:func:`megatron_group_sizes`, :func:`megatron_cp_groups`): all ranks, or an aligned range of
     ``2^i`` consecutive ranks of an allowed size."""
     n = plan.num_ranks
     pairs = np.unique(plan.seq * n + plan.rank)
@@ -184,10 +184,10 @@ def aligned_groups(plan: Plan) -> bool:
 
 
 def _place_groups(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
-    """Barrier-separated groups, each partitioning the ranks into aligned blocks that run their
-    sequences one per micro-batch. A group gives each degree class blocks in proportion to its
-    area (largest class first, so consecutive allocation keeps every block aligned), LPT inside
-    a class; classes left without ranks wait for the next group."""
+    """Barrier-separated groups, each partitioning the ranks into aligned CP groups that run
+    their sequences one per micro-batch. A group gives each degree class CP groups in proportion
+    to its area (largest class first, so consecutive allocation keeps every CP group aligned), LPT
+    inside a class; classes left without ranks wait for the next group."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     time_of = np.where(degree > 1, job_time, ctx.whole_s)
     todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
@@ -202,7 +202,7 @@ def _place_groups(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Pla
             builder.barriers.append(wave0)
         wave0 = max(placed_waves, default=wave0 - 1) + 1
         groups += 1
-        if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a block
+        if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a CP group
             raise PlanningError("hdp (megatron form): no group could be formed")
         todo = left
     builder.add_zigzag([s for s, _, _ in rows], [w for _, w, _ in rows], [m for _, _, m in rows])
@@ -225,7 +225,7 @@ def _place_group(
         classes.setdefault(int(degree[i]), []).append(i)
     area = {k: sum(float(time_of[i]) for i in ids) * k for k, ids in classes.items()}
     height = max(sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values()))
-    counts = _block_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
+    counts = _cp_group_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
     next_rank = 0
     left: list[int] = []
     for k in sorted(classes, reverse=True):
@@ -235,7 +235,7 @@ def _place_group(
             continue
         firsts = [next_rank + j * k for j in range(m)]
         next_rank += m * k
-        # LPT of the class's sequences over its blocks (each block's list is its micro-batches),
+        # LPT of the class's sequences over its CP groups (each one's list is its micro-batches),
         # up to the group's height; what does not fit waits for the next group.
         heap = [(0.0, b) for b in range(m)]
         lists: list[list[int]] = [[] for _ in range(m)]
@@ -257,7 +257,7 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     for the CP partners of each; a rank may change CP size between its sub-samples.
 
     Lists are formed by simulating start times: multi-rank jobs, tallest first, on the aligned
-    block whose busiest member frees first (the others idle until then); whole sequences,
+    CP group whose busiest member frees first (the others idle until then); whole sequences,
     longest first, into the tightest idle gap they fit, else after the least-loaded rank's work.
     Every rank lists its items by start time, so partners meet in the same order and no CP group
     waits for another in a cycle."""
@@ -267,10 +267,10 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
     by_time = np.argsort(-job_time, kind="stable").tolist()
     for i in [i for i in by_time if degree[i] > 1 and lens[i] > 0]:
-        blocks = megatron_blocks(n, int(degree[i]))
-        starts = [float(load[blk.start : blk.stop].max()) for blk in blocks]
+        cp_groups = megatron_cp_groups(n, int(degree[i]))
+        starts = [float(load[g.start : g.stop].max()) for g in cp_groups]
         b = int(np.argmin(starts))
-        members = blocks[b]
+        members = cp_groups[b]
         t0 = starts[b]
         for r in members:
             if t0 - load[r] > 0:
@@ -298,13 +298,13 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     return plan
 
 
-def _block_counts(
+def _cp_group_counts(
     area: dict[int, float], jobs: dict[int, int], n: int, height: float
 ) -> dict[int, int]:
-    """Blocks per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
-    each class the blocks its area needs (at least one), largest class first while ranks last;
-    spare ranks go one block at a time to the class with the most work per rank (never more
-    blocks than sequences)."""
+    """CP groups per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
+    each class the CP groups its area needs (at least one), largest class first while ranks last;
+    spare ranks go one CP group at a time to the class with the most work per rank (never more
+    CP groups than sequences)."""
     counts: dict[int, int] = {}
     free = n
     for k in sorted(area, reverse=True):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from ..common import option_flag
 
 
 @dataclass(frozen=True)
@@ -17,14 +19,12 @@ class DynamicOptions:
 
     # What plans may do: ``free``; ``whole`` (every sequence on one rank, for trainers whose
     # attention cannot span ranks); ``megatron`` (:mod:`.megatron`).
-    form: str = field(
-        default="free",
-        metadata={
-            "flag": "--hdp-form",
-            "choices": ("free", "whole", "megatron"),
-            "help": "what hdp plans may do: free, whole (every sequence on one rank) or megatron "
-            "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
-        },
+    form: str = option_flag(
+        "free",
+        flag="--hdp-form",
+        choices=("free", "whole", "megatron"),
+        help="what hdp plans may do: free, whole (every sequence on one rank) or megatron "
+        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
     )
 
     # Relaxation heights placed in ``peer`` sync, and per wave in ``wave`` sync.

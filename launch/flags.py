@@ -1,0 +1,388 @@
+"""The flags of ``pretrain.py`` / ``hdp-train``, one argument group per section of
+:class:`launch.config.RunConfig` (a group's title is its section's name).
+
+Each flag checks its own value here (:mod:`hdp.argtypes`); rules between flags live in
+:func:`launch.config.parse_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from attention import BACKEND_NAMES
+from hdp import GPU_PRESETS, MODEL_PRESETS
+from hdp.argtypes import (
+    MAX_DOCUMENTS,
+    MAX_RANKS,
+    choice,
+    input_dir,
+    input_file,
+    input_file_or_dir,
+    integer,
+    model,
+    number,
+    number_list,
+    output_dir,
+    output_file,
+    rope_scaling,
+    size,
+)
+from hdp.workloads import workload_names
+from planner import STRATEGIES
+
+from .model_source import DEFAULT_MODEL
+from .stopping import DEFAULT_SIGNALS, parse_signals
+
+USAGE = """Pretrain a Llama-style model with hybrid data parallelism.
+
+    torchrun --nproc-per-node 4 launch/pretrain.py --model tiny --workload wlb-128k \\
+        --tokens-per-step 64K --max-seq 16K --steps 20 --metrics out/metrics.jsonl
+
+Every rank is a data-parallel replica (FSDP2 over all ranks). Each step, rank 0 plans the next
+global batch in the background (--strategy), each rank reads only its shards' tokens, runs the
+plan's waves with block-level P2P attention, and the optimizer steps once. CUDA + NCCL + bf16
+autocast where a GPU is present, CPU + gloo + fp32 otherwise. Multi-node: run the same torchrun
+command on every node with --nnodes N --node-rank K --rdzv-endpoint HOST:PORT (see
+launch/slurm.sbatch). hdp-train is the same program, installed as a command: torchrun accepts it
+with --no-python (torchrun --no-python --nproc-per-node 4 hdp-train ...)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every flag's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser(prog: str = "pretrain.py") -> argparse.ArgumentParser:
+    """The parser of every flag, grouped by the config section each one sets."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=USAGE.split("\n\n")[0],
+        allow_abbrev=False,  # a --config file's flags are replaced by those given in full
+        formatter_class=HelpFormatter,
+        epilog=USAGE.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--config",
+        type=input_file,
+        default=None,
+        metavar="RUN.toml",
+        help='flags from a TOML file (keys are flag names, e.g. max-seq = "4K"; see '
+        "examples/run.toml); flags on the command line replace the file's",
+    )
+    for name, add in SECTION_FLAGS.items():
+        add(p.add_argument_group(name))
+    return p
+
+
+def exit_signals(text: str):
+    try:
+        return parse_signals(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--exit-signal: ")) from None
+
+
+def _model_flags(g) -> None:
+    g.add_argument(
+        "--model",
+        type=model,
+        default=None,
+        metavar="NAME|CONFIG",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}; default {DEFAULT_MODEL}) or a "
+        "transformers config.json (or its directory) to train from random weights",
+    )
+    g.add_argument(
+        "--init-from",
+        type=input_dir,
+        default=None,
+        metavar="DIR",
+        help="start from a Hugging Face checkpoint: DIR holds config.json and model.safetensors "
+        "(or shards with model.safetensors.index.json); llama, mistral, qwen2, qwen3",
+    )
+    g.add_argument(
+        "--rope-theta",
+        type=number(0.0, exclusive=True),
+        default=None,
+        help="RoPE base for context extension (default: the model's)",
+    )
+    g.add_argument(
+        "--rope-scaling",
+        type=rope_scaling,
+        default=None,
+        metavar="JSON",
+        help="RoPE scaling in transformers' keys, replacing the model's, e.g. "
+        '\'{"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 32768}\' '
+        "(linear, llama3, yarn; null: none)",
+    )
+
+
+def _data_flags(g) -> None:
+    source = g.add_mutually_exclusive_group()
+    source.add_argument(
+        "--data",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="training data: .jsonl, .parquet, a Megatron .bin/.idx prefix (repeat to mix)",
+    )
+    source.add_argument(
+        "--workload",
+        type=choice(workload_names(), "workload"),
+        default=None,
+        help="synthetic data with lengths of a standard workload "
+        "(default when no --data: wlb-128k)",
+    )
+    g.add_argument(
+        "--data-weights",
+        type=number_list,
+        default=None,
+        help="comma-separated token weights of the --data sources",
+    )
+    g.add_argument(
+        "--tokenizer",
+        type=input_file_or_dir,
+        default=None,
+        help="tokenizer.json, or a Hugging Face tokenizer directory, for 'text' records "
+        "(default: the --init-from directory's, else UTF-8 bytes)",
+    )
+    g.add_argument(
+        "--synthetic-docs",
+        type=integer(1, MAX_DOCUMENTS),
+        default=20000,
+        help="documents of the synthetic corpus",
+    )
+    g.add_argument(
+        "--max-seq",
+        type=size(1),
+        default=16 << 10,
+        help="longest sequence (default 16K)",
+    )
+    g.add_argument(
+        "--tokens-per-step",
+        type=size(1),
+        default=None,
+        help="global batch in tokens (default: 64K, or --max-seq if larger)",
+    )
+    g.add_argument(
+        "--truncate",
+        action="store_true",
+        help="truncate documents longer than --max-seq instead of splitting",
+    )
+    g.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip and count bad records instead of failing",
+    )
+    g.add_argument(
+        "--seed",
+        type=integer(0, 2**32 - 1),
+        default=0,
+        help="seed of the initial weights and the data order",
+    )
+
+
+def _training_flags(g) -> None:
+    g.add_argument("--steps", type=integer(1), default=20, help="train until this step")
+    g.add_argument(
+        "--nan-policy",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a step whose loss or gradient norm is not finite never updates the weights: stop "
+        "the run there (default; exit status 3) or skip its update and go on, counting it in "
+        "the metrics",
+    )
+    g.add_argument(
+        "--exit-signal",
+        type=exit_signals,
+        default=",".join(DEFAULT_SIGNALS),
+        metavar="SIGNALS",
+        help="on any of these signals (comma-separated, or none) every rank finishes the step in "
+        "hand, saves a checkpoint and exits 0; a second signal stops at once (default: "
+        "%(default)s; torchrun forwards SIGUSR1 only with --signals-to-handle)",
+    )
+    g.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
+    g.add_argument(
+        "--attention-backend",
+        type=choice(["auto", *BACKEND_NAMES], "attention backend"),
+        default="auto",
+        help="attention kernels of dist_attn: auto (default: flash_attn, else torch_flash, else "
+        "cudnn on Hopper and later; reference on CPU), or force one of "
+        f"{', '.join(BACKEND_NAMES)}",
+    )
+    g.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: one CUDA GPU per local rank where there are enough, else CPU (gloo)",
+    )
+
+
+def _optimizer_flags(g) -> None:
+    g.add_argument(
+        "--lr", type=number(0.0, exclusive=True), default=3e-4, help="peak learning rate"
+    )
+    g.add_argument(
+        "--warmup",
+        type=integer(0),
+        default=10,
+        help="linear warm-up steps, then cosine decay to 10%%",
+    )
+    g.add_argument(
+        "--lr-decay-steps",
+        type=integer(1),
+        default=None,
+        help="step where the cosine decay reaches 10%% of --lr (default: --steps, or the "
+        "checkpoint's when resuming, so an extended run keeps its schedule); a longer --warmup "
+        "ends there",
+    )
+    g.add_argument("--weight-decay", type=number(0.0), default=0.1, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
+
+
+def _planning_flags(g) -> None:
+    g.add_argument(
+        "--strategy",
+        type=choice(list(STRATEGIES), "strategy"),
+        default="hdp",
+        help=f"planning strategy: {', '.join(STRATEGIES)} (default hdp)",
+    )
+    g.add_argument(
+        "--sync", choices=("wave", "peer"), default=None, help="default: peer where memory allows"
+    )
+    g.add_argument(
+        "--kv-exchange",
+        choices=("auto", "rank", "node"),
+        default="auto",
+        help="how hdp plans move K/V between nodes: rank (each rank fetches what it lacks), "
+        "node (once per node, forwarded inside it) or auto (default: node on more than one node "
+        "where the cost model predicts it faster)",
+    )
+    g.add_argument(
+        "--gpus-per-node",
+        type=integer(1, MAX_RANKS),
+        default=None,
+        help="ranks that form one node for planning (default: torchrun's ranks per node); "
+        "fewer make virtual nodes on one machine",
+    )
+    g.add_argument(
+        "--capacity",
+        type=size(1),
+        default=None,
+        help="tokens per rank per wave (default: from memory)",
+    )
+    g.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each layer in backward (default: only where --max-seq does not fit the "
+        "ranks without it)",
+    )
+    g.add_argument(
+        "--keep-attention",
+        action="store_true",
+        help="with --activation-checkpointing, keep attention's output and LSE instead of "
+        "recomputing attention in backward (more memory than the cost model plans for: lower "
+        "--capacity if memory runs out)",
+    )
+    gpu = g.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu",
+        type=choice(list(GPU_PRESETS), "GPU preset"),
+        default=None,
+        help=f"GPU preset for planning: {', '.join(GPU_PRESETS)} (default: detected)",
+    )
+    gpu.add_argument(
+        "--gpu-profile",
+        metavar="PROFILE.json",
+        default=None,
+        help="GPU profile file for planning (from hdp-calibrate measure) instead of a preset",
+    )
+    g.add_argument("--plan-ahead", type=integer(1), default=2, help="steps planned ahead")
+
+
+def _checkpointing_flags(g) -> None:
+    g.add_argument(
+        "--checkpoint-dir",
+        type=output_dir,
+        default=None,
+        help="where checkpoints go (default: none are saved); see docs/reliability.md",
+    )
+    g.add_argument(
+        "--save-every",
+        type=integer(0),
+        default=0,
+        help="checkpoint every N steps (and at the end; 0: only at the end)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest valid checkpoint in --checkpoint-dir (none, or only "
+        "unfinished saves: from step 0). Checkpoints are trusted input: their metadata is a "
+        "pickle",
+    )
+    g.add_argument(
+        "--resume-step",
+        type=integer(1),
+        default=None,
+        metavar="STEP",
+        help="resume from this step's checkpoint instead of the newest (implies --resume; newer "
+        "checkpoints must be moved away first)",
+    )
+    g.add_argument(
+        "--allow-changed-setup",
+        action="store_true",
+        help="resume although the data, planning or optimizer setup differs from the "
+        "checkpoint's (changed data restarts the data position)",
+    )
+
+
+def _output_flags(g) -> None:
+    g.add_argument(
+        "--metrics",
+        type=output_file,
+        default=None,
+        help="one JSON object per step, appended to this file; the rows of steps this run "
+        "trains (again) are replaced",
+    )
+    g.add_argument(
+        "--tensorboard",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="also write every metrics field as a TensorBoard scalar here (needs the "
+        "tensorboard package)",
+    )
+    g.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="also log every metrics field to this Weights & Biases project (needs wandb)",
+    )
+    g.add_argument("--log-every", type=integer(1), default=1, help="log a line every N steps")
+
+
+SECTION_FLAGS = {
+    "model": _model_flags,
+    "data": _data_flags,
+    "training": _training_flags,
+    "optimizer": _optimizer_flags,
+    "planning": _planning_flags,
+    "checkpointing": _checkpointing_flags,
+    "output": _output_flags,
+}
+
+
+def section_dests(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """{section: the ``dest`` of each flag in its group}."""
+    return {
+        group.title: [a.dest for a in group._group_actions]
+        for group in parser._action_groups
+        if group.title in SECTION_FLAGS
+    }
+
+
+__all__ = ["SECTION_FLAGS", "USAGE", "build_parser", "section_dests"]

@@ -1,0 +1,268 @@
+"""A training run's set-up, one function per part: the ``auto`` flags resolved, the pricing (the
+one cost model), the data and its loader, the model with its techniques, and the optimizer.
+:func:`launch.train.train` calls them in that order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from dataloader import (
+    BatchStream,
+    DataError,
+    HDPDataLoader,
+    SyntheticSource,
+    load_tokenizer,
+    open_source,
+)
+from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
+from planner import PlanningError, StepPricing, get_strategy
+
+from .attention_backend import (
+    forced_attention_backend,
+    priced_attention_backend,
+    verify_attention_backend,
+)
+from .config import OptimizerConfig, RunConfig
+from .memory import rank_profile
+from .model import Llama
+from .model_source import ModelSource
+from .resume import Resume
+from .runtime import shard_model
+from .schedule import Schedule
+
+
+def resolve_auto(
+    config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device, log
+) -> RunConfig:
+    """``config`` with what its ``auto`` defaults resolve to here: the attention backend that
+    passed its first-use check (its kernels and its pricing alike), and activation checkpointing
+    where ``--max-seq`` needs it. Raises ValueError when a forced backend cannot run."""
+    backend = verify_attention_backend(
+        config.training.attention_backend, spec=spec, device=device, log=log
+    )
+    config = config.resolved(training={"attention_backend": backend})
+    if config.planning.activation_checkpointing is None:
+        needed = checkpointing_needed(
+            config, spec=spec, world=world, per_node=per_node, device=device
+        )
+        config = config.resolved(planning={"activation_checkpointing": needed})
+        if needed:
+            log(
+                f"activation checkpointing on: --max-seq {config.data.max_seq} needs it on "
+                f"{plural(world, 'rank')}"
+            )
+    return config
+
+
+def build_pricing(
+    config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
+) -> StepPricing:
+    """The pricing of what is trained (``spec``) on what (the ranks; ``--gpu-profile``,
+    ``--gpu``, or the preset of the detected device), with the attention kernels that run."""
+    if device.type == "cpu" and spec.dtype_bytes != 4:
+        spec = replace(spec, dtype_bytes=4)  # fp32 on CPU
+    planning = config.planning
+    if planning.gpu_profile:
+        gpu = GPUProfile.load(planning.gpu_profile)
+    else:
+        gpu = gpu_preset(planning.gpu or detect_gpu(device))
+    gpu = rank_profile(gpu, device=device, local_ranks=per_node)
+    cluster = ClusterSpec(world, min(planning.gpus_per_node or per_node, world), gpu)
+    pricing = StepPricing.build(
+        spec,
+        cluster,
+        attention_backend=priced_attention_backend(config.training.attention_backend, device, gpu),
+        activation_checkpointing=planning.activation_checkpointing,
+        capacity=planning.capacity,
+        sync=planning.sync,
+        kv_exchange=planning.kv_exchange,
+    )
+    # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
+    return pricing.for_strategy(get_strategy(planning.strategy), baseline_exchange="rank")
+
+
+def checkpointing_needed(
+    config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
+) -> bool:
+    """Whether ``--max-seq`` fits the ranks only with activation checkpointing (the default of
+    ``--activation-checkpointing``: off, as it costs a forward, unless memory calls for it)."""
+    without = config.resolved(planning={"activation_checkpointing": False})
+    pricing = build_pricing(without, spec=spec, world=world, per_node=per_node, device=device)
+    try:
+        pricing.settle(get_strategy(config.planning.strategy), config.data.max_seq)
+    except PlanningError:
+        return True
+    return False
+
+
+def detect_gpu(device: torch.device) -> str:
+    """The GPU preset that prices plans on ``device``: ``cpu`` off the GPU, ``h100`` if unknown."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key, preset in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80g")):
+        if key in name:
+            return (
+                "a100-40g"
+                if preset == "a100-80g"
+                and torch.cuda.get_device_properties(device).total_memory < 50e9
+                else preset
+            )
+    return "h100"
+
+
+def build_sources(config: RunConfig, source: ModelSource, vocab: int) -> list:
+    """The ``--data`` sources (``text`` records read with the model source's tokenizer), or one
+    synthetic corpus with a workload's lengths."""
+    data = config.data
+    if data.paths:
+        tok = load_tokenizer(source.tokenizer)
+        if source.tokenizer is not None and tok.vocab_size > vocab:
+            raise DataError(
+                f"tokenizer {source.tokenizer} has {tok.vocab_size} tokens, more than the "
+                f"model's vocabulary of {vocab}"
+            )
+        return [open_source(p, tok, vocab, data.skip_bad_records) for p in data.paths]
+    return [SyntheticSource(data.workload or "wlb-128k", data.synthetic_docs, vocab, data.seed)]
+
+
+def build_data(config: RunConfig, source: ModelSource, *, vocab: int) -> tuple[list, BatchStream]:
+    """The sources and the stream of global batches drawn from them."""
+    sources = build_sources(config, source, vocab)
+    data = config.data
+    stream = BatchStream(
+        [s.lengths for s in sources],
+        data.tokens_per_step,
+        data.max_seq,
+        seed=data.seed,
+        weights=list(data.weights) if data.weights is not None else None,
+        truncate=data.truncate,
+    )
+    return sources, stream
+
+
+def build_loader(
+    config: RunConfig, *, sources: list, stream: BatchStream, pricing: StepPricing
+) -> HDPDataLoader:
+    """The loader that plans each global batch and hands this rank its shards' tokens. Its plans
+    are priced by ``pricing``, what training runs (the attention backend verified, each rank's
+    memory, the sync mode the model is built for), so a plan is optimised for the kernels that
+    run and the metrics' two predictions come from one model."""
+    return HDPDataLoader(
+        sources,
+        stream,
+        pricing.cluster,
+        pricing.model,
+        config.planning.strategy,
+        plan_ahead=config.planning.plan_ahead,
+        pricing=pricing,
+    )
+
+
+def build_model(
+    config: RunConfig,
+    *,
+    cost: CostModel,
+    sync: str,
+    device: torch.device,
+    source: ModelSource | None = None,
+    resume: Resume | None = None,
+    log: Callable[[str], None] = print,
+) -> Llama:
+    """The model on ``device``, with activation checkpointing, compile and FSDP2 as asked: random
+    weights (the same on every rank), or, with ``--init-from``, built on the meta device, sharded,
+    and filled from the checkpoint's files (Note [Loading a checkpoint into shards] in
+    launch/hf_weights.py; not read when a checkpoint of the run is resumed instead). Raises
+    :class:`launch.hf_weights.WeightsError` naming the file and tensor when the checkpoint does
+    not fit."""
+    checkpoint = source.checkpoint if source is not None else None
+    torch.manual_seed(config.data.seed)  # identical initial weights on every rank, sharded below
+    with torch.device("meta") if checkpoint is not None else nullcontext():
+        model = Llama(
+            cost.model,
+            activation_checkpointing=bool(config.planning.activation_checkpointing),
+            loss_chunk_tokens=cost.loss_chunk_tokens,
+            attention_backend=forced_attention_backend(config.training.attention_backend),
+            # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
+            # model's memory estimate assumes full checkpointing.
+            keep_attention=config.planning.keep_attention,
+        )
+    if checkpoint is None:
+        model.to(device)
+    if config.training.compile:
+        apply_compile(model)
+    if dist.is_initialized():
+        shard_model(model, sync, mixed_precision=device.type == "cuda")
+    if checkpoint is not None:
+        model.materialize(device)
+        if resume is None:
+            t0 = time.perf_counter()
+            checkpoint.load_into(model)
+            files = len({t.file for t in checkpoint.tensors.values()})
+            log(
+                f"loaded {checkpoint.directory} ({files} weight files) in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
+    return model
+
+
+def apply_compile(model: Llama) -> None:
+    """``torch.compile`` each decoder layer's MLP. Attention runs eager: its P2P exchanges change
+    with every plan."""
+    for layer in model.layers:
+        layer.mlp.compile()
+
+
+def build_optimizer(
+    flags: OptimizerConfig, *, model: Llama, schedule: Schedule
+) -> tuple[Optimizer, LRScheduler]:
+    """AdamW (fused on GPUs) and its learning-rate ``schedule``."""
+    params = list(model.parameters())
+    # One fused kernel per step instead of loops of elementwise kernels, where every parameter
+    # lives on a GPU (FSDP2's sharded parameters included); torch's default elsewhere.
+    fused = True if params and all(p.is_cuda for p in params) else None
+    optimizer = torch.optim.AdamW(
+        params, lr=flags.lr, betas=(0.9, 0.95), weight_decay=flags.weight_decay, fused=fused
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
+    return optimizer, scheduler
+
+
+def apply_optimizer_flags(
+    flags: OptimizerConfig, optimizer: Optimizer, scheduler: LRScheduler
+) -> None:
+    """Make this run's flags, not the checkpoint's, set the learning rate and weight decay.
+
+    A checkpoint restores the optimizer's and schedule's saved ``lr``, ``initial_lr`` and
+    ``weight_decay``; :func:`launch.resume.check_setup` refused any change the user did not allow,
+    so what is applied here is either the same values or the ones allowed."""
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = flags.lr
+        group["lr"] = flags.lr * factor
+        group["weight_decay"] = flags.weight_decay
+    scheduler.base_lrs = [flags.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+__all__ = [
+    "apply_compile",
+    "apply_optimizer_flags",
+    "build_data",
+    "build_loader",
+    "build_model",
+    "build_optimizer",
+    "build_pricing",
+    "build_sources",
+    "checkpointing_needed",
+    "detect_gpu",
+    "resolve_auto",
+]
