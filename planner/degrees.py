@@ -31,6 +31,15 @@ the tiny model split over 5 ranks ran 0.7% under it. So the entries bounds use (
 price the K/V traffic by its bytes alone, which every zigzag split of the sequence must move,
 while hdp's own entries keep the latency that decides between its degrees.
 
+Note [Splits that save work]: the relaxation gives menus to long sequences only; a short one is
+assumed to cover least area whole. That holds where attention's time grows no faster than its
+work, as on the GPU profiles. The measured CPU profile's reference kernel computes a causal
+block's masked half too, so an 8192-token sequence of the tiny model split in two (four equal
+chunks, each a causal block plus a full block of the keys before it) covers 0.78 of its area
+whole, and in four 0.74. A sequence whose attention some equal split does faster
+(:meth:`hdp.CostModel.least_attn_time`) therefore gets a menu as well; the static mesh's plan,
+which splits every sequence, no longer steps under the bound there.
+
 Note [Menus end at the floor]: every relaxation value is at least the packed work spread over
 the slots (:func:`menu_floor`), so below that height a job's height no longer matters, only its
 area, and past the first degree no taller than the floor the area only grows (a job's members
@@ -51,123 +60,12 @@ from typing import NamedTuple
 import numpy as np
 
 from hdp import CostModel
-from hdp.cost import KVTraffic
-from hdp.plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS
+from hdp.plan import BLOCK_TOKENS
 
-from .common import blocks_fit, use_blocks, zigzag_positions, zigzag_shares
+from .common import blocks_fit, use_blocks
+from .splits import split_times
 
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
-
-
-def split_times(
-    cost: CostModel,
-    lengths: np.ndarray,
-    parts: np.ndarray,
-    sync: str = "peer",
-    align: int | np.ndarray = 1,
-    latency: bool = True,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
-    job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
-    capacity offload the needed share of their activations (priced by the cost model).
-    ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
-    bytes, not messages])."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    parts = np.asarray(parts, dtype=np.int64)
-    m, rpn = cost.model, cost.cluster.ranks_per_node
-    rep, member, head, tail = zigzag_shares(lengths, parts, align)
-    head_start, tail_end = zigzag_positions(rep, head, tail)
-    held = head + tail
-    # Heads and tails priced in one call (attn_time prices an empty chunk at 0).
-    chunks = cost.attn_time(
-        np.concatenate([head_start, tail_end - tail]), np.concatenate([head_start + head, tail_end])
-    )
-    attn_layer = chunks[: head.size] + chunks[head.size :]
-    compute = m.layers * attn_layer + cost.dense_time(held)
-    d = parts[rep]
-    # Node of each member (groups start at a node boundary) and per-node sums.
-    node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
-    node_heads = np.bincount(node_idx, weights=head)
-    node_size = np.bincount(node_idx)
-    # Tails of members j > i on i's node: the node's tail total minus the inclusive prefix.
-    tail_cum = np.cumsum(tail)
-    node_first = np.searchsorted(node_idx, np.arange(node_heads.size))
-    node_tail_incl = tail_cum - (tail_cum - tail)[node_first][node_idx]
-    node_tails = np.bincount(node_idx, weights=tail)
-    received = tail_end - held
-    in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
-    out_all = (d - 1) * head + member * tail
-    out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
-    if cost.kv_exchange == "node":
-        links = _ZigzagLinks(rep, node_idx, head, tail, tail_end, received, in_intra)
-        received, in_intra, out_intra, out_all = links.node_exchange(out_intra)
-    msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
-    msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
-    traffic = KVTraffic(
-        in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
-    )
-    t_fwd, t_bwd = cost.comm_time_per_layer(traffic, latency)
-    fs = cost.attn_fwd_share
-    exposed = m.layers * (
-        np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
-    )
-    exposed = np.where(d > 1, exposed, 0.0)
-    fraction = np.where(
-        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
-    )
-    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
-    busy = compute + exposed + offload
-    busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
-    n = lengths.size
-    height = np.full(n, -np.inf)
-    np.maximum.at(height, rep, busy)
-    most = np.zeros(n, dtype=np.int64)
-    np.maximum.at(most, rep, held)
-    if sync == "peer":
-        area = parts * height  # the members start together and wait for the slowest
-    else:
-        # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
-        # member's cell (their dense layers then run at the packed speed, and their attention
-        # may hide under its K/V traffic): count only compute, dense at the best speed.
-        per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
-        packed = m.layers * attn_layer + held * per_token
-        area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
-    return height, area, most
-
-
-class _ZigzagLinks(NamedTuple):
-    """Per member of zigzag jobs: where it sits and what it receives in ``rank`` exchange."""
-
-    rep: np.ndarray  # the job of each member
-    node_idx: np.ndarray  # its node (jobs start at a node boundary)
-    head: np.ndarray
-    tail: np.ndarray
-    tail_end: np.ndarray
-    received: np.ndarray
-    in_intra: np.ndarray
-
-    def node_exchange(self, out_intra: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(received, received over NVLink, sent over NVLink, sent) in ``node`` exchange.
-
-        Note [Node exchange] in :mod:`hdp.exchange`: a node fetches once, an equal share per
-        member, what it lacks before its latest tail end. Heads go to every other node of the
-        job; tails go to the nodes of members ``j < i``, the earlier nodes, whose tails come later.
-        """
-        node, rep = self.node_idx, self.rep
-        size = np.bincount(node).astype(np.float64)
-        node_end = np.zeros(size.size, dtype=np.int64)
-        np.maximum.at(node_end, node, self.tail_end)
-        node_held = np.bincount(node, weights=self.head + self.tail)
-        fetched = ((node_end - node_held) / size)[node]
-        forwarded = np.maximum(self.received - self.in_intra - fetched, 0.0)
-        fwd_out = (np.bincount(node, weights=forwarded) / size)[node]
-        first_node = node[np.searchsorted(rep, rep, side="left")]
-        nodes = np.zeros(int(rep.max(initial=-1)) + 1, dtype=np.int64)
-        np.maximum.at(nodes, rep, node - first_node + 1)
-        out_inter = (nodes[rep] - 1) * self.head + (node - first_node) * self.tail
-        in_intra = self.in_intra + forwarded
-        out_intra = out_intra + fwd_out
-        return in_intra + fetched, in_intra, out_intra, out_intra + out_inter
 
 
 def degree_menu(
@@ -387,7 +285,8 @@ def relaxation_bound(
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
     # covers at least the packed area, and every M is at least the mean): they stay whole.
     simple = float(packed.sum()) / max(slots, 1)
-    long_ids = np.flatnonzero((lens > capacity) | (packed > simple))
+    splittable = (lens > capacity) | (packed > simple) | _split_saves_work(cost, lens)
+    long_ids = np.flatnonzero(splittable)
     short = np.ones(lens.size, dtype=bool)
     short[long_ids] = False
     base_area = float(packed[short].sum())
@@ -433,6 +332,17 @@ def relaxation_bound(
                 best = (value, m_here, base_area + total)
     value, m_star, area = best
     return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
+
+
+def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
+    """Which sequences some zigzag split covers with less area than the whole sequence: those
+    whose attention some equal split does faster (a split's members run the same dense work, at
+    best the packed speed a whole sequence gets too). None on the GPU profiles but the longest
+    sequences; where causal calls run slower per FLOP than full ones (the CPU profile's reference
+    kernel computes a causal block's masked half too), most. Their menus must be priced for the
+    bound to hold."""
+    whole = cost.attn_time(np.zeros(lens.size), lens)
+    return cost.least_attn_of(lens) < whole * (1 - 1e-9)
 
 
 def _bound_options(

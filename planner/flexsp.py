@@ -27,8 +27,8 @@ import numpy as np
 from hdp import Plan, ulysses
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2
-from .degrees import split_times
 from .solver import make_solver, solver_name
+from .splits import split_times
 
 NATIVE_SYNC = "peer"
 MAX_BUCKETS = 16

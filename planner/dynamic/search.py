@@ -17,6 +17,12 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
+6. *The static mesh's plan* (:func:`planner.static.plan_static` in this step's sync mode and
+   capacity) where it has at most ``STATIC_RIVAL_SHARDS`` shards: on a profile where splitting
+   every sequence saves work (the CPU's reference attention) it can beat every degree menu, and
+   hdp must never plan slower than the baseline it replaces. Larger static plans are not priced:
+   their evaluation alone would exceed the planning budget, and there a uniform split of every
+   sequence over many ranks is far from the best plan.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -40,8 +46,9 @@ import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanningError
+from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
+from ..static import plan_static
 from . import milp
 from .candidates import Candidate, num_waves_for
 from .megatron import plan_megatron_form
@@ -49,6 +56,9 @@ from .options import DynamicOptions
 from .place import place
 from .shelves import shelf_candidates
 from .wave import rebalance_wave
+
+# Static mesh plans of at most this many shards are priced beside hdp's candidates (family 6).
+STATIC_RIVAL_SHARDS = 4096
 
 NATIVE_SYNC = "peer"
 
@@ -119,6 +129,14 @@ class CandidateSearch:
             times[k] = self.place(cands[k], prune_at)
         return times
 
+    def consider(self, plan: Plan) -> None:
+        """Keep ``plan``, a baseline's, where it is faster than the best so far."""
+        t = self.ctx.cost.evaluate(plan).step_time_s
+        if t < self.best_s:
+            plan.strategy = "hdp"
+            plan.predicted["from_static"] = 1.0
+            self.best_s, self.best_plan = t, plan
+
     def polish_wave(self) -> None:
         """Move whole sequences out of the slowest cells of the best plan while that is faster."""
         for _ in range(3):
@@ -183,11 +201,25 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
+    rival = static_rival(ctx)
+    if rival is not None:
+        search.consider(rival)
     plan = search.best_plan
     plan.predicted.update(info)
     plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
+
+
+def static_rival(ctx: Context) -> Plan | None:
+    """The static mesh's plan of this step (family 6), where it is small enough to price."""
+    cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
+    if ctx.seq_lens.size * cp_least > STATIC_RIVAL_SHARDS:
+        return None
+    try:
+        return plan_static(ctx)
+    except PlanningError:  # its mesh does not fit this cluster: nothing to compare
+        return None
 
 
 def _plan_whole(ctx: Context, options: DynamicOptions) -> Plan:

@@ -1,0 +1,134 @@
+"""The closed form of one sequence split over ``d`` ranks in zigzag shares: each member's busy
+time, the job's area and the most tokens a member holds, for many (length, degree) pairs at once,
+by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two agree). The degree
+menus and bounds of :mod:`planner.degrees` and the FlexSP baseline price splits with it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from hdp import CostModel
+from hdp.cost import KVTraffic
+from hdp.plan import DEFAULT_KV_BLOCK_TOKENS
+
+from .common import zigzag_positions, zigzag_shares
+
+
+def split_times(
+    cost: CostModel,
+    lengths: np.ndarray,
+    parts: np.ndarray,
+    sync: str = "peer",
+    align: int | np.ndarray = 1,
+    latency: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
+    job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
+    capacity offload the needed share of their activations (priced by the cost model).
+    ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
+    bytes, not messages])."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    m, rpn = cost.model, cost.cluster.ranks_per_node
+    rep, member, head, tail = zigzag_shares(lengths, parts, align)
+    head_start, tail_end = zigzag_positions(rep, head, tail)
+    held = head + tail
+    # Heads and tails priced in one call (attn_time prices an empty chunk at 0).
+    chunks = cost.attn_time(
+        np.concatenate([head_start, tail_end - tail]), np.concatenate([head_start + head, tail_end])
+    )
+    attn_layer = chunks[: head.size] + chunks[head.size :]
+    # Whole sequences may share a member's cell (their dense layers then run at the packed
+    # speed): bounds price dense work at the best speed per token.
+    per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
+    dense = cost.dense_time(held) if latency else held * per_token
+    compute = m.layers * attn_layer + dense
+    d = parts[rep]
+    # Node of each member (groups start at a node boundary) and per-node sums.
+    node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
+    node_heads = np.bincount(node_idx, weights=head)
+    node_size = np.bincount(node_idx)
+    # Tails of members j > i on i's node: the node's tail total minus the inclusive prefix.
+    tail_cum = np.cumsum(tail)
+    node_first = np.searchsorted(node_idx, np.arange(node_heads.size))
+    node_tail_incl = tail_cum - (tail_cum - tail)[node_first][node_idx]
+    node_tails = np.bincount(node_idx, weights=tail)
+    received = tail_end - held
+    in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
+    out_all = (d - 1) * head + member * tail
+    out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
+    if cost.kv_exchange == "node":
+        links = _ZigzagLinks(rep, node_idx, head, tail, tail_end, received, in_intra)
+        received, in_intra, out_intra, out_all = links.node_exchange(out_intra)
+    msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
+    msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
+    traffic = KVTraffic(
+        in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
+    )
+    t_fwd, t_bwd = cost.comm_time_per_layer(traffic, latency)
+    fs = cost.attn_fwd_share
+    exposed = m.layers * (
+        np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
+    )
+    exposed = np.where(d > 1, exposed, 0.0)
+    fraction = np.where(
+        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
+    )
+    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
+    busy = compute + exposed + offload
+    busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
+    n = lengths.size
+    height = np.full(n, -np.inf)
+    np.maximum.at(height, rep, busy)
+    most = np.zeros(n, dtype=np.int64)
+    np.maximum.at(most, rep, held)
+    if sync == "peer" and latency:
+        area = parts * height  # the members start together and wait for the slowest
+    else:
+        # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
+        # member's cell (their dense layers then run at the packed speed, and their attention
+        # may hide under its K/V traffic): count only compute, dense at the best speed. Bounds
+        # count so in peer sync too, where other sequences may fill a member's wait.
+        packed = m.layers * attn_layer + held * per_token
+        area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
+    return height, area, most
+
+
+class _ZigzagLinks(NamedTuple):
+    """Per member of zigzag jobs: where it sits and what it receives in ``rank`` exchange."""
+
+    rep: np.ndarray  # the job of each member
+    node_idx: np.ndarray  # its node (jobs start at a node boundary)
+    head: np.ndarray
+    tail: np.ndarray
+    tail_end: np.ndarray
+    received: np.ndarray
+    in_intra: np.ndarray
+
+    def node_exchange(self, out_intra: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(received, received over NVLink, sent over NVLink, sent) in ``node`` exchange.
+
+        Note [Node exchange] in :mod:`hdp.exchange`: a node fetches once, an equal share per
+        member, what it lacks before its latest tail end. Heads go to every other node of the
+        job; tails go to the nodes of members ``j < i``, the earlier nodes, whose tails come later.
+        """
+        node, rep = self.node_idx, self.rep
+        size = np.bincount(node).astype(np.float64)
+        node_end = np.zeros(size.size, dtype=np.int64)
+        np.maximum.at(node_end, node, self.tail_end)
+        node_held = np.bincount(node, weights=self.head + self.tail)
+        fetched = ((node_end - node_held) / size)[node]
+        forwarded = np.maximum(self.received - self.in_intra - fetched, 0.0)
+        fwd_out = (np.bincount(node, weights=forwarded) / size)[node]
+        first_node = node[np.searchsorted(rep, rep, side="left")]
+        nodes = np.zeros(int(rep.max(initial=-1)) + 1, dtype=np.int64)
+        np.maximum.at(nodes, rep, node - first_node + 1)
+        out_inter = (nodes[rep] - 1) * self.head + (node - first_node) * self.tail
+        in_intra = self.in_intra + forwarded
+        out_intra = out_intra + fwd_out
+        return in_intra + fetched, in_intra, out_intra, out_intra + out_inter
+
+
+__all__ = ["split_times"]
