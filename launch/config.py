@@ -22,7 +22,7 @@ from typing import Any
 
 from hdp import GPUProfile, format_size
 from hdp.profile import ProfileError
-from planner import get_strategy
+from planner import STRATEGIES, get_strategy
 
 from .config_file import ConfigFileError, config_argv
 from .flags import build_parser, section_dests
@@ -227,9 +227,10 @@ def checked(config: RunConfig) -> RunConfig:
     if ck.allow_changed_setup and not resume:
         raise ValueError("--allow-changed-setup only applies with --resume")
     if planning.kv_exchange != "auto" and not get_strategy(planning.strategy).takes_kv_exchange:
+        takers = [name for name in STRATEGIES if get_strategy(name).takes_kv_exchange]
         raise ValueError(
-            f"--kv-exchange {planning.kv_exchange} applies to --strategy hdp: the baselines "
-            "exchange K/V as their own systems do"
+            f"--kv-exchange {planning.kv_exchange} applies to --strategy {' or '.join(takers)}: "
+            "the baselines exchange K/V as their own systems do"
         )
     tokens = data.tokens_per_step
     if tokens is None:

@@ -56,7 +56,7 @@ def config_argv(path: Path, parser: argparse.ArgumentParser, given: list[str]) -
     for where, key, value in _entries(path, data):
         action = actions.get(key.replace("-", "_"))
         if action is None or action.dest == "config":
-            raise ConfigFileError(f"{path}: {where}{key} is not a flag of pretrain.py")
+            raise ConfigFileError(f"{path}: {where}{key} is not a flag of {parser.prog}")
         flag = next(f for f in action.option_strings if not f.startswith("--no-"))
         if any(a == flag or a.startswith(flag + "=") or a == f"--no-{flag[2:]}" for a in given):
             continue

@@ -14,10 +14,14 @@ try:
 except ModuleNotFoundError as e:
     if e.name != "launch":
         raise
-    raise SystemExit(
+    import sys
+
+    print(
         "pretrain.py: error: the hdp package is not importable: install it (pip install -e . in "
-        "the repository, or bash scripts/setup_venv.sh) and run with that Python"
-    ) from None
+        "the repository, or bash scripts/setup_venv.sh) and run with that Python",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 if __name__ == "__main__":
     exit_without_teardown(main())

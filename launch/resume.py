@@ -91,7 +91,7 @@ def check_setup(saved: dict, now: dict, *, allow: bool, where: Path) -> bool:
         )
     data = differences(saved.get("data", {}), now["data"])
     items = [f"data.{d}" for d in data]
-    for section in ("planning", "optimizer"):
+    for section in [s for s in now if s not in ("model", "data")]:
         if section in saved:  # a checkpoint from before a section was added holds none
             # The decay horizon left the fingerprint: it is saved as the schedule instead.
             kept = {k: v for k, v in saved[section].items() if k != "lr_decay_steps"}

@@ -17,12 +17,15 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *The static mesh's plan* (:func:`planner.static.plan_static` in this step's sync mode and
-   capacity) where it has at most ``STATIC_RIVAL_SHARDS`` shards: on a profile where splitting
-   every sequence saves work (the CPU's reference attention) it can beat every degree menu, and
-   hdp must never plan slower than the baseline it replaces. Larger static plans are not priced:
-   their evaluation alone would exceed the planning budget, and there a uniform split of every
-   sequence over many ranks is far from the best plan.
+6. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode, capacity
+   and K/V exchange, where it is cheap to make and price: the static mesh's where it has at most
+   ``STATIC_RIVAL_SHARDS`` shards, ByteScale's always, Megatron's hybrid CP (our
+   re-implementation) up to ``RIVAL_RANKS`` ranks, FlexSP's up to ``FLEXSP_RIVAL_RANKS``. hdp must
+   never plan slower than a system it replaces, and the relaxation misses what such plans
+   exploit: a profile where splitting every sequence saves work (the CPU's reference attention),
+   or a micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own
+   costs the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more
+   to price than the search (FlexSP's solve, Megatron's lists) and is far from the best plan.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -40,14 +43,18 @@ all heights placed would give.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
 
 from hdp import Plan
 
+from ..bytescale import plan_bytescale
 from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
+from ..flexsp import plan_flexsp
+from ..hybridcp import plan_hybridcp
 from ..static import plan_static
 from . import milp
 from .candidates import Candidate, num_waves_for
@@ -57,8 +64,10 @@ from .place import place
 from .shelves import shelf_candidates
 from .wave import rebalance_wave
 
-# Static mesh plans of at most this many shards are priced beside hdp's candidates (family 6).
+# The baselines' plans priced beside hdp's candidates (family 6), where they are this small.
 STATIC_RIVAL_SHARDS = 4096
+RIVAL_RANKS = 256
+FLEXSP_RIVAL_RANKS = 16
 
 NATIVE_SYNC = "peer"
 
@@ -129,12 +138,13 @@ class CandidateSearch:
             times[k] = self.place(cands[k], prune_at)
         return times
 
-    def consider(self, plan: Plan) -> None:
-        """Keep ``plan``, a baseline's, where it is faster than the best so far."""
+    def consider(self, name: str, plan: Plan) -> None:
+        """Keep ``plan``, baseline ``name``'s, where it is faster than the best so far; it is
+        then hdp's plan, and ``predicted["from_<name>"]`` says where it came from."""
         t = self.ctx.cost.evaluate(plan).step_time_s
         if t < self.best_s:
             plan.strategy = "hdp"
-            plan.predicted["from_static"] = 1.0
+            plan.predicted[f"from_{name}"] = 1.0
             self.best_s, self.best_plan = t, plan
 
     def polish_wave(self) -> None:
@@ -201,9 +211,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
-    rival = static_rival(ctx)
-    if rival is not None:
-        search.consider(rival)
+    for name, rival in rival_plans(ctx):
+        search.consider(name, rival)
     plan = search.best_plan
     plan.predicted.update(info)
     plan.predicted["bound_s"] = bound_s
@@ -211,15 +220,24 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
-def static_rival(ctx: Context) -> Plan | None:
-    """The static mesh's plan of this step (family 6), where it is small enough to price."""
+def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
+    """(name, plan) of each baseline whose plan of this step is cheap to make and price
+    (family 6); a baseline that cannot plan the step is left out."""
+    n = ctx.num_ranks
+    makers: list[tuple[str, Callable[[Context], Plan]]] = [("bytescale", plan_bytescale)]
     cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
-    if ctx.seq_lens.size * cp_least > STATIC_RIVAL_SHARDS:
-        return None
-    try:
-        return plan_static(ctx)
-    except PlanningError:  # its mesh does not fit this cluster: nothing to compare
-        return None
+    if ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS:
+        makers.append(("static", plan_static))
+    if n <= RIVAL_RANKS:
+        makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
+    if n <= FLEXSP_RIVAL_RANKS:
+        makers.append(("flexsp", plan_flexsp))
+    for name, make in makers:
+        try:
+            plan = make(ctx)
+        except PlanningError:  # its layout does not fit this step: nothing to compare
+            continue
+        yield name, plan
 
 
 def _plan_whole(ctx: Context, options: DynamicOptions) -> Plan:
