@@ -19,13 +19,14 @@ this order:
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
 6. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode, capacity
    and K/V exchange, where it is cheap to make and price: the static mesh's where it has at most
-   ``STATIC_RIVAL_SHARDS`` shards, ByteScale's always, Megatron's hybrid CP (our
-   re-implementation) up to ``RIVAL_RANKS`` ranks, FlexSP's up to ``FLEXSP_RIVAL_RANKS``. hdp must
+   ``STATIC_RIVAL_SHARDS`` shards, ByteScale's and Megatron's hybrid CP (our re-implementation)
+   up to ``RIVAL_RANKS`` ranks. FlexSP's is not priced: its MILP alone takes 3-8 times hdp's
+   whole search on small steps. hdp must
    never plan slower than a system it replaces, and the relaxation misses what such plans
    exploit: a profile where splitting every sequence saves work (the CPU's reference attention),
    or a micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own
    costs the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more
-   to price than the search (FlexSP's solve, Megatron's lists) and is far from the best plan.
+   to price than the search and is far from the best plan.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -53,7 +54,6 @@ from hdp import Plan
 from ..bytescale import plan_bytescale
 from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
-from ..flexsp import plan_flexsp
 from ..hybridcp import plan_hybridcp
 from ..static import plan_static
 from . import milp
@@ -67,7 +67,6 @@ from .wave import rebalance_wave
 # The baselines' plans priced beside hdp's candidates (family 6), where they are this small.
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
-FLEXSP_RIVAL_RANKS = 16
 
 NATIVE_SYNC = "peer"
 
@@ -224,14 +223,13 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     """(name, plan) of each baseline whose plan of this step is cheap to make and price
     (family 6); a baseline that cannot plan the step is left out."""
     n = ctx.num_ranks
-    makers: list[tuple[str, Callable[[Context], Plan]]] = [("bytescale", plan_bytescale)]
+    makers: list[tuple[str, Callable[[Context], Plan]]] = []
     cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
     if ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS:
         makers.append(("static", plan_static))
     if n <= RIVAL_RANKS:
+        makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    if n <= FLEXSP_RIVAL_RANKS:
-        makers.append(("flexsp", plan_flexsp))
     for name, make in makers:
         try:
             plan = make(ctx)
