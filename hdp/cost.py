@@ -219,11 +219,12 @@ class CostModel:
     def least_attn_of(self, lengths: np.ndarray) -> np.ndarray:
         """:meth:`least_attn_time` of integer ``lengths``, each length priced once per cost model
         (planners evaluate many plans of one batch)."""
-        L = np.asarray(lengths, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64).tolist()
         known = self._least_attn
-        new = np.setdiff1d(L, np.fromiter(known, dtype=np.int64, count=len(known)))
-        known.update(zip(new.tolist(), self.least_attn_time(new).tolist()))
-        return np.fromiter((known[x] for x in L.tolist()), dtype=np.float64, count=L.size)
+        new = sorted({x for x in lengths if x not in known})
+        if new:
+            known.update(zip(new, self.least_attn_time(np.asarray(new)).tolist()))
+        return np.fromiter((known[x] for x in lengths), dtype=np.float64, count=len(lengths))
 
     def lower_bound(self, seq_lens: np.ndarray) -> float:
         """All work, each sequence's attention at the least of its equal splits
