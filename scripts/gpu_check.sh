@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [--only SECTION,...] [--full] [OUT_DIR]
 # Sections, in the order they run (each under its own time limit, so one hang costs its limit,
 # not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate; --full
-# adds the CPU test suite under the CUDA torch (about 20 minutes alone). On an H200, tests,
+# adds the CPU test suite under the CUDA torch (7-9 minutes on 16 cores). On an H200, tests,
 # train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2.
 # Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository is
 # put on PYTHONPATH; wheels in ./.whl, if any, are installed into a scratch folder first: for a
@@ -118,11 +118,11 @@ if wanted calibrate; then
   done
 fi
 # The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
-# One worker: the multi-rank tests pick free TCP ports, which many workers (pytest -n 8 and up)
-# took from each other on a 16-core GPU machine.
+# Six workers fit one device call (one worker takes over 20 minutes); -v names each failure in the
+# log as it happens, so a run cut short by the lease still says what failed.
 if wanted suite; then
-  run 1800 "whole test suite" $PY -m pytest -q -rfE -p no:cacheprovider -p no:benchmark \
-    --timeout 600 tests
+  run 540 "whole test suite" $PY -m pytest -v -rfE -p no:cacheprovider -p no:benchmark \
+    -n 6 --dist loadfile --timeout 300 --junitxml "$OUT_DIR/suite.xml" tests
 fi
 {
   echo

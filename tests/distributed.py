@@ -12,18 +12,11 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import time
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def warm_up_exp() -> None:
@@ -49,7 +42,7 @@ def patient(seconds: float) -> float:
     return seconds * load_factor()
 
 
-def _entry(rank: int, fn, world: int, port: int, stacks: str, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, rendezvous: str, stacks: str, args: tuple) -> None:
     faulthandler.enable(all_threads=True)  # a rank that crashes prints where each thread was
     # At the deadline the parent sends SIGUSR2 and reads where each rank waits (not SIGUSR1:
     # training stops on that one, Note [Stopping on a signal]).
@@ -58,9 +51,9 @@ def _entry(rank: int, fn, world: int, port: int, stacks: str, args: tuple) -> No
     faulthandler.register(signal.SIGUSR2, file=_stack_file, all_threads=True)
     warm_up_exp()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    # A file, not a TCP port, for the rendezvous: a port picked free by the parent may be taken
+    # by another test worker before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     from launch.runtime import exit_without_teardown
 
     try:
@@ -99,7 +92,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
     stacks = tempfile.mkdtemp(prefix="hdp-ranks-")
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world, free_port(), stacks, args),
+        args=(fn, world, os.path.join(stacks, "rendezvous"), stacks, args),
         nprocs=world,
         join=False,
         start_method="spawn",

@@ -24,7 +24,10 @@ ENV = dict(
     os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="600"
 )
 STEPS = 10
+# The CPU suite stays on CPU where a GPU is present: runs are compared bit for bit.
 COMMON = [
+    "--device",
+    "cpu",
     *("--model", "tiny", "--workload", "wlb-128k", "--tokens-per-step", "3K", "--max-seq", "1K"),
     *("--synthetic-docs", "400", "--lr", "1e-2", "--warmup", "2", "--lr-decay-steps", "10"),
 ]

@@ -14,7 +14,10 @@ from distributed import patient, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The CPU suite stays on CPU where a GPU is present: one-rank and gloo runs are compared.
 COMMON = [
+    "--device",
+    "cpu",
     "--model",
     "tiny",
     "--workload",
