@@ -11,6 +11,13 @@ The runtime (launch/model.py) runs, per decoder layer and micro-batch of ``T`` t
   RoPE over the query and key widths;
 - a fixed overhead (``layer_overhead_s``: launches and Python, not proportional to tokens).
 
+With tensor parallelism over ``tp`` GPUs (``tensor_parallel``; the model is then one GPU's shard,
+:meth:`ModelSpec.tensor_shard`) and Megatron's sequence parallelism, the GEMMs run on all ``T``
+tokens at a ``1/tp`` width, the norms and residual adds on ``T / tp`` tokens, and each layer adds
+four collectives over ``T x hidden`` activations forward (all-gather before attention and the MLP,
+reduce-scatter after) and four backward, four more with checkpointing; they run on NVLink and are
+not overlapped with compute.
+
 Once per micro-batch: the LM head and the cross-entropy over ``vocab`` in chunks of
 ``loss_chunk_tokens`` (recomputed in backward when there is more than one chunk); once per step:
 the optimizer over the rank's parameter shard. The tables hold forward + backward times.
@@ -42,6 +49,7 @@ class ComputeModel:
     activation_checkpointing: bool = True
     loss_chunk_tokens: int = 4096
     attention_backend: str | None = None
+    tensor_parallel: int = 1
 
     @property
     def backend(self) -> str:
@@ -83,13 +91,26 @@ class ComputeModel:
         m, t = self.model, self.gpu.tables
         T = np.asarray(tokens, dtype=np.float64)
         gemm = sum(t.gemm_time(T, n_in, n_out) for n_in, n_out in self.linears)
+        local = T / self.tensor_parallel  # sequence parallelism: a GPU's share of the tokens
         mem = (
-            2 * t.memory_bound_time("rmsnorm", m.hidden, T)
-            + 2 * t.memory_bound_time("residual_add", m.hidden, T)
+            2 * t.memory_bound_time("rmsnorm", m.hidden, local)
+            + 2 * t.memory_bound_time("residual_add", m.hidden, local)
             + t.memory_bound_time("swiglu", m.ffn, T)
             + t.memory_bound_time("rope", (m.heads + m.kv_heads) * m.head_dim, T)
         )
-        return (gemm + mem) * self.dense_recompute
+        return (gemm + mem) * self.dense_recompute + self.tensor_comm_time(T)
+
+    def tensor_comm_time(self, tokens) -> np.ndarray:
+        """One layer's tensor-parallel all-gathers and reduce-scatters on ``tokens`` tokens
+        (Note [What a layer costs]), seconds; 0 without tensor parallelism."""
+        tp = self.tensor_parallel
+        T = np.asarray(tokens, dtype=np.float64)
+        if tp == 1:
+            return np.zeros_like(T)
+        g, m = self.gpu, self.model
+        calls = 12 if self.activation_checkpointing else 8
+        per_call = (tp - 1) / tp * T * m.hidden * m.dtype_bytes / g.nvlink_bw + g.nvlink_latency
+        return np.where(T > 0, calls * per_call, 0.0)
 
     def head_time(self, tokens) -> np.ndarray:
         """LM head and cross-entropy of ``tokens`` in chunks of ``loss_chunk_tokens``, seconds."""

@@ -113,6 +113,10 @@ class CostModel:
         attention_backend: the attention kernel priced (default: the GPU profile's).
         kv_exchange: the K/V exchange planners price before a plan exists (``rank`` or ``node``,
             :mod:`hdp.exchange`); :meth:`evaluate` prices each plan's own.
+        tensor_parallel: GPUs of a tensor-parallel group, one rank of the plan; ``model`` is
+            then one GPU's shard and ``cluster`` counts groups (:meth:`StepPricing.build
+            <planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
+            split over the group (sequence parallelism).
     """
 
     model: ModelSpec
@@ -124,6 +128,7 @@ class CostModel:
     loss_chunk_tokens: int = 4096
     attention_backend: str | None = None
     kv_exchange: str = "rank"
+    tensor_parallel: int = 1
 
     def with_exchange(self, kv_exchange: str) -> CostModel:
         """This model pricing ``kv_exchange`` for planners (the kernel tables are shared)."""
@@ -153,6 +158,7 @@ class CostModel:
             self.activation_checkpointing,
             self.loss_chunk_tokens,
             self.attention_backend,
+            self.tensor_parallel,
         )
 
     @property
@@ -260,14 +266,16 @@ class CostModel:
         m = self.model
         if not self.activation_checkpointing:
             return 0.0
-        return float(m.layers * m.hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
+        hidden = m.hidden / self.tensor_parallel  # layer inputs are split (sequence parallel)
+        return float(m.layers * hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
 
     @cached_property
     def working_bytes_per_token(self) -> float:
         """Activation bytes per token of the layer(s) whose full activations are alive."""
         m = self.model
+        hidden = m.hidden / self.tensor_parallel  # norms and residuals: sequence parallel
         per_layer = (
-            6 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
+            6 * hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
         ) * m.dtype_bytes
         layers = 1 if self.activation_checkpointing else m.layers
         return float(per_layer * layers) * self.cluster.gpu.activation_memory_scale

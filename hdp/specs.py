@@ -133,6 +133,36 @@ class ModelSpec:
     def total_params(self) -> int:
         return self.layers * self.params_per_layer + self.embedding_params
 
+    def tensor_shard(self, tp: int) -> ModelSpec:
+        """What one GPU of a tensor-parallel group of ``tp`` GPUs computes and holds, as Megatron
+        splits a layer: ``heads / tp`` query heads, ``kv_heads / tp`` key/value heads (one,
+        replicated, where ``tp`` exceeds them), ``ffn / tp`` and a vocabulary-parallel embedding
+        and head of ``ceil(vocab / tp)`` rows; ``hidden`` stays whole. ValueError where the
+        heads or the MLP do not split evenly."""
+        if tp == 1:
+            return self
+        problems = []
+        if tp < 1:
+            problems.append("it must be at least 1")
+        elif self.heads % tp:
+            problems.append(f"{self.heads} attention heads do not split into {tp} equal parts")
+        elif self.kv_heads % tp and tp % self.kv_heads:
+            problems.append(f"{self.kv_heads} key/value heads neither split over nor divide {tp}")
+        elif self.ffn % tp:
+            problems.append(f"the MLP's {self.ffn} channels do not split into {tp} equal parts")
+        if problems:
+            raise ValueError(
+                f"--tp {tp}: {self.name}'s {problems[0]}; choose a divisor of {self.heads}"
+            )
+        return replace(
+            self,
+            name=f"{self.name}/tp{tp}",
+            heads=self.heads // tp,
+            kv_heads=max(1, self.kv_heads // tp),
+            ffn=self.ffn // tp,
+            vocab=-(-self.vocab // tp),
+        )
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V of one token in one layer: ``2 * kv_heads * head_dim * dtype_bytes``."""
@@ -432,6 +462,22 @@ class ClusterSpec:
 
     def with_ranks(self, num_ranks: int) -> ClusterSpec:
         return replace(self, num_ranks=num_ranks)
+
+    def tensor_groups(self, tp: int) -> ClusterSpec:
+        """This cluster seen as its tensor-parallel groups of ``tp`` GPUs, one rank each: a
+        group stays inside a node (its collectives use NVLink). ValueError where ``tp`` does not
+        divide the GPUs of a node."""
+        if tp == 1:
+            return self
+        if tp < 1 or self.ranks_per_node % tp or self.num_ranks % tp:
+            raise ValueError(
+                f"--tp {tp}: a tensor-parallel group must fit a node evenly, and {tp} does not "
+                f"divide {self.ranks_per_node} GPUs per node and {self.num_ranks} GPUs; choose "
+                f"a divisor of {self.ranks_per_node}"
+            )
+        return replace(
+            self, num_ranks=self.num_ranks // tp, ranks_per_node=self.ranks_per_node // tp
+        )
 
 
 def _lookup(kind: str, name: str, table: dict):

@@ -114,6 +114,7 @@ def _pricing(args: argparse.Namespace, strategy: str | None = None) -> StepPrici
         capacity=args.capacity,
         sync=args.sync,
         kv_exchange=args.kv_exchange,
+        tensor_parallel=getattr(args, "tp", 1),
     )
     return pricing if strategy is None else pricing.for_strategy(get_strategy(strategy))
 
@@ -158,6 +159,16 @@ def sim_parser() -> argparse.ArgumentParser:
         help="file of sequence lengths to sample from, one integer per line (.gz ok)",
     )
     _add_cluster_model_args(p)
+    p.add_argument(
+        "--tp",
+        type=integer(1, 64),
+        default=1,
+        metavar="N",
+        help="tensor parallelism folded into a rank: every rank of the plans is a group of N GPUs "
+        "of one node (Megatron's TP with sequence parallelism: 1/N of the heads, MLP and "
+        "vocabulary per GPU, its all-gathers and reduce-scatters priced on NVLink); --gpus "
+        "counts GPUs and --capacity a group's tokens (default 1)",
+    )
     p.add_argument(
         "--max-seq",
         type=_size,
@@ -225,9 +236,14 @@ def sim_main(argv: list[str] | None = None) -> int:
         if len(errors) == 1 and None not in errors:  # the setup fails every strategy alike
             raise ValueError(errors.pop())
         c = sim.config
+        ranks = f"{cluster.num_ranks} x {cluster.gpu.name} ({cluster.ranks_per_node} per node"
+        if args.tp > 1:
+            ranks = (
+                f"{args.gpus} x {cluster.gpu.name} as {cluster.num_ranks} tensor-parallel "
+                f"groups of {args.tp} ({cluster.ranks_per_node} groups per node"
+            )
         print(
-            f"{c['workload']}: {model.name} on {cluster.num_ranks} x {cluster.gpu.name} "
-            f"({cluster.ranks_per_node} per node, {c['attention_backend']} attention), "
+            f"{c['workload']}: {model.name} on {ranks}, {c['attention_backend']} attention), "
             f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity "
             f"{c['capacity_peer']} (peer) / {c['capacity_wave']} (wave) tokens per rank, "
             f"{plural(c['steps'], 'step')}, seed {c['seed']}"

@@ -12,8 +12,9 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
    model's time of one bucket sequence on ``g`` ranks as FlexSP runs it, Ulysses all-to-all
    (:mod:`hdp.ulysses`; ``g`` at most the head count), or zigzag P2P with ``kv_exchange="rank"``.
 3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
-   over its groups by LPT; a group runs them one micro-batch after another (``peer`` sync: groups
-   do not wait for each other); single-rank groups pack whole sequences by first-fit.
+   over its groups by LPT; a group packs its sequences first-fit into micro-batches of at most
+   ``g * capacity`` tokens and runs them one after another (``peer`` sync: groups do not wait for
+   each other).
 """
 
 from __future__ import annotations
@@ -253,9 +254,17 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
                     waves[k] += int(lens[i])
                     builder.add(k, first[j], i, 0, int(lens[i]))
             else:
-                for slot, i in enumerate(seq_list):
+                # The group's sequences packed first-fit (longest first) into micro-batches
+                # whose zigzag shares (two chunks of ceil(L / 2g) per member) fit a member.
+                room: list[int] = []
+                for i in sorted(seq_list, key=lambda i: -int(lens[i])):
+                    share = 2 * -(-int(lens[i]) // (2 * g))
+                    k = next((k for k, r in enumerate(room) if r >= share), len(room))
+                    if k == len(room):
+                        room.append(cap)
+                    room[k] -= share
                     rows_seq.append(i)
-                    rows_wave.append(slot)
+                    rows_wave.append(k)
                     rows_members.append(np.arange(first[j], first[j] + g, dtype=np.int64))
     if next_rank > n:
         raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")

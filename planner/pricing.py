@@ -58,15 +58,20 @@ class StepPricing:
         capacity: int | None = None,
         sync: str | None = None,
         kv_exchange: str = "auto",
+        tensor_parallel: int = 1,
     ) -> StepPricing:
         """The pricing of ``model`` on ``cluster`` running ``attention_backend``'s kernels (the
-        profile's measured rows of that backend; ``None``: the profile's own)."""
+        profile's measured rows of that backend; ``None``: the profile's own). With
+        ``tensor_parallel`` > 1 a rank of the plans is a tensor-parallel group of that many GPUs
+        of one node: the cost model prices one GPU's shard of the model, ``capacity`` counts
+        the group's tokens, and ValueError says where the model or the nodes do not split."""
         cost = CostModel(
-            model,
-            cluster,
+            model.tensor_shard(tensor_parallel),
+            cluster.tensor_groups(tensor_parallel),
             attention_backend=attention_backend,
             activation_checkpointing=activation_checkpointing,
             capacity_override=capacity,
+            tensor_parallel=tensor_parallel,
         )
         return cls(cost, sync, kv_exchange)
 

@@ -115,10 +115,12 @@ def simulate(
                     f"step {k + 1}/{steps}: {name:<9} planned in {summary['plan_time_s']:.2f} s, "
                     f"predicted {summary['step_time_s']:.2f} s"
                 )
+    tp = cost.tensor_parallel
     config = {
         "workload": workload.name,
-        "gpus": pricing.cluster.num_ranks,
-        "gpus_per_node": pricing.cluster.ranks_per_node,
+        "gpus": pricing.cluster.num_ranks * tp,
+        "gpus_per_node": pricing.cluster.ranks_per_node * tp,
+        "tensor_parallel": tp,
         "gpu": pricing.cluster.gpu.name,
         "attention_backend": cost.attention_backend or pricing.cluster.gpu.attention_backend,
         "model": pricing.model.name,
@@ -154,7 +156,9 @@ def format_table(sim: SimResult) -> str:
         "waves",
     )
     rows = [head]
-    ranks = sim.config["gpus"]
+    # Per GPU: with tensor parallelism a plan's rank is a group, and the bytes counted are one
+    # GPU's share of each group's.
+    ranks = sim.config["gpus"] // sim.config.get("tensor_parallel", 1)
     static = sim.results.get("static")
     static_t = static.mean().get("step_time_s") if static and static.error is None else None
     for name, r in sim.results.items():

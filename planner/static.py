@@ -10,6 +10,10 @@ Inside a replica's CP group every sequence of the micro-batch is cut into ``2 * 
 rank ``i`` holds chunks ``i`` and ``2 * cp - 1 - i`` (zigzag load balance, TE's THD layout).
 Megatron's distributed optimizer keeps parameters between micro-batches, so replicas run
 independently (``peer``).
+
+``ulysses`` is the same mesh as DeepSpeed-Ulysses runs it: the CP size is a sequence-parallel
+size, at most the head count (the all-to-all splits heads), and attention exchanges by
+all-to-all (:mod:`hdp.ulysses`) instead of the ring.
 """
 
 from __future__ import annotations
@@ -53,19 +57,26 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def plan_static(ctx: Context) -> Plan:
+def plan_static(ctx: Context, name: str = "static") -> Plan:
+    """The static mesh of ``name`` (``static``: Megatron's CP; ``ulysses``: DeepSpeed's SP)."""
     lens = ctx.seq_lens
     n = ctx.num_ranks
+    # Ulysses splits heads: no more ranks in a group than the model has.
+    most = min(n, ctx.cost.model.heads) if name == "ulysses" else n
     # TE pads every document to a multiple of 2 * CP: a padded micro-batch of max_seq must fit.
     cp_mem = next_pow2(ctx.max_seq / ctx.capacity)
     while cp_mem <= n and 2 * -(-ctx.max_seq // (2 * cp_mem)) > ctx.capacity:
         cp_mem *= 2
-    if cp_mem > n:
+    if cp_mem > most:
+        if most == n:
+            limit, fix = f"the cluster has {n}", "use more GPUs or a smaller --max-seq"
+        else:
+            heads = ctx.cost.model.heads
+            limit = f"Ulysses splits {ctx.cost.model.name}'s {heads} heads over at most {heads}"
+            fix = "use a smaller --max-seq or a larger --capacity"
         raise PlanningError(
-            f"static: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs CP = {cp_mem} "
-            "ranks "
-            f"at {ctx.capacity} tokens per rank, but the cluster has {n}; use more GPUs or a "
-            "smaller --max-seq"
+            f"{name}: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs a group of "
+            f"{cp_mem} ranks at {ctx.capacity} tokens per rank, but {limit}; {fix}"
         )
     # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch. Packing
     # counts the padding (compute is not charged for it), so a rank never holds more than
@@ -74,7 +85,7 @@ def plan_static(ctx: Context) -> Plan:
     while True:
         padded = -(-lens // (2 * cp)) * (2 * cp)
         bins = first_fit_decreasing(padded, max(ctx.max_seq, int(padded.max(initial=0))))
-        if n // cp <= len(bins) or 2 * cp > n:
+        if n // cp <= len(bins) or 2 * cp > most:
             break
         cp *= 2
     dp = n // cp
@@ -94,7 +105,7 @@ def plan_static(ctx: Context) -> Plan:
             group_first.extend([g * cp] * len(members))
             wave_of.extend([w] * len(members))
     seq_ids_a = np.asarray(seq_ids, dtype=np.int64)
-    builder = PlanBuilder(ctx, "static")
+    builder = PlanBuilder(ctx, name)
     rank, seq, start, end = zigzag_arrays(
         seq_ids_a,
         lens[seq_ids_a],

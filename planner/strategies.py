@@ -88,6 +88,21 @@ class Static(Strategy):
         return static.plan_static(ctx)
 
 
+class Ulysses(Strategy):
+    name = "ulysses"
+    native_sync = static.NATIVE_SYNC
+    summary = "DP x SP mesh, one power-of-two SP size, all-to-all over heads (DeepSpeed-Ulysses)"
+
+    def exchanges(self, options: NoOptions) -> tuple[str, ...]:
+        return ("ulysses",)
+
+    def exchange_reason(self, options: NoOptions) -> str:
+        return "DeepSpeed-Ulysses exchanges by all-to-all over heads"
+
+    def plan(self, ctx: Context, options: NoOptions) -> Plan:
+        return static.plan_static(ctx, "ulysses")
+
+
 class HybridCP(Strategy):
     name = "hybridcp"
     native_sync = hybridcp.NATIVE_SYNC
@@ -149,7 +164,7 @@ class Dynamic(Strategy):
 
 
 STRATEGIES: dict[str, Strategy] = {
-    s.name: s for s in (Static(), HybridCP(), ByteScale(), FlexSP(), Dynamic())
+    s.name: s for s in (Static(), Ulysses(), HybridCP(), ByteScale(), FlexSP(), Dynamic())
 }
 
 
