@@ -20,8 +20,8 @@ this order:
 6. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode, capacity
    and K/V exchange, where it is cheap to make and price: the static mesh's where it has at most
    ``STATIC_RIVAL_SHARDS`` shards, ByteScale's and Megatron's hybrid CP (our re-implementation)
-   up to ``RIVAL_RANKS`` ranks. FlexSP's is not priced: its MILP alone takes 3-8 times hdp's
-   whole search on small steps. hdp must
+   up to ``RIVAL_RANKS`` ranks, FlexSP's up to ``FLEXSP_RIVAL_RANKS`` (its MILP alone takes
+   2-5 times hdp's whole search there); none where hdp's plan already meets its bound. hdp must
    never plan slower than a system it replaces, and the relaxation misses what such plans
    exploit: a profile where splitting every sequence saves work (the CPU's reference attention),
    or a micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own
@@ -54,6 +54,7 @@ from hdp import Plan
 from ..bytescale import plan_bytescale
 from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
+from ..flexsp import plan_flexsp
 from ..hybridcp import plan_hybridcp
 from ..static import plan_static
 from . import milp
@@ -67,6 +68,7 @@ from .wave import rebalance_wave
 # The baselines' plans priced beside hdp's candidates (family 6), where they are this small.
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
+FLEXSP_RIVAL_RANKS = 8
 
 NATIVE_SYNC = "peer"
 
@@ -210,8 +212,9 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
-    for name, rival in rival_plans(ctx):
-        search.consider(name, rival)
+    if search.best_s > bound_s * (1 + 1e-9):  # at the bound no baseline can be faster
+        for name, rival in rival_plans(ctx):
+            search.consider(name, rival)
     plan = search.best_plan
     plan.predicted.update(info)
     plan.predicted["bound_s"] = bound_s
@@ -230,6 +233,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
+    if n <= FLEXSP_RIVAL_RANKS:
+        makers.append(("flexsp", plan_flexsp))
     for name, make in makers:
         try:
             plan = make(ctx)
