@@ -15,6 +15,19 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
    over its groups by LPT; a group packs its sequences first-fit into micro-batches of at most
    ``g * capacity`` tokens and runs them one after another (``peer`` sync: groups do not wait for
    each other).
+
+Note [FlexSP's micro-batches]
+-----------------------------
+In ``wave`` sync (ZeRO-3, how FlexSP runs) every micro-batch gathers the parameters again, so a
+wave costs at least its collectives, and FlexSP's solver tries several micro-batch counts. One
+solve for the whole batch balances the groups' time but not the waves: its groups pack their
+sequences into as many waves as the fullest group needs. Where that is more than the fewest
+micro-batches that hold the batch (``ceil(tokens / (ranks x capacity))``), the batch is also
+dealt into that many micro-batches (longest first, to the one with the least work that has
+room), each solved with the groups of each size holding their sequences at once (FlexSP's memory
+constraint) and placed on all ranks in turn; the faster plan is kept. Example: 64 A100s
+at 5,888 tokens each hold 377K tokens a wave; a 518K-token Wikipedia batch needs 2 micro-batches,
+where one solve packed 3, each carrying 2.4 s of parameter traffic.
 """
 
 from __future__ import annotations
@@ -71,6 +84,10 @@ class _Groups:
     buckets: list[np.ndarray]
     sizes: list[int]
     time: dict[tuple[int, int], float]
+    # Tokens a rank holds in one micro-batch, where the schedule must be one micro-batch (each
+    # bucket's sequences counted at its longest); None: no such limit.
+    room: int | None = None
+    longest: tuple[int, ...] = ()
 
     @property
     def counts(self) -> list[int]:
@@ -87,7 +104,6 @@ def plan_flexsp(ctx: Context) -> Plan:
             f"{next_pow2(-(-longest // cap))} ranks (a power of two) at {cap} tokens each, "
             f"but the cluster has {n}"
         )
-    buckets = length_buckets(lens[ids])
     sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
     if ctx.cost.kv_exchange == "ulysses":
         heads = ctx.cost.model.heads
@@ -99,17 +115,59 @@ def plan_flexsp(ctx: Context) -> Plan:
                 f"{ctx.cost.model.name}'s {heads} heads over at most {heads} ranks; use "
                 "--kv-exchange rank (its placement with P2P attention) or a smaller --max-seq"
             )
+    builder = PlanBuilder(ctx, "flexsp")
+    _place(ctx, builder, 0, ids, *_solve(ctx, ids, sizes))
+    plan = builder.build()
+    if ctx.sync != "wave" or plan.num_waves <= 1:
+        return plan
+    # Note [FlexSP's micro-batches]
+    fewest = -(-int(lens[ids].sum()) // (n * cap))
+    parts = _micro_batches(ctx, ids, fewest) if fewest < plan.num_waves else None
+    if parts is None:
+        return plan
+    builder = PlanBuilder(ctx, "flexsp")
+    wave = 0
+    for part in parts:
+        wave += _place(ctx, builder, wave, part, *_solve(ctx, part, sizes, one_wave=True))
+    split = builder.build()
+    cost = ctx.cost
+    return split if cost.evaluate(split).step_time_s < cost.evaluate(plan).step_time_s else plan
+
+
+def _solve(ctx: Context, ids: np.ndarray, sizes: list[int], one_wave: bool = False) -> tuple:
+    """Steps 1-2 for the sequences ``ids``: (buckets, schedule, group sizes); ``one_wave``: the
+    groups of each size hold their sequences' tokens at once (one micro-batch)."""
+    lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
+    buckets = length_buckets(lens[ids])
     time: dict[tuple[int, int], float] = {}
     for b, L in enumerate(int(lens[ids[b]].max()) for b in buckets):
         for g in sizes:
             if g >= next_pow2(-(-L // cap)):  # a short sequence may run on a larger group
                 time[(b, g)] = _job_time(ctx, L, g)
-    groups = _Groups(buckets, sizes, time)
+    longest = tuple(int(lens[ids[b]].max()) for b in buckets)
+    groups = _Groups(buckets, sizes, time, cap if one_wave else None, longest)
     sol = _bisect(groups, n, float(ctx.whole_s[ids].sum()) + 1.0)
     if sol is None:
         sol = _smallest_groups(groups, n)
     _spread_spare_ranks(groups, sol, n)
-    return _place(ctx, buckets, ids, sol, sizes, ctx.whole_s)
+    return buckets, sol, sizes
+
+
+def _micro_batches(ctx: Context, ids: np.ndarray, count: int) -> list[np.ndarray] | None:
+    """``ids`` dealt into ``count`` micro-batches of at most ``ranks x capacity`` tokens each,
+    longest first to the one with the least work so far; ``None`` where they do not fit."""
+    lens, room = ctx.seq_lens, ctx.num_ranks * ctx.capacity
+    tokens, work = np.zeros(count, dtype=np.int64), np.zeros(count)
+    parts: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(ids.tolist(), key=lambda i: -int(lens[i])):
+        fits = np.flatnonzero(tokens + lens[i] <= room)
+        if fits.size == 0:
+            return None
+        k = int(fits[np.argmin(work[fits])])
+        parts[k].append(i)
+        tokens[k] += lens[i]
+        work[k] += ctx.whole_s[i]
+    return [np.asarray(p, dtype=np.int64) for p in parts if p]
 
 
 def _job_time(ctx: Context, length: int, degree: int) -> float:
@@ -147,6 +205,10 @@ def _feasible(groups: _Groups, n: int, M: float, solver: str) -> dict[tuple[int,
         load = [x[k] * time[k] for k in x if k[1] == g]
         if load:
             prob += pulp.lpSum(load) <= M * m[g]
+        if groups.room is not None:
+            held = [x[k] * groups.longest[k[0]] for k in x if k[1] == g]
+            if held:
+                prob += pulp.lpSum(held) <= groups.room * g * m[g]
     prob += pulp.lpSum(g * m[g] for g in sizes) <= n
     prob += pulp.lpSum([])  # feasibility only: the first schedule found will do
     status = prob.solve(make_solver(solver, TIME_LIMIT_S))
@@ -217,10 +279,11 @@ def _spread_spare_ranks(groups: _Groups, sol: dict[tuple[int, int], int], n: int
         spare -= g
 
 
-def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
-    lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
-    builder = PlanBuilder(ctx, "flexsp")
-    next_rank = 0
+def _place(ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, sizes) -> int:
+    """Step 3: the schedule's groups on ranks, their sequences in waves from ``wave0``; returns
+    the number of waves used."""
+    lens, n, cap, whole = ctx.seq_lens, ctx.num_ranks, ctx.capacity, ctx.whole_s
+    next_rank, waves_used = 0, 0
     rows_seq, rows_wave, rows_members = [], [], []
     for g in sorted(sizes, reverse=True):
         groups = sol.get((-1, g), 0)
@@ -252,7 +315,8 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
                     if k == len(waves):
                         waves.append(0)
                     waves[k] += int(lens[i])
-                    builder.add(k, first[j], i, 0, int(lens[i]))
+                    builder.add(wave0 + k, first[j], i, 0, int(lens[i]))
+                waves_used = max(waves_used, len(waves))
             else:
                 # The group's sequences packed first-fit (longest first) into micro-batches
                 # whose zigzag shares (two chunks of ceil(L / 2g) per member) fit a member.
@@ -264,14 +328,15 @@ def _place(ctx: Context, buckets, ids, sol, sizes, whole) -> Plan:
                         room.append(cap)
                     room[k] -= share
                     rows_seq.append(i)
-                    rows_wave.append(k)
+                    rows_wave.append(wave0 + k)
                     rows_members.append(np.arange(first[j], first[j] + g, dtype=np.int64))
+                waves_used = max(waves_used, len(room))
     if next_rank > n:
         raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")
     if rows_seq:
         builder.add_zigzag(rows_seq, rows_wave, rows_members)
-    builder.info = {
-        "buckets": float(len(buckets)),
-        "groups": float(sum(sol.get((-1, g), 0) for g in sizes)),
-    }
-    return builder.build()
+    builder.info["buckets"] = builder.info.get("buckets", 0.0) + len(buckets)
+    builder.info["groups"] = builder.info.get("groups", 0.0) + sum(
+        sol.get((-1, g), 0) for g in sizes
+    )
+    return waves_used

@@ -84,3 +84,23 @@ def test_ulysses_groups_stay_within_the_head_count():
         plan_step(
             [20_000], ClusterSpec.preset("h100", 64), model_preset("tiny"), "ulysses", capacity=4096
         )
+
+
+def test_flexsp_in_zero3_runs_the_fewest_micro_batches_that_hold_the_batch():
+    """Note [FlexSP's micro-batches]: FlexSP's GPT-7B (64 heads of 64, no checkpointing) on 8
+    A100-40GB in ZeRO-3, a Wikipedia batch of 64K tokens: one solve for the whole batch packed 5
+    micro-batches, each paying its parameter gathers; the batch fits in 3."""
+    from hdp import ModelSpec, gpu_preset
+    from hdp.workloads import get_workload
+
+    gpt = ModelSpec("gpt-7b", 32, 4096, 64, 64, 64, 11008, 50257)
+    pricing = StepPricing.build(
+        gpt, ClusterSpec(8, 8, gpu_preset("a100-40g")), activation_checkpointing=False
+    )
+    lens = get_workload("wikipedia-384k").sample_batch(
+        np.random.default_rng(0), 64 << 10, 192 << 10
+    )
+    plan = plan_step(lens, pricing, "flexsp")
+    cap = pricing.cost.capacity("wave")
+    assert plan.sync == "wave"
+    assert plan.num_waves == -(-int(lens.sum()) // (8 * cap)) == 3
