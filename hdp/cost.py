@@ -197,7 +197,8 @@ class CostModel:
         return self.model.layers * self.attn_time(np.zeros_like(L), L) + self.dense_time(L)
 
     def model_flops(self, seq_lens: np.ndarray) -> float:
-        """Useful FLOPs of a global batch (no recompute; backward = 2x forward), for MFU."""
+        """Useful FLOPs of a global batch (no recompute; backward = 2x forward), for MFU; with
+        tensor parallelism, one GPU's share of them (the model is its shard)."""
         L = np.asarray(seq_lens, dtype=np.float64)
         m = self.model
         dense = L.sum() * (m.layers * 2.0 * m.params_per_layer + 2.0 * m.vocab * m.hidden) * 3.0

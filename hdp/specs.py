@@ -141,19 +141,24 @@ class ModelSpec:
         heads or the MLP do not split evenly."""
         if tp == 1:
             return self
-        problems = []
+        problem = ""
         if tp < 1:
-            problems.append("it must be at least 1")
+            problem = "it must be at least 1"
         elif self.heads % tp:
-            problems.append(f"{self.heads} attention heads do not split into {tp} equal parts")
-        elif self.kv_heads % tp and tp % self.kv_heads:
-            problems.append(f"{self.kv_heads} key/value heads neither split over nor divide {tp}")
-        elif self.ffn % tp:
-            problems.append(f"the MLP's {self.ffn} channels do not split into {tp} equal parts")
-        if problems:
-            raise ValueError(
-                f"--tp {tp}: {self.name}'s {problems[0]}; choose a divisor of {self.heads}"
+            problem = (
+                f"{self.name}'s {self.heads} attention heads do not split into {tp} equal parts"
             )
+        elif self.kv_heads % tp and tp % self.kv_heads:
+            problem = (
+                f"{self.name}'s {self.kv_heads} key/value heads neither split into {tp} equal "
+                f"parts nor divide {tp}"
+            )
+        elif self.ffn % tp:
+            problem = (
+                f"{self.name}'s MLP of {self.ffn} channels does not split into {tp} equal parts"
+            )
+        if problem:
+            raise ValueError(f"--tp {tp}: {problem}; choose another tensor-parallel size")
         return replace(
             self,
             name=f"{self.name}/tp{tp}",
@@ -469,11 +474,15 @@ class ClusterSpec:
         divide the GPUs of a node."""
         if tp == 1:
             return self
-        if tp < 1 or self.ranks_per_node % tp or self.num_ranks % tp:
+        if tp < 1 or self.ranks_per_node % tp:
             raise ValueError(
                 f"--tp {tp}: a tensor-parallel group must fit a node evenly, and {tp} does not "
-                f"divide {self.ranks_per_node} GPUs per node and {self.num_ranks} GPUs; choose "
-                f"a divisor of {self.ranks_per_node}"
+                f"divide its {self.ranks_per_node} GPUs; choose a divisor of {self.ranks_per_node}"
+            )
+        if self.num_ranks % tp:
+            raise ValueError(
+                f"--tp {tp}: {self.num_ranks} GPUs do not split into groups of {tp}; use a "
+                f"multiple of {tp} GPUs"
             )
         return replace(
             self, num_ranks=self.num_ranks // tp, ranks_per_node=self.ranks_per_node // tp

@@ -22,6 +22,12 @@ import numpy as np
 from .specs import ClusterSpec, ModelSpec
 
 
+def max_degree(model: ModelSpec) -> int:
+    """The most ranks a power-of-two Ulysses group may have: each member takes an equal share of
+    the query heads, so the largest power of two that divides them (32 heads: 32; 40: 8)."""
+    return model.heads & -model.heads
+
+
 @dataclass(frozen=True)
 class UlyssesLinks:
     """Per member of each group, bytes one layer's training moves, by link."""

@@ -24,8 +24,9 @@ solve for the whole batch balances the groups' time but not the waves: its group
 sequences into as many waves as the fullest group needs. Where that is more than the fewest
 micro-batches that hold the batch (``ceil(tokens / (ranks x capacity))``), the batch is also
 dealt into that many micro-batches (longest first, to the one with the least work that has
-room), each solved with the groups of each size holding their sequences at once (FlexSP's memory
-constraint) and placed on all ranks in turn; the faster plan is kept. Example: 64 A100s
+room), each solved with the groups of each size holding, all together, their sequences' tokens
+at once (FlexSP's memory constraint, counted per size, not per group: a group may still need a
+second micro-batch) and placed on all ranks in turn; the faster plan is kept. Example: 64 A100s
 at 5,888 tokens each hold 377K tokens a wave; a 518K-token Wikipedia batch needs 2 micro-batches,
 where one solve packed 3, each carrying 2.4 s of parameter traffic.
 """
@@ -106,14 +107,15 @@ def plan_flexsp(ctx: Context) -> Plan:
         )
     sizes = [1 << k for k in range(int(np.log2(n)) + 1)]
     if ctx.cost.kv_exchange == "ulysses":
-        heads = ctx.cost.model.heads
-        sizes = [g for g in sizes if g <= heads]  # Ulysses splits heads: no more ranks than heads
+        most = ulysses.max_degree(ctx.cost.model)
+        sizes = [g for g in sizes if g <= most]  # Ulysses splits heads evenly over a group
         if longest and next_pow2(-(-longest // cap)) > sizes[-1]:
             raise PlanningError(
                 f"flexsp: a sequence of {longest} tokens needs a group of "
                 f"{next_pow2(-(-longest // cap))} ranks at {cap} tokens each, but Ulysses splits "
-                f"{ctx.cost.model.name}'s {heads} heads over at most {heads} ranks; use "
-                "--kv-exchange rank (its placement with P2P attention) or a smaller --max-seq"
+                f"{ctx.cost.model.name}'s {ctx.cost.model.heads} heads evenly over at most "
+                f"{most} ranks; use --kv-exchange rank (its placement with P2P attention) or a "
+                "smaller --max-seq"
             )
     builder = PlanBuilder(ctx, "flexsp")
     _place(ctx, builder, 0, ids, *_solve(ctx, ids, sizes))
@@ -335,8 +337,8 @@ def _place(ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, si
         raise PlanningError(f"flexsp: the groups need {next_rank} ranks, the cluster has {n}")
     if rows_seq:
         builder.add_zigzag(rows_seq, rows_wave, rows_members)
-    builder.info["buckets"] = builder.info.get("buckets", 0.0) + len(buckets)
-    builder.info["groups"] = builder.info.get("groups", 0.0) + sum(
-        sol.get((-1, g), 0) for g in sizes
-    )
+    # Split into micro-batches, each is solved alone: the info describes the largest.
+    groups = float(sum(sol.get((-1, g), 0) for g in sizes))
+    builder.info["buckets"] = max(builder.info.get("buckets", 0.0), float(len(buckets)))
+    builder.info["groups"] = max(builder.info.get("groups", 0.0), groups)
     return waves_used

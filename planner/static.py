@@ -22,7 +22,7 @@ import heapq
 
 import numpy as np
 
-from hdp import Plan
+from hdp import Plan, ulysses
 
 from .common import Context, PlanBuilder, PlanningError, next_pow2, zigzag_arrays
 
@@ -61,8 +61,8 @@ def plan_static(ctx: Context, name: str = "static") -> Plan:
     """The static mesh of ``name`` (``static``: Megatron's CP; ``ulysses``: DeepSpeed's SP)."""
     lens = ctx.seq_lens
     n = ctx.num_ranks
-    # Ulysses splits heads: no more ranks in a group than the model has.
-    most = min(n, ctx.cost.model.heads) if name == "ulysses" else n
+    # Ulysses splits heads: each member of a group takes an equal share.
+    most = min(n, ulysses.max_degree(ctx.cost.model)) if name == "ulysses" else n
     # TE pads every document to a multiple of 2 * CP: a padded micro-batch of max_seq must fit.
     cp_mem = next_pow2(ctx.max_seq / ctx.capacity)
     while cp_mem <= n and 2 * -(-ctx.max_seq // (2 * cp_mem)) > ctx.capacity:
@@ -71,8 +71,8 @@ def plan_static(ctx: Context, name: str = "static") -> Plan:
         if most == n:
             limit, fix = f"the cluster has {n}", "use more GPUs or a smaller --max-seq"
         else:
-            heads = ctx.cost.model.heads
-            limit = f"Ulysses splits {ctx.cost.model.name}'s {heads} heads over at most {heads}"
+            m = ctx.cost.model
+            limit = f"Ulysses splits {m.name}'s {m.heads} heads evenly over at most {most}"
             fix = "use a smaller --max-seq or a larger --capacity"
         raise PlanningError(
             f"{name}: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs a group of "

@@ -94,10 +94,7 @@ class Ulysses(Strategy):
     summary = "DP x SP mesh, one power-of-two SP size, all-to-all over heads (DeepSpeed-Ulysses)"
 
     def exchanges(self, options: NoOptions) -> tuple[str, ...]:
-        return ("ulysses",)
-
-    def exchange_reason(self, options: NoOptions) -> str:
-        return "DeepSpeed-Ulysses exchanges by all-to-all over heads"
+        return ("ulysses", "rank")  # its all-to-all, or its placement run by dist_attn
 
     def plan(self, ctx: Context, options: NoOptions) -> Plan:
         return static.plan_static(ctx, "ulysses")

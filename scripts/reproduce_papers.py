@@ -48,6 +48,7 @@ class Row:
     tokens_per_step: int | None = None
     gpu: str = "h100"
     baseline_capacity: int | None = None  # the baseline's own, where the paper states its mesh
+    baseline_sync: str | None = None  # None: as memory allows
     checkpointing: bool = True
     baseline_tp: tuple[int, ...] = (1,)  # tensor-parallel sizes tried; the fastest is kept
     system_tp: int = 1
@@ -95,7 +96,7 @@ _FLEXSP = dict(
     "needs put a 4.8 s floor under flexsp (6.5 s) and ulysses, above the paper's 4.7 s FlexSP step",
 )
 _MEGATRON = dict(baseline="static", baseline_tp=(2, 4, 8))  # hand-tuned TP x CP: the fastest
-_DEEPSPEED = dict(baseline="ulysses", baseline_tp=(1,))  # Ulysses SP with ZeRO
+_DEEPSPEED = dict(baseline="ulysses", baseline_tp=(1,), baseline_sync="wave")  # SP with ZeRO-3
 
 ROWS = [
     Row(
@@ -202,13 +203,15 @@ def _mean_step(row: Row, strategy: str, tp: int, steps: int, seed: int, progress
     """Mean predicted step time of ``strategy`` over the row's seeded global batches (the same
     batches for every strategy and TP size: the sampling depends on the seed alone)."""
     gpu = gpu_preset(row.gpu)
-    capacity = row.baseline_capacity if strategy == row.baseline else None
+    is_baseline = strategy == row.baseline
+    capacity, sync = (row.baseline_capacity, row.baseline_sync) if is_baseline else (None, None)
     model = row.model if isinstance(row.model, ModelSpec) else model_preset(row.model)
     pricing = StepPricing.build(
         model,
         ClusterSpec(row.gpus, 8, gpu),
         capacity=capacity or row.capacity,
         activation_checkpointing=row.checkpointing,
+        sync=sync,
         tensor_parallel=tp,
     )
     sim = simulate(

@@ -229,12 +229,10 @@ def test_plans_from_every_strategy():
                     capacity=200,
                     sync=sync,
                     hybridcp_impl="ours",
-                    **({"kv_exchange": "rank"} if strategy == "flexsp" else {}),
+                    **({"kv_exchange": "rank"} if strategy in ("flexsp", "ulysses") else {}),
                 )
             except PlanningError:
                 continue
-            if plan.kv_exchange == "ulysses":  # DeepSpeed's all-to-all: run its placement
-                plan = plan.with_exchange("rank")
             cases.append((plan.to_json(), 4, 2, 8, 7 + i, 0.25))
     assert len(cases) >= 6
     run_ranks(check_rank, 4, cases, "float64", 1e-10)

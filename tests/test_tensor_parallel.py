@@ -51,7 +51,8 @@ def test_the_collectives_of_a_layer_are_priced_on_nvlink():
     ("model", "tp", "gpus", "words"),
     [
         ("llama-7b", 3, 24, "32 attention heads do not split into 3"),
-        ("llama-7b", 16, 32, "does not divide 8 GPUs per node"),
+        ("llama-7b", 16, 32, "16 does not divide its 8 GPUs"),
+        ("llama-7b", 4, 30, "30 GPUs do not split into groups of 4"),
         ("llama3-8b", 2, 8, None),
     ],
 )
@@ -76,6 +77,15 @@ def test_ulysses_groups_stay_within_the_head_count():
     assert plan.kv_exchange == "ulysses" and plan.strategy == "ulysses"
     group = int(plan.predicted["cp_size"])
     assert group <= model_preset("tiny").heads
+    # DeepSpeed splits the heads evenly: llama-13b's 40 heads allow groups of at most 8.
+    with pytest.raises(PlanningError, match="40 heads evenly over at most 8"):
+        plan_step(
+            [300_000],
+            ClusterSpec.preset("h100", 64),
+            model_preset("llama-13b"),
+            "ulysses",
+            capacity=16_384,
+        )
     # Every sequence is spread over one whole group of the mesh, as DeepSpeed packs it.
     for s in range(len(lens)):
         ranks = np.unique(plan.rank[plan.seq == s])

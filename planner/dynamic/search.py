@@ -21,7 +21,7 @@ this order:
    and K/V exchange, where it is cheap to make and price: the static mesh's where it has at most
    ``STATIC_RIVAL_SHARDS`` shards, ByteScale's and Megatron's hybrid CP (our re-implementation)
    up to ``RIVAL_RANKS`` ranks, FlexSP's up to ``FLEXSP_RIVAL_RANKS`` (its MILP alone takes
-   2-5 times hdp's whole search there); none where hdp's plan already meets its bound. hdp must
+   up to 6 times hdp's whole search there); none where hdp's plan already meets its bound. hdp must
    never plan slower than a system it replaces, and the relaxation misses what such plans
    exploit: a profile where splitting every sequence saves work (the CPU's reference attention),
    or a micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own
