@@ -10,7 +10,8 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
    ``sum_b x_bg t_bg <= m_g M`` and ``t_bg <= M`` where used. ``M`` is bisected (each test a small
    feasibility MILP; ``m_g M`` is what makes the joint problem bilinear). ``t_bg``: the cost
    model's time of one bucket sequence on ``g`` ranks as FlexSP runs it, Ulysses all-to-all
-   (:mod:`hdp.ulysses`; ``g`` at most the head count), or zigzag P2P with ``kv_exchange="rank"``.
+   (:mod:`hdp.ulysses`; ``g`` at most the largest power of two dividing the heads), or zigzag
+   P2P with ``kv_exchange="rank"``.
 3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
    over its groups by LPT; a group packs its sequences first-fit into micro-batches of at most
    ``g * capacity`` tokens and runs them one after another (``peer`` sync: groups do not wait for
@@ -141,12 +142,12 @@ def _solve(ctx: Context, ids: np.ndarray, sizes: list[int], one_wave: bool = Fal
     groups of each size hold their sequences' tokens at once (one micro-batch)."""
     lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
     buckets = length_buckets(lens[ids])
+    longest = tuple(int(lens[ids[b]].max()) for b in buckets)
     time: dict[tuple[int, int], float] = {}
-    for b, L in enumerate(int(lens[ids[b]].max()) for b in buckets):
+    for b, L in enumerate(longest):
         for g in sizes:
             if g >= next_pow2(-(-L // cap)):  # a short sequence may run on a larger group
                 time[(b, g)] = _job_time(ctx, L, g)
-    longest = tuple(int(lens[ids[b]].max()) for b in buckets)
     groups = _Groups(buckets, sizes, time, cap if one_wave else None, longest)
     sol = _bisect(groups, n, float(ctx.whole_s[ids].sum()) + 1.0)
     if sol is None:

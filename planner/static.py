@@ -12,8 +12,8 @@ Megatron's distributed optimizer keeps parameters between micro-batches, so repl
 independently (``peer``).
 
 ``ulysses`` is the same mesh as DeepSpeed-Ulysses runs it: the CP size is a sequence-parallel
-size, at most the head count (the all-to-all splits heads), and attention exchanges by
-all-to-all (:mod:`hdp.ulysses`) instead of the ring.
+size, at most the largest power of two dividing the heads (the all-to-all splits them evenly),
+and attention exchanges by all-to-all (:mod:`hdp.ulysses`) instead of the ring.
 """
 
 from __future__ import annotations

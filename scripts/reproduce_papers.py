@@ -6,7 +6,7 @@ paper's setting, beside hdp's predicted margin over that paper's system.
     python scripts/reproduce_papers.py --steps 3 --rows 1,5,6 --json out/papers.json
 
 A row's ratio is the mean step time of the paper's baseline over the mean step time of the
-paper's system, over ``--steps`` seeded global batches (single batches swing 3-5x at 2M
+paper's system, over ``--steps`` seeded global batches (single batches swing 3-15x at 2M
 context, so only means compare). The baselines run with tensor parallelism as the papers ran
 them (``hdp-sim --tp``); where a paper tuned it per case, each TP size listed is simulated and
 the fastest kept. The error is against the published figure, or against the nearer end of a
@@ -73,11 +73,11 @@ _BYTESCALE = dict(
     baseline_tp=(2,),
     system_tp=2,
 )
-# Step times from the throughputs of Fig. 17 (32M tokens over tokens/s) beside ours.
 _FEW_BATCHES = (
     "single 2M batches swing 3-15x, so a mean over few batches does too; the paper's figure is "
     "a mean over 200 steps (12 batches give +14-15%)"
 )
+# Step times from the throughputs of Fig. 17 (32M tokens over tokens/s) beside ours.
 _SHORT_CONTEXT = (
     "the paper's ByteScale steps at 256K are 2.4-2.9x the predicted ones (35 s on GitHub, 55 s "
     "on Byted, from Fig. 17's throughput) while its static steps are 1.3-2x; at 2M both are "
