@@ -15,11 +15,11 @@ checkpointing]):
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
-and returns dK/dV partials (fp32) to the owners. Traffic between ranks of one node uses NVLink, the
-rest the NIC; both directions and both links run concurrently, so a rank's transfer time is the
-largest of its four (in/out x NVLink/NIC) byte counts over the link bandwidth, plus one latency per
-block. It overlaps with the rank's attention compute of the same layer and pass; only the excess
-is exposed.
+and returns dK/dV partials (fp32, ``dkv_bytes``) to the owners. Traffic between ranks of one node
+uses NVLink, the rest the NIC; both directions and both links run concurrently, so a rank's
+transfer time is the largest of its four (in/out x NVLink/NIC) byte counts over the link
+bandwidth, plus one latency per block. It overlaps with the rank's attention compute of the
+same layer and pass; only the excess is exposed.
 
 Parameter traffic (FSDP2 over all ranks): in ``wave`` sync every wave all-gathers the parameters
 forward and backward and reduce-scatters the gradients (ZeRO-3: nothing unsharded survives a
@@ -44,7 +44,7 @@ from functools import cached_property
 
 import numpy as np
 
-from . import traffic, ulysses
+from . import collectives, traffic, ulysses
 from .compute import ComputeModel
 from .exchange import KV_EXCHANGES, RELAY_SLOTS
 from .exchange_cost import price_exchange
@@ -117,6 +117,10 @@ class CostModel:
             then one GPU's shard and ``cluster`` counts groups (:meth:`StepPricing.build
             <planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
             split over the group (sequence parallelism).
+        dkv_bytes: bytes per element of the dK/dV partials sent back to a block's owner: 4 for
+            hdp's ``dist_attn``, which sums them in fp32; 2 to price a runtime that sends them
+            in the compute dtype, as TransformerEngine's ring attention (Megatron's context
+            parallelism) does.
     """
 
     model: ModelSpec
@@ -129,6 +133,11 @@ class CostModel:
     attention_backend: str | None = None
     kv_exchange: str = "rank"
     tensor_parallel: int = 1
+    dkv_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dkv_bytes not in (2, 4):
+            raise ValueError(f"dkv_bytes must be 2 or 4, got {self.dkv_bytes!r}")
 
     def with_exchange(self, kv_exchange: str) -> CostModel:
         """This model pricing ``kv_exchange`` for planners (the kernel tables are shared)."""
@@ -288,8 +297,13 @@ class CostModel:
 
     @property
     def _kv_block_factor(self) -> float:
-        """Bytes of a KV block in flight relative to its forward size: K/V plus fp32 dK/dV."""
-        return 1.0 + 4.0 / self.model.dtype_bytes
+        """Bytes of a KV block in flight relative to its forward size: K/V plus dK/dV."""
+        return 1.0 + self.dkv_ratio
+
+    @property
+    def dkv_ratio(self) -> float:
+        """Bytes of a block's dK/dV partials over its K/V bytes."""
+        return self.dkv_bytes / self.model.dtype_bytes
 
     def kv_buffer_bytes(
         self, max_in_block: np.ndarray | float, relay_block: np.ndarray | float = 0.0
@@ -403,37 +417,17 @@ class CostModel:
         )
 
     # ------------------------------------------------------------------ parameter traffic
-    def _collective_bw(self) -> float:
-        c = self.cluster
-        return c.gpu.nic_bw if c.num_ranks > c.ranks_per_node else c.gpu.nvlink_bw
-
     def allgather_time(self) -> float:
         """All-gather of the full parameters (compute dtype) over all ranks, seconds."""
-        return self._collective("all_gather", self.model.total_params * self.model.dtype_bytes)
+        return collectives.fsdp_time(
+            self.model, self.cluster, "all_gather", self.model.total_params * self.model.dtype_bytes
+        )
 
     def reduce_scatter_time(self) -> float:
         """Reduce-scatter of the full fp32 gradients over all ranks, seconds."""
-        return self._collective("reduce_scatter", self.model.total_params * 4.0)
-
-    def _collective(self, op: str, nbytes: float) -> float:
-        """One FSDP collective over all ranks, moving ``(n - 1) / n`` of ``nbytes`` per rank.
-
-        Where the profile measured it (``reduce_scatter`` may stand in as ``all_reduce``), each
-        FSDP unit (a layer, and the root) pays the measured latency and the bytes the measured
-        per-byte time, rescaled from the measured rank count; else the bytes cross the slowest
-        link at its bandwidth."""
-        n = self.cluster.num_ranks
-        if n == 1:
-            return 0.0
-        tables = self.cluster.gpu.tables
-        measured = tables.collective_fit(op) or (
-            tables.collective_fit("all_reduce") if op == "reduce_scatter" else None
+        return collectives.fsdp_time(
+            self.model, self.cluster, "reduce_scatter", self.model.total_params * 4.0
         )
-        if measured is None:
-            return nbytes * (n - 1) / n / self._collective_bw()
-        fit, ranks = measured
-        share = ((n - 1) / n) / ((ranks - 1) / ranks) if ranks > 1 else 1.0
-        return (self.model.layers + 1) * fit.fixed + fit.per_unit * nbytes * share
 
     # ------------------------------------------------------------------ KV traffic
     def kv_traffic(self, plan: Plan, labels: np.ndarray | None = None) -> KVTraffic:
@@ -453,7 +447,7 @@ class CostModel:
         """(forward, backward) KV transfer time of one layer per cell, seconds (``latency``
         False: the bytes' time alone, without each message's latency)."""
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
-        dkv = 4.0 / self.model.dtype_bytes  # dK/dV partials travel in fp32
+        dkv = self.dkv_ratio
         blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
         t_fwd, t_bwd = np.zeros(blocks_all.shape), np.zeros(blocks_all.shape)
         # Only cells that exchange K/V cost anything; at scale they are a small share of the

@@ -59,12 +59,15 @@ class StepPricing:
         sync: str | None = None,
         kv_exchange: str = "auto",
         tensor_parallel: int = 1,
+        dkv_bytes: int = 4,
     ) -> StepPricing:
         """The pricing of ``model`` on ``cluster`` running ``attention_backend``'s kernels (the
         profile's measured rows of that backend; ``None``: the profile's own). With
         ``tensor_parallel`` > 1 a rank of the plans is a tensor-parallel group of that many GPUs
         of one node: the cost model prices one GPU's shard of the model, ``capacity`` counts
-        the group's tokens, and ValueError says where the model or the nodes do not split."""
+        the group's tokens, and ValueError says where the model or the nodes do not split.
+        ``dkv_bytes``: :class:`~hdp.CostModel`'s (2 prices a baseline on TransformerEngine's
+        ring, which returns dK/dV in bf16)."""
         cost = CostModel(
             model.tensor_shard(tensor_parallel),
             cluster.tensor_groups(tensor_parallel),
@@ -72,6 +75,7 @@ class StepPricing:
             activation_checkpointing=activation_checkpointing,
             capacity_override=capacity,
             tensor_parallel=tensor_parallel,
+            dkv_bytes=dkv_bytes,
         )
         return cls(cost, sync, kv_exchange)
 

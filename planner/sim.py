@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,20 +73,25 @@ def simulate(
     tokens_per_step: int | None = None,
     options: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
+    batches: list[np.ndarray] | None = None,
 ) -> SimResult:
     """Plan ``steps`` seeded global batches with each strategy and evaluate them, all priced by
     ``pricing`` (``options``: a strategy's ``Options`` by its name, else its defaults; the K/V
-    exchange of ``pricing`` is hdp's, the baselines keep their own)."""
+    exchange of ``pricing`` is hdp's, the baselines keep their own). ``batches``: the global
+    batches to plan instead (lengths, none above ``max_seq``); ``steps``, ``seed`` and
+    ``tokens_per_step`` then do not apply."""
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
+    if batches is not None:
+        steps, tokens_per_step = len(batches), int(np.mean([b.sum() for b in batches]))
     cost, options = pricing.cost, options or {}
     # An unknown name fails before any planning.
     priced = {n: pricing.for_strategy(get_strategy(n)) for n in strategies}
     rng = np.random.default_rng(seed)
     results = {s: StrategyResult(s) for s in strategies}
     t_start = time.perf_counter()
-    for k in range(steps):
-        lens = workload.sample_batch(rng, tokens_per_step, max_seq)
+    source = _global_batches(workload, rng, steps, tokens_per_step, max_seq, batches)
+    for k, (lens, budget) in enumerate(source):
         for name in strategies:
             r = results[name]
             if r.error is not None:
@@ -97,7 +102,7 @@ def simulate(
                     priced[name],
                     name,
                     max_seq=max_seq,
-                    tokens_per_step=tokens_per_step,
+                    tokens_per_step=budget,
                     options=options.get(name),
                 )
             except PlanningError as e:
@@ -135,6 +140,29 @@ def simulate(
         "kv_exchange": pricing.kv_exchange,
     }
     return SimResult(config, results)
+
+
+def _global_batches(
+    workload: Workload,
+    rng: np.random.Generator,
+    steps: int,
+    tokens_per_step: int,
+    max_seq: int,
+    batches: list[np.ndarray] | None,
+) -> Iterator[tuple[np.ndarray, int | None]]:
+    """(lengths, token budget) of each step: ``batches`` as given (each its own budget), else
+    ``steps`` batches sampled from ``workload``."""
+    if batches is None:
+        for _ in range(steps):
+            yield workload.sample_batch(rng, tokens_per_step, max_seq), tokens_per_step
+        return
+    for lens in batches:
+        lens = np.asarray(lens, dtype=np.int64)
+        if int(lens.max()) > max_seq:
+            raise ValueError(
+                f"a batch has a sequence of {int(lens.max())} tokens, over max_seq {max_seq}"
+            )
+        yield lens, None
 
 
 def format_table(sim: SimResult) -> str:

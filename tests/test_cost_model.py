@@ -175,6 +175,38 @@ def test_kv_traffic_two_ranks(cm):
     assert rep.comm_bytes == pytest.approx(4096 * 16384 * 32 * (1 + 1 + 2))
 
 
+def test_dkv_bytes_prices_a_ring_that_returns_dkv_in_bf16():
+    """TransformerEngine's ring sends dK/dV in bf16: the backward then moves as many bytes out
+    as in (the fp32 default moves twice as many out)."""
+    cm = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=2)
+    plan = Plan.from_shards([8192], 8, [[[(0, 0, 4096)], [(0, 4096, 8192)]] + [[]] * 6])
+    _, t_bwd = cm.comm_time_per_layer(cm.kv_traffic(plan))
+    g = cm.cluster.gpu
+    assert t_bwd[0, 1] == pytest.approx(4096 * 16384 / g.nvlink_bw + 2 * g.nvlink_latency)
+    assert cm.evaluate(plan).comm_bytes == pytest.approx(4096 * 16384 * 32 * 3)
+    with pytest.raises(ValueError, match="dkv_bytes must be 2 or 4"):
+        CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=1)
+
+
+def test_parameter_collectives_across_nodes_share_every_nic_of_a_node():
+    """NCCL runs a collective across nodes as one ring per NIC, so a node's NICs together carry
+    its inter-node bytes, unless NVLink is slower (Note [Ring collectives across nodes])."""
+    a100 = gpu_preset("a100-40g")  # NVLink 240 GB/s, one 22.5 GB/s NIC per GPU
+    cm = CostModel(model_preset("llama-7b"), ClusterSpec(32, 8, a100))
+    assert cm.allgather_time() == pytest.approx(P_TOTAL * 2 * 31 / 32 / (8 * 22.5e9))
+    assert cm.reduce_scatter_time() == pytest.approx(P_TOTAL * 4 * 31 / 32 / (8 * 22.5e9))
+    slow_nvlink = replace(a100, nvlink_bw=100e9)
+    cm = CostModel(model_preset("llama-7b"), ClusterSpec(32, 8, slow_nvlink))
+    assert cm.allgather_time() == pytest.approx(P_TOTAL * 2 * 31 / 32 / 100e9)
+    # A rank of TP 2 is two GPUs, each gathering its half of the parameters on its own rings:
+    # 4 ranks to a node share the node's 8 NICs, 4 x 22.5 GB/s for each half.
+    tp = CostModel(
+        model_preset("llama-7b").tensor_shard(2), ClusterSpec(32, 8, a100).tensor_groups(2)
+    )
+    shard = model_preset("llama-7b").tensor_shard(2).total_params
+    assert tp.allgather_time() == pytest.approx(shard * 2 * 15 / 16 / (4 * 22.5e9))
+
+
 def test_kv_traffic_across_nodes():
     cm = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 16))
     plan = Plan.from_shards(

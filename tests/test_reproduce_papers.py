@@ -1,11 +1,17 @@
 """``scripts/reproduce_papers.py``: every paper row is simulated or says why it is not, and the
 error is measured against the published figure or the nearer end of a published range."""
 
+import gzip
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from hdp import ClusterSpec
+from hdp.workloads import get_workload
+from planner import StepPricing
+from planner.sim import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -54,3 +60,32 @@ def test_bytescales_github_row_is_within_the_goal(capsys):
     (k,) = [k for k, r in enumerate(papers.ROWS, 1) if "GitHub data, 2M" in r.setting]
     out = papers.run_row(papers.ROWS[k - 1], steps=4, seed=0, progress=lambda m: None)
     assert abs(out["error"]) <= papers.TOLERANCE, out
+
+
+def test_flexsp_rows_plan_the_papers_own_batches():
+    """FlexSP's rows plan its batches as its code forms them: the released trace in file order,
+    each length padded to a multiple of 2 x 64 GPUs, those over 192K - 128 left out, 512 a batch
+    from the 11th on (a plain loop over the gzip file is the reference)."""
+    row = next(r for r in papers.ROWS if r.trace_batches and r.max_seq == 192 << 10)
+    got = papers.trace_batches(row, steps=3)
+    kept = []
+    with gzip.open(ROOT / "hdp" / "data" / "lengths" / "wikipedia_flexsp.txt.gz", "rt") as f:
+        for line in f:
+            padded = ((int(line) - 1) // 128 + 1) * 128
+            if padded <= (192 << 10) - 128:
+                kept.append(padded)
+            if len(kept) == 13 * 512:
+                break
+    assert len(got) == 3
+    for k, batch in enumerate(got):
+        assert batch.tolist() == kept[(10 + k) * 512 : (11 + k) * 512]
+    pricing = StepPricing.build(
+        papers.GPT_7B, ClusterSpec(64, 8, papers.FLEXSP_A100), activation_checkpointing=False
+    )
+    sim = simulate(
+        get_workload(row.workload), pricing, ["ulysses"], max_seq=row.max_seq, batches=got[:2]
+    )
+    assert sim.results["ulysses"].error is None, sim.results["ulysses"].error
+    assert [s["sequences"] for s in sim.results["ulysses"].per_step] == [512, 512]
+    with pytest.raises(ValueError, match="over max_seq"):
+        simulate(get_workload(row.workload), pricing, ["static"], batches=got[:1], max_seq=1000)
