@@ -26,15 +26,16 @@ sequences into as many waves as the fullest group needs. Where that is more than
 micro-batches that hold the batch (``ceil(tokens / (ranks x capacity))``), the batch is also
 dealt into that many micro-batches (longest first, to the one with the least work that has
 room), each solved with the groups of each size holding, all together, their sequences' tokens
-at once (FlexSP's memory constraint, counted per size, not per group: a group may still need a
-second micro-batch) and placed on all ranks in turn; the faster plan is kept. Example: 64 A100s
-at 5,888 tokens each hold 377K tokens a wave; a 518K-token Wikipedia batch needs 2 micro-batches,
-where one solve packed 3, each carrying 2.4 s of parameter traffic.
+at once (FlexSP's memory constraint, counted per size, not per group) and placed on all ranks in
+turn; the faster plan is kept. Each size's sequences then go to the least loaded of its groups
+that still holds them in one micro-batch, so a group needs a second only where no group of its
+size has room. Example: 64 A100s at 5,888 tokens each hold 377K tokens a wave; a 598K-token
+batch of FlexSP's Wikipedia trace needs 2 micro-batches, where one solve packed 3, the third
+with 0.6 s of compute but a wave's full parameter gathers and gradient reduce-scatter.
 """
 
 from __future__ import annotations
 
-import heapq
 import warnings
 from dataclasses import dataclass
 
@@ -131,7 +132,8 @@ def plan_flexsp(ctx: Context) -> Plan:
     builder = PlanBuilder(ctx, "flexsp")
     wave = 0
     for part in parts:
-        wave += _place(ctx, builder, wave, part, *_solve(ctx, part, sizes, one_wave=True))
+        solved = _solve(ctx, part, sizes, one_wave=True)
+        wave += _place(ctx, builder, wave, part, *solved, one_wave=True)
     split = builder.build()
     cost = ctx.cost
     return split if cost.evaluate(split).step_time_s < cost.evaluate(plan).step_time_s else plan
@@ -282,10 +284,29 @@ def _spread_spare_ranks(groups: _Groups, sol: dict[tuple[int, int], int], n: int
         spare -= g
 
 
-def _place(ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, sizes) -> int:
+def _deal(ctx: Context, seqs: list[int], groups: int, g: int, one_wave: bool) -> list[list[int]]:
+    """``seqs`` dealt to ``groups`` groups of ``g`` ranks, longest work first to the least
+    loaded group; ``one_wave``: to the least loaded one that still holds the sequence's share in
+    one micro-batch, where any does (the MILP counts memory per size, not per group)."""
+    lens, whole = ctx.seq_lens, ctx.whole_s
+    load, used = np.zeros(groups), np.zeros(groups, dtype=np.int64)
+    lists: list[list[int]] = [[] for _ in range(groups)]
+    for i in sorted(seqs, key=lambda i: -whole[i]):
+        share = int(lens[i]) if g == 1 else 2 * -(-int(lens[i]) // (2 * g))
+        fits = np.flatnonzero(used + share <= ctx.capacity) if one_wave else np.empty(0, int)
+        j = int(fits[np.argmin(load[fits])]) if fits.size else int(np.argmin(load))
+        lists[j].append(i)
+        load[j] += float(whole[i])
+        used[j] += share
+    return lists
+
+
+def _place(
+    ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, sizes, one_wave=False
+) -> int:
     """Step 3: the schedule's groups on ranks, their sequences in waves from ``wave0``; returns
-    the number of waves used."""
-    lens, n, cap, whole = ctx.seq_lens, ctx.num_ranks, ctx.capacity, ctx.whole_s
+    the number of waves used. ``one_wave``: the schedule was solved for one micro-batch."""
+    lens, n, cap = ctx.seq_lens, ctx.num_ranks, ctx.capacity
     next_rank, waves_used = 0, 0
     rows_seq, rows_wave, rows_members = [], [], []
     for g in sorted(sizes, reverse=True):
@@ -302,12 +323,7 @@ def _place(ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, si
         groups = max(groups, 1)
         first = [next_rank + j * g for j in range(groups)]
         next_rank += groups * g
-        heap = [(0.0, j) for j in range(groups)]
-        lists: list[list[int]] = [[] for _ in range(groups)]
-        for i in sorted(seqs, key=lambda i: -whole[i]):
-            load, j = heapq.heappop(heap)
-            lists[j].append(i)
-            heapq.heappush(heap, (load + float(whole[i]), j))
+        lists = _deal(ctx, seqs, groups, g, one_wave)
         for j, seq_list in enumerate(lists):
             if g == 1:
                 waves: list[int] = []

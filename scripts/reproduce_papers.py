@@ -111,8 +111,8 @@ _FLEXSP = dict(
     checkpointing=False,  # the paper: none needed for 7B on 64 GPUs
 )
 _FLEXSP_COMPUTE = (
-    "our flexsp steps 6.2 s where the paper's took 4.7 s (192K) and 5.8 s (384K), while "
-    "DeepSpeed's are within 8-15% (7.1-7.4 s against 8.1-8.4 s): FlexSP's own fit of GPT-7B on "
+    "our flexsp steps 5.8 s where the paper's took 4.7 s at 192K (5.8 s at 384K), while "
+    "DeepSpeed's are 8-15% short (7.1-7.4 s against 8.1-8.4 s): FlexSP's own fit of GPT-7B on "
     "its A100s (0.184 ms a token, Galvatron's flexsp branch) is 1.5x faster than the a100-40g "
     "preset (0.28 ms a token of dense work alone: the H100 tables scaled by peak FLOPs), and "
     "compute is most of a FlexSP step but under half of a DeepSpeed one"
