@@ -254,7 +254,7 @@ def trace_batches(row: Row, steps: int) -> list[np.ndarray]:
     return [kept[(first + k) * per_batch : (first + k + 1) * per_batch] for k in range(count)]
 
 
-def _mean_step(
+def mean_step(
     row: Row, strategy: str, mesh: tuple[int, int | None], steps: int, seed: int, progress
 ) -> float:
     """Mean predicted step time of ``strategy`` on ``mesh`` (TP size, tokens per rank) over the
@@ -296,27 +296,33 @@ def _mesh_name(mesh: tuple[int, int | None]) -> str:
     return f"TP {tp}" + (f", {capacity >> 10}K tokens per rank" if capacity else "")
 
 
-def run_row(row: Row, steps: int, seed: int, progress) -> dict:
-    """The row simulated: the paper's ratio, and hdp's margin over the paper's system. The
-    baseline runs on each of its meshes (as the papers tuned it) and the fastest counts."""
+def baseline_step(row: Row, steps: int, seed: int, progress) -> tuple[float, str]:
+    """(mean step, mesh) of the row's baseline on the fastest of its meshes, as the papers tuned
+    their baselines by hand."""
     base = {}
     for mesh in row.baseline_meshes:
         try:
-            base[mesh] = _mean_step(row, row.baseline, mesh, steps, seed, progress)
+            base[mesh] = mean_step(row, row.baseline, mesh, steps, seed, progress)
         except PlanningError as e:
             progress(f"{row.baseline} on {_mesh_name(mesh)} does not fit: {e}")
     if not base:
         raise SystemExit(f"reproduce_papers.py: {row.setting}: no mesh fits {row.baseline}")
     mesh = min(base, key=base.get)
-    system = _mean_step(row, row.system, (row.system_tp, None), steps, seed, progress)
-    hdp = _mean_step(row, "hdp", (row.system_tp, None), steps, seed, progress)
-    ratio = base[mesh] / system
+    return base[mesh], _mesh_name(mesh)
+
+
+def run_row(row: Row, steps: int, seed: int, progress) -> dict:
+    """The row simulated: the paper's ratio, and hdp's margin over the paper's system."""
+    base, mesh = baseline_step(row, steps, seed, progress)
+    system = mean_step(row, row.system, (row.system_tp, None), steps, seed, progress)
+    hdp = mean_step(row, "hdp", (row.system_tp, None), steps, seed, progress)
+    ratio = base / system
     return {
         "simulated": ratio,
         "error": error(ratio, row.published),
         "hdp_over_system": system / hdp,
-        "baseline_mesh": _mesh_name(mesh),
-        "step_s": {row.baseline: base[mesh], row.system: system, "hdp": hdp},
+        "baseline_mesh": mesh,
+        "step_s": {row.baseline: base, row.system: system, "hdp": hdp},
     }
 
 
