@@ -14,7 +14,8 @@ of bf16 parameters moves 14 x 63/64 GB per GPU at min(240, 8 x 22.5) = 180 GB/s:
 the bytes to cross one NIC at its own rate, it would take 0.61 s.
 
 With tensor parallelism a rank is a group of GPUs holding a shard each, and each shard's
-collective runs on rings of its own, so ``ranks_per_node`` counts ranks, not GPUs.
+collective runs on rings of its own, so ``ranks_per_node`` counts ranks, not GPUs. A last node
+that is not full has fewer NICs, and every ring crosses it.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from .specs import ClusterSpec, ModelSpec
 def bus_bandwidth(cluster: ClusterSpec) -> float:
     """Bytes per second an all-gather or reduce-scatter over all of ``cluster``'s ranks moves
     per rank (Note [Ring collectives across nodes])."""
-    g = cluster.gpu
-    if cluster.num_ranks <= cluster.ranks_per_node:
+    g, n, per_node = cluster.gpu, cluster.num_ranks, cluster.ranks_per_node
+    if n <= per_node:
         return g.nvlink_bw
-    return min(g.nvlink_bw, cluster.ranks_per_node * g.nic_bw)
+    last_node = n - (cluster.num_nodes - 1) * per_node
+    return min(g.nvlink_bw, min(per_node, last_node) * g.nic_bw)
 
 
 def fsdp_time(model: ModelSpec, cluster: ClusterSpec, op: str, nbytes: float) -> float:

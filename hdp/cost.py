@@ -15,11 +15,11 @@ checkpointing]):
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
-and returns dK/dV partials (fp32, ``dkv_bytes``) to the owners. Traffic between ranks of one node
-uses NVLink, the rest the NIC; both directions and both links run concurrently, so a rank's
-transfer time is the largest of its four (in/out x NVLink/NIC) byte counts over the link
-bandwidth, plus one latency per block. It overlaps with the rank's attention compute of the
-same layer and pass; only the excess is exposed.
+and returns dK/dV partials (``dkv_bytes`` per element, fp32 by default) to the owners. Traffic
+between ranks of one node uses NVLink, the rest the NIC; both directions and both links run
+concurrently, so a rank's transfer time is the largest of its four (in/out x NVLink/NIC) byte
+counts over the link bandwidth, plus one latency per block. It overlaps with the rank's
+attention compute of the same layer and pass; only the excess is exposed.
 
 Parameter traffic (FSDP2 over all ranks): in ``wave`` sync every wave all-gathers the parameters
 forward and backward and reduce-scatters the gradients (ZeRO-3: nothing unsharded survives a
@@ -117,10 +117,10 @@ class CostModel:
             then one GPU's shard and ``cluster`` counts groups (:meth:`StepPricing.build
             <planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
             split over the group (sequence parallelism).
-        dkv_bytes: bytes per element of the dK/dV partials sent back to a block's owner: 4 for
-            hdp's ``dist_attn``, which sums them in fp32; 2 to price a runtime that sends them
-            in the compute dtype, as TransformerEngine's ring attention (Megatron's context
-            parallelism) does.
+        dkv_bytes: bytes per element of the dK/dV partials the P2P exchanges (``rank``,
+            ``node``) send back to a block's owner: 4 for hdp's ``dist_attn``, which sums them
+            in fp32; 2 to price a runtime that sends them in the compute dtype, as
+            TransformerEngine's ring attention (Megatron's context parallelism) does.
     """
 
     model: ModelSpec
@@ -309,7 +309,7 @@ class CostModel:
         self, max_in_block: np.ndarray | float, relay_block: np.ndarray | float = 0.0
     ) -> np.ndarray | float:
         """Memory for the KV (and dK/dV) blocks a rank holds in flight, and the fetched blocks it
-        relays in ``node`` exchange (with their fp32 dK/dV sums)."""
+        relays in ``node`` exchange (with their dK/dV sums, ``dkv_bytes`` per element)."""
         blocks = self.kv_prefetch_blocks * np.asarray(max_in_block, dtype=np.float64)
         blocks = blocks + RELAY_SLOTS * np.asarray(relay_block, dtype=np.float64)
         return blocks * self.model.kv_bytes_per_token * self._kv_block_factor

@@ -13,7 +13,8 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
    (:mod:`hdp.ulysses`; ``g`` at most the largest power of two dividing the heads), or zigzag
    P2P with ``kv_exchange="rank"``.
 3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
-   over its groups by LPT; a group packs its sequences first-fit into micro-batches of at most
+   over its groups by LPT (for one micro-batch, to groups that still hold them: Note [FlexSP's
+   micro-batches]); a group packs its sequences first-fit into micro-batches of at most
    ``g * capacity`` tokens and runs them one after another (``peer`` sync: groups do not wait for
    each other).
 
@@ -302,7 +303,14 @@ def _deal(ctx: Context, seqs: list[int], groups: int, g: int, one_wave: bool) ->
 
 
 def _place(
-    ctx: Context, builder: PlanBuilder, wave0: int, ids, buckets, sol, sizes, one_wave=False
+    ctx: Context,
+    builder: PlanBuilder,
+    wave0: int,
+    ids,
+    buckets,
+    sol,
+    sizes,
+    one_wave: bool = False,
 ) -> int:
     """Step 3: the schedule's groups on ranks, their sequences in waves from ``wave0``; returns
     the number of waves used. ``one_wave``: the schedule was solved for one micro-batch."""

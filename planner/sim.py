@@ -83,7 +83,7 @@ def simulate(
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
     if batches is not None:
-        steps, tokens_per_step = len(batches), int(np.mean([b.sum() for b in batches]))
+        steps, tokens_per_step = _batch_sizes(batches)
     cost, options = pricing.cost, options or {}
     # An unknown name fails before any planning.
     priced = {n: pricing.for_strategy(get_strategy(n)) for n in strategies}
@@ -134,12 +134,20 @@ def simulate(
         "capacity_peer": cost.capacity("peer"),
         "capacity_wave": cost.capacity("wave"),
         "steps": steps,
-        "seed": seed,
+        "seed": seed if batches is None else None,
         "strategies": strategies,
         "sync": pricing.sync or "native",
         "kv_exchange": pricing.kv_exchange,
     }
     return SimResult(config, results)
+
+
+def _batch_sizes(batches: list[np.ndarray]) -> tuple[int, int]:
+    """(steps, mean tokens) of given global batches; ValueError where there are none or one is
+    empty."""
+    if not batches or not all(np.size(b) for b in batches):
+        raise ValueError("batches: give at least one global batch, each of one sequence or more")
+    return len(batches), int(np.mean([np.sum(b) for b in batches]))
 
 
 def _global_batches(

@@ -184,6 +184,10 @@ def test_dkv_bytes_prices_a_ring_that_returns_dkv_in_bf16():
     g = cm.cluster.gpu
     assert t_bwd[0, 1] == pytest.approx(4096 * 16384 / g.nvlink_bw + 2 * g.nvlink_latency)
     assert cm.evaluate(plan).comm_bytes == pytest.approx(4096 * 16384 * 32 * 3)
+    # Two 8K-token blocks in flight, each K/V plus its dK/dV: 2 + 2 bytes per element, not 2 + 4.
+    assert cm.kv_buffer_bytes(8192) == pytest.approx(2 * 8192 * 16384 * 2)
+    fp32 = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8))
+    assert fp32.kv_buffer_bytes(8192) == pytest.approx(2 * 8192 * 16384 * 3)
     with pytest.raises(ValueError, match="dkv_bytes must be 2 or 4"):
         CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=1)
 
@@ -205,6 +209,12 @@ def test_parameter_collectives_across_nodes_share_every_nic_of_a_node():
     )
     shard = model_preset("llama-7b").tensor_shard(2).total_params
     assert tp.allgather_time() == pytest.approx(shard * 2 * 15 / 16 / (4 * 22.5e9))
+    # 12 GPUs: the second node has 4, so every ring crosses into it over 4 NICs.
+    cm = CostModel(model_preset("llama-7b"), ClusterSpec(12, 8, a100))
+    assert cm.allgather_time() == pytest.approx(P_TOTAL * 2 * 11 / 12 / (4 * 22.5e9))
+    # One node: NVLink alone.
+    cm = CostModel(model_preset("llama-7b"), ClusterSpec(8, 8, a100))
+    assert cm.allgather_time() == pytest.approx(P_TOTAL * 2 * 7 / 8 / 240e9)
 
 
 def test_kv_traffic_across_nodes():

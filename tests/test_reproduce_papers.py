@@ -90,6 +90,9 @@ def test_flexsp_rows_plan_the_papers_own_batches():
     assert [s["sequences"] for s in sim.results["ulysses"].per_step] == [512, 512]
     with pytest.raises(ValueError, match="over max_seq"):
         simulate(get_workload(row.workload), pricing, ["static"], batches=got[:1], max_seq=1000)
+    for empty in ([], [got[0][:0]]):
+        with pytest.raises(ValueError, match="at least one global batch"):
+            simulate(get_workload(row.workload), pricing, ["static"], batches=empty)
 
 
 def test_flexsps_megatron_row_is_within_the_goal():
