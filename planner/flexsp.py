@@ -285,6 +285,12 @@ def _spread_spare_ranks(groups: _Groups, sol: dict[tuple[int, int], int], n: int
         spare -= g
 
 
+def _member_share(length: int, g: int) -> int:
+    """Tokens of a ``length``-token sequence one member of a group of ``g`` ranks holds: all of
+    it alone, else its two zigzag chunks of ``ceil(length / 2g)``."""
+    return length if g == 1 else 2 * -(-length // (2 * g))
+
+
 def _deal(ctx: Context, seqs: list[int], groups: int, g: int, one_wave: bool) -> list[list[int]]:
     """``seqs`` dealt to ``groups`` groups of ``g`` ranks, longest work first to the least
     loaded group; ``one_wave``: to the least loaded one that still holds the sequence's share in
@@ -293,7 +299,7 @@ def _deal(ctx: Context, seqs: list[int], groups: int, g: int, one_wave: bool) ->
     load, used = np.zeros(groups), np.zeros(groups, dtype=np.int64)
     lists: list[list[int]] = [[] for _ in range(groups)]
     for i in sorted(seqs, key=lambda i: -whole[i]):
-        share = int(lens[i]) if g == 1 else 2 * -(-int(lens[i]) // (2 * g))
+        share = _member_share(int(lens[i]), g)
         fits = np.flatnonzero(used + share <= ctx.capacity) if one_wave else np.empty(0, int)
         j = int(fits[np.argmin(load[fits])]) if fits.size else int(np.argmin(load))
         lists[j].append(i)
@@ -349,7 +355,7 @@ def _place(
                 # whose zigzag shares (two chunks of ceil(L / 2g) per member) fit a member.
                 room: list[int] = []
                 for i in sorted(seq_list, key=lambda i: -int(lens[i])):
-                    share = 2 * -(-int(lens[i]) // (2 * g))
+                    share = _member_share(int(lens[i]), g)
                     k = next((k for k, r in enumerate(room) if r >= share), len(room))
                     if k == len(room):
                         room.append(cap)

@@ -127,60 +127,30 @@ _FLEXSP_COMPUTE = (
 _MEGATRON = dict(baseline="static", baseline_sync="peer", baseline_dkv_bytes=2)
 _DEEPSPEED = dict(baseline="ulysses", baseline_sync="wave")
 
+
+def _bytescale_below_2m(data: str, context: str, max_seq: int, published: float) -> Row:
+    """A 7B row of ByteScale's Fig. 17 below 2M context, over its static DP x CP mesh."""
+    return Row(
+        "ByteScale (arXiv 2502.21231)",
+        f"Fig. 17: llama-7b, {data} data, {context} context, 1,024 GPUs, over a static DP x CP "
+        "mesh",
+        (published, published),
+        workload=f"{data.lower()}-2m",
+        max_seq=max_seq,
+        gap=_SHORT_CONTEXT,
+        **_BYTESCALE,
+    )
+
+
 ROWS = [
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, Byted data, 256K context, 1,024 GPUs, over a static DP x CP mesh",
-        (1.68, 1.68),
-        workload="byted-2m",
-        max_seq=256 << 10,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
-    ),
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, GitHub data, 256K context, 1,024 GPUs, over a static DP x CP mesh",
-        (1.73, 1.73),
-        workload="github-2m",
-        max_seq=256 << 10,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
-    ),
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, Byted data, 512K context, 1,024 GPUs, over a static DP x CP mesh",
-        (1.98, 1.98),
-        workload="byted-2m",
-        max_seq=512 << 10,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
-    ),
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, GitHub data, 512K context, 1,024 GPUs, over a static DP x CP mesh",
-        (2.49, 2.49),
-        workload="github-2m",
-        max_seq=512 << 10,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
-    ),
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, Byted data, 1M context, 1,024 GPUs, over a static DP x CP mesh",
-        (2.34, 2.34),
-        workload="byted-2m",
-        max_seq=1 << 20,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
-    ),
-    Row(
-        "ByteScale (arXiv 2502.21231)",
-        "Fig. 17: llama-7b, GitHub data, 1M context, 1,024 GPUs, over a static DP x CP mesh",
-        (4.56, 4.56),
-        workload="github-2m",
-        max_seq=1 << 20,
-        gap=_SHORT_CONTEXT,
-        **_BYTESCALE,
+    *(
+        _bytescale_below_2m(data, context, max_seq, published)
+        for context, max_seq, figures in (
+            ("256K", 256 << 10, (1.68, 1.73)),
+            ("512K", 512 << 10, (1.98, 2.49)),
+            ("1M", 1 << 20, (2.34, 4.56)),
+        )
+        for data, published in zip(("Byted", "GitHub"), figures)
     ),
     Row(
         "ByteScale (arXiv 2502.21231)",
