@@ -40,20 +40,23 @@ whole, and in four 0.74. A sequence whose attention some equal split does faster
 (:meth:`hdp.CostModel.least_attn_time`) therefore gets a menu as well; the static mesh's plan,
 which splits every sequence, no longer steps under the bound there.
 
-Note [Menus end at the floor]: every relaxation value is at least the packed work spread over
-the slots (:func:`menu_floor`), so below that height a job's height no longer matters, only its
-area, and past the first degree no taller than the floor the area only grows (a job's members
-each take at least ``T(d) >= T(d')``'s share of the same work). A menu thus ends at the coarse
-degree where the height first drops below the floor. In ``node`` exchange the heights of a long
-sequence fall up to the whole cluster; without this end its menu would price every degree up to
-it. (``rank`` menus end where their heights stop falling, well before.)
+Note [Menus end at the floor]: every relaxation value is at least the least work of the batch
+spread over the slots (:func:`menu_floor` of :func:`least_time`), so below that height a job's
+height no longer matters, only its area. A menu thus ends at the coarse degree where the height
+first drops below the floor, and bounds give the degrees past it one option: that height and the
+least area of the coarse degrees past it, walked until the area grows (the degrees between them
+are covered as the menus' own gaps are). On the GPU profiles the area grows at once, but on the
+CPU profile more members save more work (Note [Splits that save work]) and it may fall. In
+``node`` exchange the heights of a long sequence fall up to the whole cluster; without this end
+its menu would price every degree up to it. (``rank`` menus end where their heights stop falling,
+well before.)
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -99,6 +102,7 @@ class Menu:
     bound_degrees: np.ndarray
     bound_height: np.ndarray
     bound_area: np.ndarray
+    tail_area: float = math.inf
 
 
 @lru_cache(maxsize=4096)
@@ -118,6 +122,14 @@ def length_menu(
     c = cost.cluster
     off_cap = cost.offload_capacity(sync)
 
+    def bound_entries(deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(height, area) of the bound's entries: either split, by bytes alone."""
+        lengths = np.full(deg.size, length)
+        align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
+        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
+        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
+        return np.fmin(hb, he), np.fmin(ab, ae)
+
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
         # Megatron (pow2) splits into exact shares; hdp by common.use_blocks, priced here in
         # blocks first and exactly where the blocks leave a member over the offload capacity.
@@ -136,10 +148,7 @@ def length_menu(
         )
         if not exact_too:
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        # The bound's entries: either split, by bytes alone.
-        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
-        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
-        return _until_lowest(Menu(deg, h, a, most, deg, np.fmin(hb, he), np.fmin(ab, ae)))
+        return _until_lowest(Menu(deg, h, a, most, deg, *bound_entries(deg)))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
@@ -156,11 +165,12 @@ def length_menu(
         return price(candidates)
     coarse = price(candidates, exact_too=False)
     # (Where no 128-token split fits, the exact one may: price them all.)
-    top = widest
+    top, cut = widest, False
     if coarse.degrees.size:
         below = np.flatnonzero(coarse.height <= floor_s)
         if below.size:  # the fine menu's first degree below the floor is at most this one
             top = int(coarse.degrees[int(below[0])])
+            cut = top < widest
         else:
             top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
     fine = degree_menu(length, min(widest, top), off_cap)
@@ -171,13 +181,39 @@ def length_menu(
     rpn = c.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
-    return price(np.unique(np.concatenate([fine, nodes])))
+    menu = price(np.unique(np.concatenate([fine, nodes])))
+    at_top = np.flatnonzero(menu.bound_degrees == top)
+    if not cut or at_top.size == 0:  # (past its lowest height a menu's area only grows)
+        return menu
+    return replace(
+        menu,
+        tail_area=_tail_area(
+            bound_entries, float(menu.bound_area[at_top[0]]), candidates[candidates > top]
+        ),
+    )
 
 
-def menu_floor(packed_s: np.ndarray, slots: int) -> float:
-    """A lower bound of every relaxation value over ``slots`` (the packed work spread evenly),
-    rounded down to a quarter octave so that batches alike share cached menus."""
-    simple = float(np.sum(packed_s)) / max(slots, 1)
+def _tail_area(
+    bound_entries: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    end_area: float,
+    degrees: np.ndarray,
+) -> float:
+    """Least bound area of the coarse ``degrees`` past a menu's end (where it is ``end_area``),
+    walked in order until the area grows again (Note [Menus end at the floor])."""
+    least = last = end_area
+    for d in degrees.tolist():
+        height, area = bound_entries(np.array([d]))
+        if not np.isfinite(height[0]) or area[0] >= last:
+            return least
+        least = last = float(area[0])
+    return least
+
+
+def menu_floor(work_s: np.ndarray, slots: int) -> float:
+    """The work ``work_s`` spread evenly over ``slots``, rounded down to a quarter octave so that
+    batches alike share cached menus: a lower bound of every relaxation value where ``work_s``
+    is each sequence's :func:`least_time`."""
+    simple = float(np.sum(work_s)) / max(slots, 1)
     return 0.0 if simple <= 0 else float(2.0 ** (math.floor(math.log2(simple) * 4) / 4))
 
 
@@ -208,6 +244,14 @@ def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nd
     L = np.asarray(lengths, dtype=np.float64)
     per_token = cost.compute.least_dense_s_per_token(cell_tokens)
     return cost.model.layers * cost.attn_time(np.zeros_like(L), L) + L * per_token
+
+
+def least_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
+    """Least rank-seconds any plan spends on whole or split sequences: :func:`packed_time` with
+    each attention at the least of its equal splits (:meth:`hdp.CostModel.least_attn_of`)."""
+    L = np.asarray(lengths, dtype=np.int64)
+    per_token = cost.compute.least_dense_s_per_token(cell_tokens)
+    return cost.model.layers * cost.least_attn_of(L) + L * per_token
 
 
 def work_area(cost: CostModel, rel: Relaxation, degree: np.ndarray, sync: str) -> float:
@@ -292,7 +336,11 @@ def relaxation_bound(
     base_area = float(packed[short].sum())
     base_height = float(packed[short].max(initial=0.0))
     # Only node exchange needs the cut (Note [Menus end at the floor]); rank menus stay whole.
-    floor_s = menu_floor(packed, slots) if cost.kv_exchange == "node" else 0.0
+    floor_s = (
+        menu_floor(least_time(cost, lens, cost.offload_capacity(sync)), slots)
+        if cost.kv_exchange == "node"
+        else 0.0
+    )
     menus = tuple(
         length_menu(cost, int(lens[i]), sync, capacity, pow2, floor_s) for i in long_ids.tolist()
     )
@@ -364,8 +412,12 @@ def _bound_options(
     if degrees[0] == 1:
         h[0] = a[0] = packed
     gaps = np.flatnonzero(np.diff(degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
-    return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1])]), np.concatenate(
-        [a, np.minimum(a[gaps], a[gaps + 1])]
+    # For bounds, the degrees past a cut menu's end (Note [Menus end at the floor]) at the menu's
+    # least height (at most the floor, which no relaxation value goes below) and least tail area.
+    tail_h = [float(np.min(h))] if any_split and np.isfinite(mu.tail_area) else []
+    tail_a = [mu.tail_area] if tail_h else []
+    return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1]), tail_h]), np.concatenate(
+        [a, np.minimum(a[gaps], a[gaps + 1]), tail_a]
     )
 
 

@@ -37,13 +37,14 @@ def _plans(lens, pricing) -> dict:
 @given(
     profile=st.sampled_from(sorted(PROFILES)),
     n=st.sampled_from([2, 3, 4, 8]),
+    nodes=st.sampled_from([1, 2]),
     cap=st.sampled_from([1024, 2048, 4096]),
     data=st.data(),
 )
-def test_no_plan_beats_the_bounds_and_hdp_never_trails_a_baseline(profile, n, cap, data):
-    pricing = StepPricing.build(
-        model_preset(PROFILES[profile]), ClusterSpec.preset(profile, n), capacity=cap, sync="peer"
-    )
+def test_no_plan_beats_the_bounds_and_hdp_never_trails_a_baseline(profile, n, nodes, cap, data):
+    """On one node and on two (where hdp may plan in ``node`` exchange)."""
+    cluster = ClusterSpec.preset(profile, n, n // nodes if n % nodes == 0 else n)
+    pricing = StepPricing.build(model_preset(PROFILES[profile]), cluster, capacity=cap, sync="peer")
     lens = data.draw(st.lists(st.integers(cap // 2, 2 * cap), min_size=1, max_size=3))
     lens += data.draw(st.lists(st.integers(1, cap), max_size=10))
     plans = _plans(np.asarray(lens), pricing)
@@ -66,3 +67,16 @@ def test_the_cpu_case_where_static_once_beat_both_bounds_and_hdp():
     static, hdp = plans["static"], plans["hdp"]
     assert static["step_time_s"] >= max(hdp["bound_s"], static["lower_bound_s"])
     assert hdp["step_time_s"] <= static["step_time_s"]
+
+
+def test_a_node_exchange_bound_below_the_cpu_plans_on_two_nodes():
+    """4 CPU ranks on two nodes in ``wave`` sync: hdp's ``node``-exchange plan and static's once
+    stepped under the bound, whose menus ended at a floor of packed work and assumed every
+    degree past it covers more area (on the CPU profile splits save work)."""
+    lens = np.array([3045, 806])
+    cluster = ClusterSpec.preset("cpu", 4, 2)
+    pricing = StepPricing.build(model_preset("tiny"), cluster, capacity=1024, sync="wave")
+    plans = _plans(lens, pricing)
+    bound = plans["hdp"]["bound_s"]
+    for name, p in plans.items():
+        assert p["step_time_s"] >= max(bound, p["lower_bound_s"]) * (1 - 1e-9), name
