@@ -98,8 +98,9 @@ def plan_and_evaluate(
     t0 = time.perf_counter()
     plan = strategy.plan(ctx, options)
     plan_time = time.perf_counter() - t0
-    if validate:
-        plan.validate(capacity=cap, offload_capacity=cost.offload_capacity(sync))
+    if validate:  # (hdp may return a baseline's plan made for another exchange: its memory)
+        own = cost.with_exchange(plan.kv_exchange)
+        plan.validate(capacity=cap, offload_capacity=own.offload_capacity(sync))
     report = cost.evaluate(plan, plan_time_s=plan_time)
     if exchange == "auto" and plan.kv_exchange == "node":
         plan, report = _faster_exchange(cost, plan, report)
