@@ -33,18 +33,21 @@ def _plans(lens, pricing) -> dict:
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     profile=st.sampled_from(sorted(PROFILES)),
     n=st.sampled_from([2, 3, 4, 8]),
     nodes=st.sampled_from([1, 2]),
     cap=st.sampled_from([1024, 2048, 4096]),
+    sync=st.sampled_from(["peer", "wave"]),
     data=st.data(),
 )
-def test_no_plan_beats_the_bounds_and_hdp_never_trails_a_baseline(profile, n, nodes, cap, data):
-    """On one node and on two (where hdp may plan in ``node`` exchange)."""
+def test_no_plan_beats_the_bounds_and_hdp_never_trails_a_baseline(
+    profile, n, nodes, cap, sync, data
+):
+    """On one node and on two (where hdp may plan in ``node`` exchange), in both sync modes."""
     cluster = ClusterSpec.preset(profile, n, n // nodes if n % nodes == 0 else n)
-    pricing = StepPricing.build(model_preset(PROFILES[profile]), cluster, capacity=cap, sync="peer")
+    pricing = StepPricing.build(model_preset(PROFILES[profile]), cluster, capacity=cap, sync=sync)
     lens = data.draw(st.lists(st.integers(cap // 2, 2 * cap), min_size=1, max_size=3))
     lens += data.draw(st.lists(st.integers(1, cap), max_size=10))
     plans = _plans(np.asarray(lens), pricing)
