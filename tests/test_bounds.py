@@ -94,3 +94,14 @@ def test_hdp_in_node_exchange_never_trails_a_rank_exchange_baseline():
     plans = _plans(lens, pricing)
     for name in ("static", "hybridcp", "bytescale", "flexsp-rank"):
         assert plans["hdp"]["step_time_s"] <= plans[name]["step_time_s"] * (1 + 1e-9), name
+
+
+def test_a_head_parallel_plan_does_not_beat_the_bound():
+    """32 H100 ranks, two a node: FlexSP's Ulysses group of 32 moves about 1/20 of the bytes a
+    zigzag ring of the 47,552-token sequence would, and once stepped 1.7x under the bound."""
+    lens = np.array([47552, 1502, 1663])
+    cluster = ClusterSpec.preset("h100", 32, 2)
+    pricing = StepPricing.build(model_preset("llama-7b"), cluster, capacity=2048, sync="wave")
+    bound = plan_step(lens, pricing, "hdp").predicted["bound_s"]
+    for name in ("flexsp", "ulysses"):
+        assert plan_step(lens, pricing, name).predicted["step_time_s"] >= bound * (1 - 1e-9), name
