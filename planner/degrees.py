@@ -464,7 +464,8 @@ def _bound_options(
     # least height (at most the floor, which no relaxation value goes below) and least tail area.
     tail_h = [float(np.min(h))] if any_split and np.isfinite(mu.tail_area) else []
     tail_a = [mu.tail_area] if tail_h else []
-    uh, ua = (mu.ulysses_height, mu.ulysses_area) if any_split else (_NONE, _NONE)
+    # (Megatron's form, ``pow2``, is bounded over its own zigzag CP groups.)
+    uh, ua = (mu.ulysses_height, mu.ulysses_area) if any_split and not pow2 else (_NONE, _NONE)
     return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1]), tail_h, uh]), np.concatenate(
         [a, np.minimum(a[gaps], a[gaps + 1]), tail_a, ua]
     )
