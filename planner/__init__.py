@@ -91,6 +91,7 @@ def plan_and_evaluate(
         max_seq=int(opts.pop("max_seq", None) or max(longest, 1)),
         tokens_per_step=int(opts.pop("tokens_per_step", None) or lens.sum()),
         seed=int(opts.pop("seed", 0)),
+        any_exchange=exchange == "auto",
     )
     validate = opts.pop("validate", True)
     if opts:

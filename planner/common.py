@@ -22,7 +22,9 @@ class PlanningError(ValueError):
 
 @dataclass
 class Context:
-    """What a strategy gets: the batch, the cost model, the sync mode and its capacity."""
+    """What a strategy gets: the batch, the cost model, the sync mode and its capacity.
+    ``any_exchange``: the plan may run in either P2P exchange (``auto``), not only the one
+    ``cost`` prices."""
 
     seq_lens: np.ndarray
     cost: CostModel
@@ -31,6 +33,7 @@ class Context:
     max_seq: int
     tokens_per_step: int
     seed: int = 0
+    any_exchange: bool = False
 
     @property
     def num_ranks(self) -> int:

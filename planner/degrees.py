@@ -171,12 +171,7 @@ def zigzag_menu(
     off_cap = cost.offload_capacity(sync)
 
     def bound_entries(deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(height, area) of the bound's entries: either split, by bytes alone."""
-        lengths = np.full(deg.size, length)
-        align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
-        hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
-        he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
-        return np.fmin(hb, he), np.fmin(ab, ae)
+        return _bound_entries(cost, length, sync, deg, pow2)
 
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
         # Megatron (pow2) splits into exact shares; hdp by common.use_blocks, priced here in
@@ -239,6 +234,17 @@ def zigzag_menu(
             bound_entries, float(menu.bound_area[at_top[0]]), candidates[candidates > top]
         ),
     )
+
+
+def _bound_entries(
+    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(height, area) of the bound's entries at degrees ``deg``: either split, by bytes alone."""
+    lengths = np.full(deg.size, length)
+    align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
+    hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
+    he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
+    return np.fmin(hb, he), np.fmin(ab, ae)
 
 
 def _tail_area(

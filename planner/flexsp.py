@@ -258,9 +258,12 @@ def _smallest_groups(groups: _Groups, n: int) -> dict[tuple[int, int], int]:
         sol[(b, g)] = sol.get((b, g), 0) + groups.counts[b]
     for g in groups.sizes:
         sol[(-1, g)] = 1 if any(k[1] == g and v for k, v in sol.items() if k[0] >= 0) else 0
-    if sum(g * sol[(-1, g)] for g in groups.sizes) > n:
+    used = [g for g in groups.sizes if sol[(-1, g)]]
+    if sum(used) > n:
         raise PlanningError(
-            "flexsp: the MILP found no schedule and one group per size does not fit the cluster"
+            f"flexsp: the MILP found no schedule, and one group of each power of two size the "
+            f"step needs ({', '.join(map(str, used))}) takes {sum(used)} of the {n} ranks; use "
+            "more GPUs or a larger capacity"
         )
     return sol
 

@@ -18,15 +18,16 @@ this order:
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
 6. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
-   the ``rank`` exchange the baselines run, where it is cheap to make and price: the static mesh's
-   where it has at most ``STATIC_RIVAL_SHARDS`` shards, ByteScale's and Megatron's hybrid CP (our
-   re-implementation) up to ``RIVAL_RANKS`` ranks, FlexSP's up to ``FLEXSP_RIVAL_RANKS`` (its MILP
-   alone takes up to 6 times hdp's whole search there); none where hdp's plan already meets its
-   bound. hdp must never plan slower than a system it replaces, and the relaxation misses what such
-   plans exploit: a profile where splitting every sequence saves work (the CPU's reference
-   attention), or a micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of
-   its own costs the dense layers' whole weight traffic). Past those sizes a baseline's plan costs
-   more to price than the search and is far from the best plan.
+   the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
+   make and price: the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
+   ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
+   FlexSP's up to ``FLEXSP_RIVAL_RANKS`` (its MILP alone takes up to 6 times hdp's whole search
+   there); none where hdp's plan already meets its bound. hdp must never plan slower than a system
+   it replaces, and the relaxation misses what such plans exploit: a profile where splitting every
+   sequence saves work (the CPU's reference attention), or a micro-batch's fixed cost on few ranks
+   (a one-token sequence that opens a wave of its own costs the dense layers' whole weight traffic).
+   Past those sizes a baseline's plan costs more to price than the search and is far from the best
+   plan.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -235,8 +236,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
     if n <= FLEXSP_RIVAL_RANKS:
         makers.append(("flexsp", plan_flexsp))
-    own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run
-    if ctx.cost.kv_exchange != "rank":
+    own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run, where it may
+    if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
     for name, make in makers:
         try:
