@@ -71,11 +71,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hdp import CostModel, ulysses
+from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
 from .common import blocks_fit, use_blocks
-from .splits import split_times
+from .splits import split_times, ulysses_options
 
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
@@ -119,25 +119,6 @@ class Menu:
     ulysses_area: np.ndarray = field(default_factory=lambda: _NONE)
 
 
-def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray, np.ndarray]:
-    """(height s, area s) of the sequence on every head-parallel (Ulysses) group a plan may give
-    it, for bounds (Note [Bounds cover head-parallel plans])."""
-    m, n = cost.model, cost.cluster.num_ranks
-    off_cap = cost.offload_capacity(sync)
-    g = np.arange(max(2, -(-length // max(off_cap, 1))), min(n, m.heads) + 1, dtype=np.float64)
-    if g.size == 0:
-        return _NONE, _NONE
-    links = ulysses.links(m, cost.cluster, length, g, cost.activation_checkpointing)
-    gpu = cost.cluster.gpu
-    comm = np.maximum(links.nic_bytes / gpu.nic_bw, links.nvlink_bytes / gpu.nvlink_bw)
-    attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0])
-    per_token = cost.compute.least_dense_s_per_token(off_cap)
-    height = m.layers * (attn / g + comm) + length / g * per_token
-    if sync == "peer":
-        return height, g * height
-    return height, m.layers * (attn + g * comm) + length * per_token
-
-
 @lru_cache(maxsize=4096)
 def length_menu(
     cost: CostModel,
@@ -148,13 +129,16 @@ def length_menu(
     floor_s: float = 0.0,
 ) -> Menu:
     """Priced degree menu of one length (cached per cost model, so repeated lengths are free):
-    :func:`zigzag_menu`, with the bound's :func:`ulysses_options` beside it."""
-    menu = zigzag_menu(cost, length, sync, capacity, pow2, floor_s)
+    :func:`_zigzag_menu`, with the bound's :func:`ulysses_options` beside it. Megatron's form
+    (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
+    menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s)
+    if pow2:
+        return menu
     height, area = ulysses_options(cost, length, sync)
     return replace(menu, ulysses_height=height, ulysses_area=area)
 
 
-def zigzag_menu(
+def _zigzag_menu(
     cost: CostModel,
     length: int,
     sync: str,
@@ -470,8 +454,7 @@ def _bound_options(
     # least height (at most the floor, which no relaxation value goes below) and least tail area.
     tail_h = [float(np.min(h))] if any_split and np.isfinite(mu.tail_area) else []
     tail_a = [mu.tail_area] if tail_h else []
-    # (Megatron's form, ``pow2``, is bounded over its own zigzag CP groups.)
-    uh, ua = (mu.ulysses_height, mu.ulysses_area) if any_split and not pow2 else (_NONE, _NONE)
+    uh, ua = (mu.ulysses_height, mu.ulysses_area) if any_split else (_NONE, _NONE)
     return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1]), tail_h, uh]), np.concatenate(
         [a, np.minimum(a[gaps], a[gaps + 1]), tail_a, ua]
     )

@@ -1,7 +1,8 @@
 """The closed form of one sequence split over ``d`` ranks in zigzag shares: each member's busy
 time, the job's area and the most tokens a member holds, for many (length, degree) pairs at once,
 by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two agree). The degree
-menus and bounds of :mod:`planner.degrees` and the FlexSP baseline price splits with it."""
+menus and bounds of :mod:`planner.degrees` and the FlexSP baseline price splits with it.
+:func:`ulysses_options` is the same for head-parallel (Ulysses) groups, as bounds price them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hdp import CostModel
+from hdp import CostModel, ulysses
 from hdp.cost import KVTraffic
 from hdp.plan import DEFAULT_KV_BLOCK_TOKENS
 
@@ -131,4 +132,23 @@ class _ZigzagLinks(NamedTuple):
         return in_intra + fetched, in_intra, out_intra, out_intra + out_inter
 
 
-__all__ = ["split_times"]
+def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray, np.ndarray]:
+    """(height s, area s) of the sequence on every head-parallel (Ulysses) group a plan may give
+    it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`planner.degrees`)."""
+    m, n = cost.model, cost.cluster.num_ranks
+    off_cap = cost.offload_capacity(sync)
+    g = np.arange(max(2, -(-length // max(off_cap, 1))), min(n, m.heads) + 1, dtype=np.float64)
+    if g.size == 0:
+        return np.zeros(0), np.zeros(0)
+    links = ulysses.links(m, cost.cluster, length, g, cost.activation_checkpointing)
+    gpu = cost.cluster.gpu
+    comm = np.maximum(links.nic_bytes / gpu.nic_bw, links.nvlink_bytes / gpu.nvlink_bw)
+    attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0])
+    per_token = cost.compute.least_dense_s_per_token(off_cap)
+    height = m.layers * (attn / g + comm) + length / g * per_token
+    if sync == "peer":
+        return height, g * height
+    return height, m.layers * (attn + g * comm) + length * per_token
+
+
+__all__ = ["split_times", "ulysses_options"]
