@@ -6,7 +6,7 @@ point; kernels (cuDNN, ``flash_attn``, PyTorch FlashAttention, a pure-torch refe
 :mod:`attention.merge`.
 """
 
-from .dist import COMM, CommCounter, dist_attn
+from .dist import dist_attn
 from .kernels import (
     BACKEND_NAMES,
     AttentionBackend,
@@ -18,6 +18,7 @@ from .kernels import (
 )
 from .layout import WaveLayout, wave_layout
 from .merge import PartialAttention
+from .messages import COMM, CommCounter
 
 __all__ = [
     "BACKEND_NAMES",

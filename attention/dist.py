@@ -22,12 +22,14 @@ owner in the block's return phase. The same rounds
 run in the same order on every rank (sends posted before waits), so no plan can deadlock, on gloo
 or NCCL. Every rank of ``group`` must call with the same plan and wave, including ranks with no
 tokens in it.
+
+A plan in ``ulysses`` exchange runs head-parallel instead (:mod:`attention.ulysses`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,34 +39,8 @@ from hdp import Plan
 from .kernels import AttentionBackend, acc_dtype, get_backend, select_backend
 from .layout import RoundIO, Segments, WaveLayout, wave_layout
 from .merge import PartialAttention
-
-
-@dataclass
-class CommCounter:
-    """Bytes this process sent and received through ``dist_attn`` (forward and backward)."""
-
-    fwd_bytes_sent: int = 0
-    fwd_bytes_received: int = 0
-    bwd_bytes_sent: int = 0
-    bwd_bytes_received: int = 0
-    messages: int = 0
-    bytes_to: dict[int, int] = field(default_factory=dict)  # global peer rank -> bytes sent
-
-    def reset(self) -> None:
-        self.__init__()
-
-
-COMM = CommCounter()
-_WARMED: set = set()
-
-
-def _global(group, r: int) -> int:
-    return r if group is None or group is dist.group.WORLD else dist.get_global_rank(group, r)
-
-
-def _wait(reqs: list) -> None:
-    for r in reqs:
-        r.wait()
+from .messages import post, wait_all, warm_up
+from .ulysses import UlyssesAttn, ulysses_layout
 
 
 class _DistAttn(torch.autograd.Function):
@@ -81,7 +57,7 @@ class _DistAttn(torch.autograd.Function):
                 _attend(acc, backend, q, k, v, seg.to(device), causal, scale)
         for r, io in enumerate(rounds):
             recv, reqs = pending
-            _wait(reqs)
+            wait_all(reqs)
             if io.keep_as >= 0:
                 slots[io.keep_as] = recv
             pending = (
@@ -116,7 +92,7 @@ class _DistAttn(torch.autograd.Function):
         pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
         for r, io in enumerate(rounds):
             recv, reqs = pending
-            _wait(reqs)
+            wait_all(reqs)
             if io.keep_as >= 0:
                 slots[io.keep_as] = recv
                 grads.sums[io.keep_as] = torch.zeros(recv.shape, dtype=ad, device=device)
@@ -221,7 +197,7 @@ class _Messenger:
             buf = grads.dq.new_empty((ret.tokens, 2, *grads.dk.shape[1:]))
             recvs.append((buf, ret.peer))
             after.append((buf, ret.rows, -1))
-        _wait(self._post(sends, recvs, 2 * p + 1, tag_step=len(layout.rounds) + 1))
+        wait_all(self._post(sends, recvs, 2 * p + 1, tag_step=len(layout.rounds) + 1))
         for buf, rows, slot in after:
             if slot >= 0:
                 grads.sums[slot].index_add_(0, rows.to(buf.device), buf)
@@ -229,31 +205,7 @@ class _Messenger:
                 grads.add_local(rows, buf)
 
     def _post(self, sends: list, recvs: list, tag: int, tag_step: int = 0) -> list:
-        """Post sends and receives; the k-th message between two ranks in one call gets tag
-        ``tag + 2 * k * tag_step`` on both sides (both list them in the same order)."""
-        ops, count = [], {}
-        for op, msgs in ((dist.isend, sends), (dist.irecv, recvs)):
-            for buf, peer in msgs:
-                k = count.get((op, peer), 0)
-                count[(op, peer)] = k + 1
-                where = _global(self.group, peer)
-                ops.append(dist.P2POp(op, buf, where, self.group, tag + 2 * k * tag_step))
-                self._count(buf, peer, sent=op is dist.isend)
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    def _count(self, buf: torch.Tensor, peer: int, sent: bool) -> None:
-        nbytes = buf.numel() * buf.element_size()
-        if sent:
-            COMM.messages += 1
-            COMM.bytes_to[peer] = COMM.bytes_to.get(peer, 0) + nbytes
-            if self.backward:
-                COMM.bwd_bytes_sent += nbytes
-            else:
-                COMM.fwd_bytes_sent += nbytes
-        elif self.backward:
-            COMM.bwd_bytes_received += nbytes
-        else:
-            COMM.fwd_bytes_received += nbytes
+        return post(self.group, sends, recvs, tag, self.backward, tag_step)
 
 
 def _attend(
@@ -319,7 +271,6 @@ def dist_attn(
         )
     if not 0 <= wave < plan.num_waves:
         raise ValueError(f"dist_attn: wave {wave} is outside the plan's {plan.num_waves} waves")
-    layout = wave_layout(plan, wave, rank)
     if (
         q.dim() != 3
         or k.dim() != 3
@@ -331,19 +282,21 @@ def dist_attn(
             f"dist_attn: expected q [T, H, d] and k, v [T, H_kv, d]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"dist_attn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
+        )
+    if plan.kv_exchange == "ulysses":
+        layout = ulysses_layout(plan, wave, rank, q.shape[1], k.shape[1])
+    else:
+        layout = wave_layout(plan, wave, rank)
     if q.shape[0] != layout.tokens:
         raise ValueError(
             f"dist_attn: rank {rank} holds {layout.tokens} tokens in wave {wave} of the plan, "
             f"but q has {q.shape[0]} rows"
         )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"dist_attn: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads"
-        )
-    if dist.is_initialized() and group not in _WARMED and q.device.type == "cuda":
-        # NCCL: the first P2P call on a communicator must involve every rank; a barrier does that.
-        dist.barrier(group)
-        _WARMED.add(group)
+    warm_up(group, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     impl = get_backend(backend) if backend else select_backend(q.device, q.dtype)
-    return _DistAttn.apply(q, k, v, layout, group, scale, impl)
+    attn = UlyssesAttn if plan.kv_exchange == "ulysses" else _DistAttn
+    return attn.apply(q, k, v, layout, group, scale, impl)

@@ -13,8 +13,8 @@ NVLink to the node's other ranks that need part of it. Backward, those ranks ret
 partials of the block to the relay, which adds them to its own and sends one message to the owner.
 Pieces between ranks of one node travel directly, as in ``rank`` exchange.
 
-``ulysses`` marks a plan priced as head-parallel all-to-all (:mod:`hdp.ulysses`), how the
-``flexsp`` baseline's system runs; it has no P2P messages.
+``ulysses`` marks a plan whose split sequences attend head-parallel, by all-to-alls
+(:mod:`hdp.ulysses` prices them, :mod:`attention.ulysses` runs them); it has no P2P rounds.
 
 Note [Node exchange rounds]: the messages run in rounds in which each rank sends at most one
 message and receives at most one (:mod:`hdp.rounds`). Each relay's fetches are numbered
@@ -138,8 +138,8 @@ def wave_exchange(plan: Plan, wave: int) -> WaveExchange:
         return WaveExchange(edge_colour_rounds(rank_transfers(plan, wave)))
     if plan.kv_exchange == "ulysses":
         raise ValueError(
-            "the plan is priced for Ulysses all-to-all (how FlexSP runs), which dist_attn does "
-            "not run; run its placement with plan.with_exchange('rank')"
+            "a ulysses plan exchanges by all-to-alls over heads, not P2P rounds; for its "
+            "placement's rounds use plan.with_exchange('rank')"
         )
     return _node_exchange(plan, wave)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -128,17 +130,13 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
             out = dist_attn(q, k, v, plan, w, softmax_scale=scale)
             fwd_to = dict(COMM.bytes_to)
             (out * do).sum().backward()
-            if plan.kv_exchange == "node":
+            if plan.kv_exchange == "ulysses":
+                check_ulysses_bytes(plan, w, rank, H, Hk, d, dtype)
+            elif plan.kv_exchange == "node":
                 dkvb = 2 * Hk * d * (8 if dtype == torch.float64 else 4)
                 check_node_bytes(plan, w, rank, fwd_to, COMM.bytes_to, kvb, dkvb)
-            # Bytes: exactly the K/V the plan says this rank sends; backward sends it again plus
-            # fp32 dK/dV.
-            sent_tokens = int(plan.kv_tokens_sent(w)[rank])
-            assert COMM.fwd_bytes_sent == sent_tokens * kvb, (idx, w)
-            recv_tokens = sum(m.tokens for rnd in plan.comm_rounds(w) for m in rnd if m.dst == rank)
-            assert COMM.bwd_bytes_sent == sent_tokens * kvb + recv_tokens * 2 * Hk * d * (
-                8 if dtype == torch.float64 else 4
-            )
+            if plan.kv_exchange != "ulysses":
+                check_p2p_bytes(plan, w, rank, Hk, d, dtype)
             for got, want_idx in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
                 want = local(plan, rank, w, [r[want_idx] for r in ref])
                 if want.numel() == 0:
@@ -152,6 +150,48 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
                         f"case {idx} wave {w} rank {rank} tensor {want_idx}: "
                         + mismatch(plan, rank, w, diff, bound)
                     )
+
+
+def check_p2p_bytes(plan: Plan, w: int, rank: int, Hk: int, d: int, dtype) -> None:
+    """Exactly the K/V the plan says this rank sends; backward sends it again plus fp32 dK/dV."""
+    from attention import COMM
+
+    kvb = 2 * Hk * d * torch.finfo(dtype).bits // 8
+    sent_tokens = int(plan.kv_tokens_sent(w)[rank])
+    assert COMM.fwd_bytes_sent == sent_tokens * kvb, w
+    recv_tokens = sum(m.tokens for rnd in plan.comm_rounds(w) for m in rnd if m.dst == rank)
+    acc = 8 if dtype == torch.float64 else 4
+    assert COMM.bwd_bytes_sent == sent_tokens * kvb + recv_tokens * 2 * Hk * d * acc
+
+
+def check_ulysses_bytes(plan: Plan, w: int, rank: int, H: int, Hk: int, d: int, dtype) -> None:
+    """Head-parallel groups: to each other member of each sequence, forward this rank's tokens
+    at the member's heads (Q, and the K/V heads they read) and, back, the member's tokens at
+    this rank's heads (the output); backward the same with dO out and fp32 dQ/dK/dV back."""
+    from attention import COMM
+
+    item, acc = torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4
+    fwd = bwd = 0
+    for s in {sh.seq for sh in plan.shards(rank, w)}:
+        held = {}
+        for r in range(plan.num_ranks):
+            n = sum(b - a for q, a, b in plan.shards(r, w) if q == s)
+            if n:
+                held[r] = n
+        members = sorted(held)
+        per = [len(c) for c in np.array_split(np.arange(H), len(members))]
+        starts = np.cumsum([0] + per)
+        me = members.index(rank)
+        for i, r in enumerate(members):
+            if r == rank:
+                continue
+            a, b = starts[i], starts[i + 1]
+            kv = (b - 1) // (H // Hk) - a // (H // Hk) + 1
+            fwd += (held[rank] * (b - a + 2 * kv) + held[r] * per[me]) * d * item
+            a, b = starts[me], starts[me + 1]
+            kv_me = (b - 1) // (H // Hk) - a // (H // Hk) + 1
+            bwd += (held[rank] * per[i] * item + held[r] * (b - a + 2 * kv_me) * acc) * d
+    assert (COMM.fwd_bytes_sent, COMM.bwd_bytes_sent) == (fwd, bwd), w
 
 
 def check_node_bytes(plan: Plan, w: int, rank: int, fwd_to: dict, all_to: dict, kvb, dkvb):
@@ -215,11 +255,31 @@ def test_float32_matches_sdpa():
     run_ranks(check_rank, 4, _fix_scale(make_cases(4, 11)), "float32", 1e-5)
 
 
+def ulysses_cases(n: int, seed: int) -> list:
+    """The P2P cases' placements run head-parallel, with head counts that split unevenly over
+    3 ranks (8 heads on 2 K/V heads: a member's heads straddle two K/V heads)."""
+    heads = [(4, 4, 8), (8, 2, 8), (6, 1, 4), (4, 2, 16), (6, 3, 8), (4, 1, 8)]
+    return [
+        (Plan.from_json(p).with_exchange("ulysses").to_json(), H, Hk, d, s, sc)
+        for (p, _, _, _, s, sc), (H, Hk, d) in zip(make_cases(n, seed), heads)
+    ]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ulysses_float64_matches_sdpa(world):
+    run_ranks(check_rank, world, _fix_scale(ulysses_cases(world, world)), "float64", 1e-10)
+
+
+def test_ulysses_float32_matches_sdpa():
+    run_ranks(check_rank, 3, _fix_scale(ulysses_cases(3, 5)), "float32", 1e-5)
+
+
 def test_plans_from_every_strategy():
     lens = [300, 1, 45, 129, 600, 7, 256, 90]
     cases = []
     for i, strategy in enumerate(STRATEGIES):
-        for sync in ("peer", "wave"):
+        exchanges = ("ulysses", "rank") if strategy in ("flexsp", "ulysses") else (None,)
+        for sync, exchange in itertools.product(("peer", "wave"), exchanges):
             try:
                 plan = plan_step(
                     lens,
@@ -229,7 +289,7 @@ def test_plans_from_every_strategy():
                     capacity=200,
                     sync=sync,
                     hybridcp_impl="ours",
-                    **({"kv_exchange": "rank"} if strategy in ("flexsp", "ulysses") else {}),
+                    **({"kv_exchange": exchange} if exchange else {}),
                 )
             except PlanningError:
                 continue
@@ -291,6 +351,7 @@ def test_host_reading_backends_get_host_lengths():
 
 def test_bad_inputs_are_clear():
     from attention import dist_attn
+    from attention.ulysses import ulysses_layout
 
     plan = Plan.from_shards([10], 1, [[[(0, 0, 10)]]])
     with pytest.raises(ValueError, match="holds 10 tokens in wave 0 of the plan, but q has 9 rows"):
@@ -299,6 +360,9 @@ def test_bad_inputs_are_clear():
         dist_attn(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), plan, 3)
     with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
         dist_attn(torch.zeros(10, 3, 4), torch.zeros(10, 2, 4), torch.zeros(10, 2, 4), plan, 0)
+    split = Plan.from_shards([10], 2, [[[(0, 0, 5)], [(0, 5, 10)]]], kv_exchange="ulysses")
+    with pytest.raises(ValueError, match="split over 2 ranks in wave 0, but a ulysses plan"):
+        ulysses_layout(split, 0, 0, 1, 1)
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
         dist_attn(
             torch.zeros(10, 2, 4),
