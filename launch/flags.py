@@ -255,11 +255,12 @@ def _planning_flags(g) -> None:
     )
     g.add_argument(
         "--kv-exchange",
-        choices=("auto", "rank", "node"),
+        choices=("auto", "rank", "node", "ulysses"),
         default="auto",
-        help="how hdp plans move K/V between nodes: rank (each rank fetches what it lacks), "
-        "node (once per node, forwarded inside it) or auto (default: node on more than one node "
-        "where the cost model predicts it faster)",
+        help="how hdp plans move K/V between the ranks of a split sequence: rank (each rank "
+        "fetches what it lacks), node (once per node, forwarded inside it), ulysses (all-to-alls "
+        "over heads, at most one rank a head) or auto (default: the fastest the cost model "
+        "predicts)",
     )
     g.add_argument(
         "--gpus-per-node",

@@ -85,8 +85,7 @@ def build_pricing(
         sync=planning.sync,
         kv_exchange=planning.kv_exchange,
     )
-    # dist_attn runs P2P exchanges: flexsp's placement runs with rank exchange.
-    return pricing.for_strategy(get_strategy(planning.strategy), baseline_exchange="rank")
+    return pricing.for_strategy(get_strategy(planning.strategy))
 
 
 def checkpointing_needed(

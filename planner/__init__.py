@@ -18,8 +18,8 @@ builds the pricing from the options ``sync`` (``"wave"`` / ``"peer"``; default: 
 own mode where parameters fit, else ``wave``), ``capacity`` (tokens per rank per wave; default
 from memory), ``activation_checkpointing`` (default True) or ``cost`` (a :class:`hdp.CostModel`
 built once for many calls, instead of those two), and ``kv_exchange`` (``hdp``: ``auto``,
-``rank`` or ``node``; ``flexsp``: ``ulysses`` or ``rank``; the baselines exchange K/V as their own
-systems do). With a :class:`StepPricing` those belong to it.
+``rank``, ``node`` or ``ulysses``; ``flexsp``: ``ulysses`` or ``rank``; the baselines exchange
+K/V as their own systems do). With a :class:`StepPricing` those belong to it.
 
 Options of both forms (all keyword): ``max_seq`` (default: the longest sequence),
 ``tokens_per_step`` (default: the batch's tokens), ``seed``, ``validate`` (default True),
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -43,8 +44,10 @@ from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
 from .common import Context, PlanningError
 from .degrees import length_menu, menu_floor, packed_time
 from .pricing import Settled, StepPricing
+from .splits import head_split_times, split_times
 from .strategies import STRATEGIES, Strategy, get_strategy
 
+HEAD_CHECKED_LENGTHS = 4  # longest distinct lengths :func:`heads_may_win` prices
 _PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange", "cost")
 
 
@@ -97,14 +100,23 @@ def plan_and_evaluate(
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     t0 = time.perf_counter()
-    plan = strategy.plan(ctx, options)
+    plans = [strategy.plan(ctx, options)]
+    if exchange == "auto" and heads_may_win(cost, lens, sync, cap):
+        plans.append(strategy.plan(replace(ctx, cost=cost.with_exchange("ulysses")), options))
     plan_time = time.perf_counter() - t0
-    if validate:  # (hdp may return a baseline's plan made for another exchange: its memory)
-        own = cost.with_exchange(plan.kv_exchange)
-        plan.validate(capacity=cap, offload_capacity=own.offload_capacity(sync))
-    report = cost.evaluate(plan, plan_time_s=plan_time)
-    if exchange == "auto" and plan.kv_exchange == "node":
-        plan, report = _faster_exchange(cost, plan, report)
+    reports = []
+    for plan in plans:
+        if validate:  # (hdp may return a baseline's plan made for another exchange: its memory)
+            own = cost.with_exchange(plan.kv_exchange)
+            plan.validate(capacity=cap, offload_capacity=own.offload_capacity(sync))
+        report = cost.evaluate(plan, plan_time_s=plan_time)
+        if exchange == "auto" and plan.kv_exchange == "node":
+            plan, report = _faster_exchange(cost, plan, report)
+        reports.append((report.step_time_s, len(reports), plan, report))
+    _, _, plan, report = min(reports)
+    bounds = [p.predicted["bound_s"] for p in plans if "bound_s" in p.predicted]
+    if len(bounds) > 1:  # menus price P2P bytes in their exchange: the least holds for both
+        plan.predicted["bound_s"] = min(bounds)
     plan.predicted.update(report.summary())
     plan.predicted["capacity"] = float(cap)
     return plan, report
@@ -182,6 +194,27 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
     menu = length_menu(cost, int(seq_lens.max()), sync, capacity)
     fastest = float(menu.height.min()) if menu.degrees.size else float("inf")
     return fastest > 0.5 * menu_floor(packed, n)
+
+
+def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
+    """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside the P2P
+    plan: where one of the longest sequences is faster on a head-parallel group than on any
+    zigzag group of a power-of-two or head-count size (a quick look, not a proof: the planner
+    then prices both plans). With many heads the all-to-alls move less than a ring does."""
+    n, top = cost.cluster.num_ranks, min(cost.cluster.num_ranks, cost.model.heads)
+    room = max(cost.offload_capacity(sync), capacity)
+    if top < 2 or seq_lens.size == 0 or int(seq_lens.max()) > room * top:
+        return False
+    by_heads = np.arange(2, top + 1)
+    by_ring = np.unique(np.concatenate([by_heads, 2 ** np.arange(1, n.bit_length()), [n]]))
+    by_ring = by_ring[by_ring <= n]
+    heads = cost.with_exchange("ulysses")
+    for length in np.unique(seq_lens)[-HEAD_CHECKED_LENGTHS:].tolist():
+        split = head_split_times(heads, np.full(by_heads.size, length), by_heads, sync)[0]
+        ring = split_times(cost, np.full(by_ring.size, length), by_ring, sync)[0]
+        if np.isfinite(split).any() and split.min() < ring.min():
+            return True
+    return False
 
 
 def _faster_exchange(cost: CostModel, plan: Plan, report: StepReport) -> tuple[Plan, StepReport]:

@@ -83,12 +83,12 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
     add_option_flags(g)
     g.add_argument(
         "--kv-exchange",
-        choices=("auto", "rank", "node"),
+        choices=("auto", "rank", "node", "ulysses"),
         default="auto",
-        help="how hdp plans move K/V between nodes: rank (each rank fetches what it lacks), "
-        "node (once per node, forwarded over NVLink) or auto (default: planned for node on "
-        "more than one node, kept where the cost model predicts it faster); the baselines "
-        "exchange K/V as their own systems do",
+        help="how hdp plans move K/V between the ranks of a split sequence: rank (each rank "
+        "fetches what it lacks), node (once per node, forwarded over NVLink), ulysses "
+        "(all-to-alls over heads, at most one rank a head) or auto (default: the fastest the "
+        "cost model predicts); the baselines exchange K/V as their own systems do",
     )
 
 

@@ -62,6 +62,13 @@ class Context:
         """Most tokens a rank holds in one wave with activation offload (at least the capacity)."""
         return max(self.cost.offload_capacity(self.sync), self.capacity)
 
+    def split(self, length: int, parts: int) -> Split:
+        """How hdp splits ``length`` tokens over ``parts`` ranks: :func:`block_split`, or in
+        ``ulysses`` exchange exact shares (a head-parallel member's attention is the same
+        wherever its tokens lie, so the most even split holds the fewest)."""
+        room = 0 if self.cost.kv_exchange == "ulysses" else self.offload_capacity
+        return block_split(length, parts, room)
+
 
 def next_pow2(x: float) -> int:
     """Smallest power of two >= x (1 for x <= 1)."""

@@ -75,7 +75,7 @@ from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
 from .common import blocks_fit, use_blocks
-from .splits import split_times, ulysses_options
+from .splits import menu_pricing, split_times, ulysses_options
 
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
@@ -134,6 +134,17 @@ def length_menu(
     menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s)
     if pow2:
         return menu
+    if cost.kv_exchange == "ulysses":  # hdp's head-parallel entries; bounds cover P2P plans too
+        p2p = length_menu(cost.with_exchange("rank"), length, sync, capacity, pow2, floor_s)
+        return replace(
+            menu,
+            bound_degrees=p2p.bound_degrees,
+            bound_height=p2p.bound_height,
+            bound_area=p2p.bound_area,
+            tail_area=p2p.tail_area,
+            ulysses_height=p2p.ulysses_height,
+            ulysses_area=p2p.ulysses_area,
+        )
     height, area = ulysses_options(cost, length, sync)
     return replace(menu, ulysses_height=height, ulysses_area=area)
 
@@ -151,8 +162,8 @@ def _zigzag_menu(
     (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
     the menu ends a little past the first degree no taller than it (Note [Menus end at the
     floor])."""
-    c = cost.cluster
     off_cap = cost.offload_capacity(sync)
+    times, most_ranks, in_blocks = menu_pricing(cost, pow2)
 
     def bound_entries(deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return _bound_entries(cost, length, sync, deg, pow2)
@@ -161,13 +172,13 @@ def _zigzag_menu(
         # Megatron (pow2) splits into exact shares; hdp by common.use_blocks, priced here in
         # blocks first and exactly where the blocks leave a member over the offload capacity.
         lengths = np.full(deg.size, length)
-        blocked = blocks_fit(length, deg) & (not pow2)
+        blocked = blocks_fit(length, deg) & in_blocks
         align = np.where(blocked, BLOCK_TOKENS, 1)
-        h, a, most = split_times(cost, lengths, deg, sync, align)
+        h, a, most = times(cost, lengths, deg, sync, align)
         over = blocked & ~use_blocks(length, deg, most, off_cap)
         if not blocked.any() or not (exact_too or over.any()):
             return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        h_exact, a_exact, most_exact = split_times(cost, lengths, deg, sync, 1)
+        h_exact, a_exact, most_exact = times(cost, lengths, deg, sync, 1)
         h, a, most = (
             np.where(over, h_exact, h),
             np.where(over, a_exact, a),
@@ -179,14 +190,14 @@ def _zigzag_menu(
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
-        deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(c.num_ranks)) + 1)
+        deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(cost.cluster.num_ranks)) + 1)
         return price(deg.astype(np.int64))
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
     # Members hold at least one block: fewer tokens per member would leave the exact splits of
     # other strategies faster than every degree priced, and the bound would not be one.
     # One degree beyond the fewest that hold it: blocks can leave the fewest a block over the
     # capacity (1793 tokens on 3 ranks of 640: 641 on one).
-    widest = min(c.num_ranks, max(1, length // BLOCK_TOKENS, -(-length // max(off_cap, 1)) + 1))
+    widest = min(most_ranks, max(1, length // BLOCK_TOKENS, -(-length // max(off_cap, 1)) + 1))
     candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
     if candidates.size == 0:  # more ranks than the cluster has
         return price(candidates)
@@ -205,7 +216,7 @@ def _zigzag_menu(
     # degree is often a whole number of nodes: add the node multiples around every fine degree.
     # The sweep's virtual options assume heights between two entries lie above the lower one,
     # which holds only with those multiples in the menu.
-    rpn = c.ranks_per_node
+    rpn = cost.cluster.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
     menu = price(np.unique(np.concatenate([fine, nodes])))

@@ -87,14 +87,13 @@ class StepPricing:
     def cluster(self) -> ClusterSpec:
         return self.cost.cluster
 
-    def for_strategy(self, strategy: Strategy, baseline_exchange: str = "auto") -> StepPricing:
+    def for_strategy(self, strategy: Strategy) -> StepPricing:
         """The pricing ``strategy`` plans with: this one where the K/V exchange asked for applies
-        to it (:attr:`Strategy.takes_kv_exchange`), else this one with ``baseline_exchange``
-        (``auto``: the baseline's own; training passes ``rank``, the P2P exchange ``dist_attn``
-        runs)."""
+        to it (:attr:`Strategy.takes_kv_exchange`), else this one with the baseline's own
+        exchange (``auto``)."""
         if strategy.takes_kv_exchange:
             return self
-        return replace(self, kv_exchange=baseline_exchange)
+        return replace(self, kv_exchange="auto")
 
     def exchange(self, strategy: Strategy, options: Any) -> str:
         """The K/V exchange ``strategy`` plans in: :attr:`kv_exchange`, where ``auto`` means

@@ -2,10 +2,12 @@
 time, the job's area and the most tokens a member holds, for many (length, degree) pairs at once,
 by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two agree). The degree
 menus and bounds of :mod:`planner.degrees` and the FlexSP baseline price splits with it.
-:func:`ulysses_options` is the same for head-parallel (Ulysses) groups, as bounds price them."""
+:func:`head_split_times` is the same for head-parallel (Ulysses) groups, as hdp's ``ulysses``
+menus price them, and :func:`ulysses_options` as bounds price them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -132,6 +134,55 @@ class _ZigzagLinks(NamedTuple):
         return in_intra + fetched, in_intra, out_intra, out_intra + out_inter
 
 
+def head_split_times(
+    cost: CostModel,
+    lengths: np.ndarray,
+    parts: np.ndarray,
+    sync: str = "peer",
+    align: int | np.ndarray = 1,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`split_times` of head-parallel groups (``ulysses`` exchange, :mod:`hdp.ulysses`),
+    as the cost model prices them: members hold zigzag shares of the tokens, each attends over
+    the whole sequence for ``1 / parts`` of the heads, and the all-to-alls are not hidden."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    m = cost.model
+    rep, _, head, tail = zigzag_shares(lengths, parts, align)
+    held = head + tail
+    d = parts[rep]
+    whole = cost.attn_time(np.zeros(lengths.size), lengths)[rep]
+    compute = m.layers * whole / d + cost.dense_time(held)
+    ckpt = cost.activation_checkpointing
+    comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
+    fraction = np.where(
+        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
+    )
+    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
+    busy = np.where(fraction <= 1.0, compute + comm + offload, np.inf)
+    n = lengths.size
+    height = np.full(n, -np.inf)
+    np.maximum.at(height, rep, busy)
+    most = np.zeros(n, dtype=np.int64)
+    np.maximum.at(most, rep, held)
+    if sync == "peer":
+        area = parts * height
+    else:  # (split_times' reasons) dense at the best speed; the all-to-alls hide nowhere
+        per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
+        packed = m.layers * whole / d + held * per_token + comm
+        area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
+    return height, area, most
+
+
+def menu_pricing(cost: CostModel, pow2: bool) -> tuple[Callable, int, bool]:
+    """How hdp's degree menus price a split, the most ranks it may take and whether its shares
+    may be whole blocks: in ``ulysses`` exchange head-parallel groups of at most one rank a
+    head in exact shares (:meth:`planner.common.Context.split`), else zigzag P2P (``pow2``, the
+    Megatron form, always: exact shares)."""
+    if cost.kv_exchange == "ulysses" and not pow2:
+        return head_split_times, min(cost.cluster.num_ranks, cost.model.heads), False
+    return split_times, cost.cluster.num_ranks, not pow2
+
+
 def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of the sequence on every head-parallel (Ulysses) group a plan may give
     it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`planner.degrees`)."""
@@ -151,4 +202,4 @@ def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray
     return height, m.layers * (attn + g * comm) + length * per_token
 
 
-__all__ = ["split_times", "ulysses_options"]
+__all__ = ["head_split_times", "menu_pricing", "split_times", "ulysses_options"]

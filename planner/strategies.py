@@ -94,7 +94,7 @@ class Ulysses(Strategy):
     summary = "DP x SP mesh, one power-of-two SP size, all-to-all over heads (DeepSpeed-Ulysses)"
 
     def exchanges(self, options: NoOptions) -> tuple[str, ...]:
-        return ("ulysses", "rank")  # its all-to-all, or its placement run by dist_attn
+        return ("ulysses", "rank")  # its all-to-all, or its placement in zigzag P2P
 
     def plan(self, ctx: Context, options: NoOptions) -> Plan:
         return static.plan_static(ctx, "ulysses")
@@ -128,7 +128,7 @@ class FlexSP(Strategy):
     summary = "FlexSP: MILP over power-of-two groups, DP length buckets, time limit"
 
     def exchanges(self, options: NoOptions) -> tuple[str, ...]:
-        return ("ulysses", "rank")  # its Ulysses all-to-all, or its placement run by dist_attn
+        return ("ulysses", "rank")  # its Ulysses all-to-all, or its placement in zigzag P2P
 
     def plan(self, ctx: Context, options: NoOptions) -> Plan:
         return flexsp.plan_flexsp(ctx)
@@ -150,8 +150,11 @@ class Dynamic(Strategy):
         return options.form != "megatron"  # Megatron's runtime keeps activations on the GPU
 
     def exchanges(self, options: DynamicOptions) -> tuple[str, ...]:
-        # auto: Note [Node exchange] in hdp.exchange; Megatron's runtime exchanges per rank.
-        return ("rank",) if options.form == "megatron" else ("auto", "rank", "node")
+        # auto: the faster of a P2P plan (Note [Node exchange] in hdp.exchange) and, where it
+        # may win, a head-parallel one; Megatron's runtime exchanges per rank.
+        if options.form == "megatron":
+            return ("rank",)
+        return ("auto", "rank", "node", "ulysses")
 
     def exchange_reason(self, options: DynamicOptions) -> str:
         return "in the megatron form, Megatron's runtime fetches K/V per rank"

@@ -9,6 +9,7 @@ work. The planner's bound (``predicted["bound_s"]``) and the cost model's simple
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -105,3 +106,21 @@ def test_a_head_parallel_plan_does_not_beat_the_bound():
     bound = plan_step(lens, pricing, "hdp").predicted["bound_s"]
     for name in ("flexsp", "ulysses"):
         assert plan_step(lens, pricing, name).predicted["step_time_s"] >= bound * (1 - 1e-9), name
+
+
+@pytest.mark.parametrize("per_node", [2, 8])
+def test_hdp_keeps_up_with_head_parallel_plans(per_node):
+    """The same step: under ``auto`` exchange hdp plans head-parallel groups too, so it steps
+    no slower than FlexSP's or DeepSpeed-Ulysses' own plans, and its plan runs in dist_attn
+    (groups of at most one rank a head)."""
+    lens = np.array([47552, 1502, 1663])
+    model = model_preset("llama-7b")
+    cluster = ClusterSpec.preset("h100", 32, per_node)
+    pricing = StepPricing.build(model, cluster, capacity=2048, sync="wave")
+    plan = plan_step(lens, pricing, "hdp")
+    assert plan.kv_exchange == "ulysses"
+    members = np.unique(plan.seq * plan.num_ranks + plan.rank) // plan.num_ranks
+    assert np.bincount(members).max() <= model.heads
+    for name in ("flexsp", "ulysses"):
+        rival = plan_step(lens, pricing, name)
+        assert plan.predicted["step_time_s"] <= rival.predicted["step_time_s"] * (1 + 1e-9), name

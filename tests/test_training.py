@@ -422,19 +422,21 @@ def test_chunked_loss_matches_full_logits():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
-def test_node_exchange_on_virtual_nodes_equals_one_process(tmp_path):
-    """4 ranks as 2 virtual nodes of 2, K/V fetched once per node: the same losses and weights.
-    Documents over 3K tokens on ranks of capacity 1K span both nodes."""
+@pytest.mark.parametrize("exchange", ["node", "ulysses"])
+def test_exchanges_on_virtual_nodes_equal_one_process(tmp_path, exchange):
+    """4 ranks as 2 virtual nodes of 2, K/V fetched once per node or split sequences attending
+    head-parallel (tiny's 4 heads, one a rank): the same losses and weights. Documents over 3K
+    tokens on ranks of capacity 1K span both nodes."""
     argv = [
         *("--model", "tiny", "--workload", "wlb-128k", "--tokens-per-step", "4K"),
         *("--max-seq", "4K", "--synthetic-docs", "50", "--steps", "3", "--lr", "1e-3"),
-        *("--kv-exchange", "node", "--gpus-per-node", "2"),
+        *("--kv-exchange", exchange, "--gpus-per-node", "2"),
     ]
     run_single(argv + ["--metrics", str(tmp_path / "one.jsonl")], tmp_path / "one.pt", tmp_path)
     four = argv + ["--capacity", "1024", "--metrics", str(tmp_path / "four.jsonl")]
     run_ranks(_train, 4, four, str(tmp_path / "four.pt"))
     rows = [json.loads(line) for line in (tmp_path / "four.jsonl").read_text().splitlines()]
-    assert all(r["kv_exchange"] == "node" for r in rows)
+    assert all(r["kv_exchange"] == exchange for r in rows)
     assert any(r["predicted_nic_bytes"] > 0 for r in rows)  # K/V crossed the virtual nodes
     one, four = losses(tmp_path / "one.jsonl"), losses(tmp_path / "four.jsonl")
     assert len(one) == len(four) == 3

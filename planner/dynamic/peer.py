@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..common import Context, PlanningError, block_split
+from ..common import Context, PlanningError
 from .candidates import Assignment, Candidate, pick_members
 
 
@@ -44,7 +44,7 @@ def place_peer(
     gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job k) before job k on rank
     for k, i in enumerate(multi.tolist()):
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
-        if block_split(L, d, off_cap).most_tokens > off_cap:
+        if ctx.split(L, d).most_tokens > off_cap:
             raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
         members = pick_members(rank_load, d, rpn, np.ones(n, dtype=bool))
         start = float(rank_load[members].max())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..common import Context, PlanBuilder, block_split
+from ..common import Context, PlanBuilder
 from .candidates import Candidate, Placement, jobs_and_singles
 from .options import DynamicOptions
 from .peer import peer_levels, place_peer
@@ -43,7 +43,7 @@ def place(ctx: Context, num_waves: int, cand: Candidate, options: DynamicOptions
         )
     builder = PlanBuilder(ctx, "hdp")
     if multi.size:
-        aligns = [block_split(int(lens[i]), int(cand.degree[i]), ctx.offload_capacity).align
+        aligns = [ctx.split(int(lens[i]), int(cand.degree[i])).align
                   for i in multi.tolist()]  # fmt: skip
         builder.add_zigzag(
             multi, job_wave, assignment.job_members, align=np.array(aligns, np.int64)

@@ -17,7 +17,9 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
+6. *Head groups* (``ulysses`` exchange, :func:`head_group_candidate`): every sequence long
+   enough on as many ranks as there are heads.
+7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price: the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
@@ -27,7 +29,8 @@ this order:
    sequence saves work (the CPU's reference attention), or a micro-batch's fixed cost on few ranks
    (a one-token sequence that opens a wave of its own costs the dense layers' whole weight traffic).
    Past those sizes a baseline's plan costs more to price than the search and is far from the best
-   plan.
+   plan. In ``ulysses`` exchange the rivals are those whose groups split heads: FlexSP's and the
+   DeepSpeed-Ulysses mesh.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -57,6 +60,7 @@ from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
 from ..flexsp import plan_flexsp
 from ..hybridcp import plan_hybridcp
+from ..splits import head_split_times
 from ..static import plan_static
 from . import milp
 from .candidates import Candidate, num_waves_for
@@ -66,7 +70,7 @@ from .place import place
 from .shelves import shelf_candidates
 from .wave import rebalance_wave
 
-# The baselines' plans priced beside hdp's candidates (family 6), where they are this small.
+# The baselines' plans priced beside hdp's candidates (family 7), where they are this small.
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
 FLEXSP_RIVAL_RANKS = 8
@@ -164,7 +168,8 @@ class CandidateSearch:
 
 
 def check_fits(ctx: Context) -> None:
-    """Raise PlanningError when the longest sequence cannot be held by all ranks together."""
+    """Raise PlanningError when the longest sequence cannot be held by all ranks together (in
+    ``ulysses`` exchange: by as many ranks as the model has heads)."""
     longest = int(ctx.seq_lens.max(initial=0))
     off_cap = ctx.offload_capacity
     if longest > off_cap * ctx.num_ranks:
@@ -172,6 +177,14 @@ def check_fits(ctx: Context) -> None:
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
             f"{off_cap} tokens each (with activation offload), but the cluster has "
             f"{ctx.num_ranks}; use more GPUs or a smaller --max-seq"
+        )
+    m = ctx.cost.model
+    most = min(ctx.num_ranks, m.heads)
+    if ctx.cost.kv_exchange == "ulysses" and longest > off_cap * most:
+        raise PlanningError(
+            f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
+            f"{off_cap} tokens each, but a head-parallel group has at most {most} ({m.name} has "
+            f"{m.heads} heads); use --kv-exchange rank or node, or a smaller --max-seq"
         )
 
 
@@ -213,6 +226,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
+    if ctx.cost.kv_exchange == "ulysses":
+        search.place(head_group_candidate(ctx), prune_at=search.best_s)
     if search.best_s > bound_s * (1 + 1e-9):  # at the bound no baseline can be faster
         for name, rival in rival_plans(ctx):
             search.consider(name, rival)
@@ -223,9 +238,21 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
+def head_group_candidate(ctx: Context) -> Candidate:
+    """Head-parallel plans: every sequence of at least ``G`` tokens on ``G`` ranks, ``G`` the
+    ranks or the heads, whichever fewer. A head-parallel member's attention is ``1 / G`` of the
+    sequence's wherever its tokens lie, so such a group is balanced at any length; the whole
+    batch spread so keeps every rank under its capacity where the relaxation's packing of short
+    sequences beside a long one's shares would not."""
+    g = min(ctx.num_ranks, ctx.cost.model.heads)
+    degree = np.where(ctx.seq_lens >= g, g, 1)
+    split = head_split_times(ctx.cost, ctx.seq_lens, degree, ctx.sync)[0]
+    return Candidate(degree, np.where(degree > 1, split, ctx.whole_s))
+
+
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     """(name, plan) of each baseline whose plan of this step is cheap to make and price
-    (family 6); a baseline that cannot plan the step is left out."""
+    (family 7); a baseline that cannot plan the step is left out."""
     n = ctx.num_ranks
     makers: list[tuple[str, Callable[[Context], Plan]]] = []
     cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
@@ -236,6 +263,9 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
     if n <= FLEXSP_RIVAL_RANKS:
         makers.append(("flexsp", plan_flexsp))
+    if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
+        mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
+        makers = [mesh if k == "static" else (k, f) for k, f in makers if k in ("static", "flexsp")]
     own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run, where it may
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))

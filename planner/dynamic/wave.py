@@ -16,7 +16,7 @@ import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanBuilder, block_split
+from ..common import Context, PlanBuilder
 from .candidates import Assignment, Candidate, pick_members
 
 
@@ -111,7 +111,7 @@ def place_wave_jobs(
     layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
-        per_rank = block_split(L, d, off_cap).most_tokens
+        per_rank = ctx.split(L, d).most_tokens
         best = None
         for w in range(layer.load.shape[0] + 1):
             if w == layer.load.shape[0]:
