@@ -17,8 +17,8 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *Head groups* (``ulysses`` exchange, :func:`head_group_candidate`): every sequence long
-   enough on as many ranks as there are heads.
+6. *Head groups* (``ulysses`` exchange, :mod:`.heads`): the ranks cut into groups of at most one
+   rank a head (a few group counts), each sequence long enough split over one, stacked in waves.
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price: the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
@@ -60,10 +60,10 @@ from ..common import Context, PlanningError, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
 from ..flexsp import plan_flexsp
 from ..hybridcp import plan_hybridcp
-from ..splits import head_split_times
 from ..static import plan_static
 from . import milp
 from .candidates import Candidate, num_waves_for
+from .heads import head_group_counts, head_group_plan
 from .megatron import plan_megatron_form
 from .options import DynamicOptions
 from .place import place
@@ -227,7 +227,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
     if ctx.cost.kv_exchange == "ulysses":
-        search.place(head_group_candidate(ctx), prune_at=search.best_s)
+        for groups in head_group_counts(ctx):
+            search.consider("head_groups", head_group_plan(ctx, groups))
     if search.best_s > bound_s * (1 + 1e-9):  # at the bound no baseline can be faster
         for name, rival in rival_plans(ctx):
             search.consider(name, rival)
@@ -236,18 +237,6 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
-
-
-def head_group_candidate(ctx: Context) -> Candidate:
-    """Head-parallel plans: every sequence of at least ``G`` tokens on ``G`` ranks, ``G`` the
-    ranks or the heads, whichever fewer. A head-parallel member's attention is ``1 / G`` of the
-    sequence's wherever its tokens lie, so such a group is balanced at any length; the whole
-    batch spread so keeps every rank under its capacity where the relaxation's packing of short
-    sequences beside a long one's shares would not."""
-    g = min(ctx.num_ranks, ctx.cost.model.heads)
-    degree = np.where(ctx.seq_lens >= g, g, 1)
-    split = head_split_times(ctx.cost, ctx.seq_lens, degree, ctx.sync)[0]
-    return Candidate(degree, np.where(degree > 1, split, ctx.whole_s))
 
 
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
