@@ -100,6 +100,7 @@ def plan_and_evaluate(
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     plan, report = _plan_once(strategy, ctx, options, validate)
+    t0 = time.perf_counter()
     if (
         exchange == "auto"
         and plan.kv_exchange != "ulysses"
@@ -107,7 +108,7 @@ def plan_and_evaluate(
     ):
         heads = replace(ctx, cost=cost.with_exchange("ulysses"))
         other, other_report = _plan_once(strategy, heads, options, validate)
-        spent = report.plan_time_s + other_report.plan_time_s
+        spent = report.plan_time_s + time.perf_counter() - t0
         # Menus price P2P bytes in their exchange: the lesser bound holds for both plans.
         bound = min(plan.predicted["bound_s"], other.predicted["bound_s"])
         if other_report.step_time_s < report.step_time_s:
@@ -195,10 +196,10 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
 
 def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
     """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside the P2P
-    plan: where one of the longest sequences is faster on a head-parallel group than on any
-    zigzag group of a power-of-two or head-count size in ``cost``'s exchange, the one the P2P
-    plan runs in (a quick look, not a proof: the planner then prices both plans). With many
-    heads the all-to-alls move less than a ring does."""
+    plan: where one of the longest sequences is faster, or covers less area, on a head-parallel
+    group than on any zigzag group of a power-of-two or head-count size in ``cost``'s exchange,
+    the one the P2P plan runs in (a quick look, not a proof: the planner then prices both
+    plans). With many heads the all-to-alls move less than a ring does."""
     n, top = cost.cluster.num_ranks, min(cost.cluster.num_ranks, cost.model.heads)
     room = max(cost.offload_capacity(sync), capacity)
     if top < 2 or seq_lens.size == 0 or int(seq_lens.max()) > room * top:
@@ -208,9 +209,9 @@ def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: in
     by_ring = by_ring[by_ring <= n]
     heads = cost.with_exchange("ulysses")
     for length in np.unique(seq_lens)[-HEAD_CHECKED_LENGTHS:].tolist():
-        split = head_split_times(heads, np.full(by_heads.size, length), by_heads, sync)[0]
-        ring = split_times(cost, np.full(by_ring.size, length), by_ring, sync)[0]
-        if np.isfinite(split).any() and split.min() < ring.min():
+        split = head_split_times(heads, np.full(by_heads.size, length), by_heads, sync)[:2]
+        ring = split_times(cost, np.full(by_ring.size, length), by_ring, sync)[:2]
+        if any(np.isfinite(h).any() and h.min() < r.min() for h, r in zip(split, ring)):
             return True
     return False
 

@@ -29,8 +29,10 @@ this order:
    sequence saves work (the CPU's reference attention), or a micro-batch's fixed cost on few ranks
    (a one-token sequence that opens a wave of its own costs the dense layers' whole weight traffic).
    Past those sizes a baseline's plan costs more to price than the search and is far from the best
-   plan. In ``ulysses`` exchange the rivals are those whose groups split heads: FlexSP's and the
-   DeepSpeed-Ulysses mesh.
+   plan. In ``ulysses`` exchange the rivals are those whose groups split heads: FlexSP's (also up
+   to ``RIVAL_RANKS`` ranks where the batch has at most ``FLEXSP_RIVAL_SEQUENCES`` sequences: its
+   mixed group sizes can beat hdp's placement there, and its MILP is as cheap as hdp's search)
+   and the DeepSpeed-Ulysses mesh.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -74,6 +76,7 @@ from .wave import rebalance_wave
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
 FLEXSP_RIVAL_RANKS = 8
+FLEXSP_RIVAL_SEQUENCES = 16  # in ``ulysses`` exchange, FlexSP's MILP is cheap on so few
 
 NATIVE_SYNC = "peer"
 
@@ -250,7 +253,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    if n <= FLEXSP_RIVAL_RANKS:
+    few = ctx.cost.kv_exchange == "ulysses" and ctx.seq_lens.size <= FLEXSP_RIVAL_SEQUENCES
+    if n <= FLEXSP_RIVAL_RANKS or (few and n <= RIVAL_RANKS):
         makers.append(("flexsp", plan_flexsp))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
         mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
