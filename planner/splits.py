@@ -76,17 +76,8 @@ def split_times(
         np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
     )
     exposed = np.where(d > 1, exposed, 0.0)
-    fraction = np.where(
-        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
-    )
-    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
-    busy = compute + exposed + offload
-    busy = np.where(fraction <= 1.0, busy, np.inf)  # cannot hold it even with offload
     n = lengths.size
-    height = np.full(n, -np.inf)
-    np.maximum.at(height, rep, busy)
-    most = np.zeros(n, dtype=np.int64)
-    np.maximum.at(most, rep, held)
+    busy, height, most = _jobs(cost, sync, n, rep, held, compute, exposed)
     if sync == "peer" and latency:
         area = parts * height  # the members start together and wait for the slowest
     else:
@@ -97,6 +88,24 @@ def split_times(
         packed = m.layers * attn_layer + held * per_token
         area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
     return height, area, most
+
+
+def _jobs(
+    cost: CostModel, sync: str, n: int, rep, held, compute, exposed
+) -> tuple[np.ndarray, ...]:
+    """Each member's busy time (its compute, exposed traffic and the part of its offload copy
+    compute does not hide; inf where it cannot hold its share even with offload), and per job of
+    ``n`` its slowest member's busy time and the most tokens a member holds."""
+    fraction = np.where(
+        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
+    )
+    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
+    busy = np.where(fraction <= 1.0, compute + exposed + offload, np.inf)
+    height = np.full(n, -np.inf)
+    np.maximum.at(height, rep, busy)
+    most = np.zeros(n, dtype=np.int64)
+    np.maximum.at(most, rep, held)
+    return busy, height, most
 
 
 class _ZigzagLinks(NamedTuple):
@@ -154,16 +163,8 @@ def head_split_times(
     compute = m.layers * whole / d + cost.dense_time(held)
     ckpt = cost.activation_checkpointing
     comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
-    fraction = np.where(
-        held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
-    )
-    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
-    busy = np.where(fraction <= 1.0, compute + comm + offload, np.inf)
     n = lengths.size
-    height = np.full(n, -np.inf)
-    np.maximum.at(height, rep, busy)
-    most = np.zeros(n, dtype=np.int64)
-    np.maximum.at(most, rep, held)
+    busy, height, most = _jobs(cost, sync, n, rep, held, compute, comm)
     if sync == "peer":
         area = parts * height
     else:  # (split_times' reasons) dense at the best speed; the all-to-alls hide nowhere

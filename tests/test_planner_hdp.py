@@ -19,17 +19,19 @@ from planner.dynamic import DynamicOptions, candidate_heights, milp
 from planner.dynamic.candidates import num_waves_for
 from planner.dynamic.place import place
 from planner.dynamic.shelves import shelf_candidates
+from planner.splits import head_split_times
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
-@pytest.mark.parametrize("exchange", ["rank", "node"])
+@pytest.mark.parametrize("exchange", ["rank", "node", "ulysses"])
 def test_split_times_match_the_cost_model(model, rpn, exchange):
     cluster = ClusterSpec.preset("h100", 64, rpn)
     cost = CostModel(model_preset(model), cluster, kv_exchange=exchange)
+    times = head_split_times if exchange == "ulysses" else split_times
     for L in [1000, 70001, 300000, 1_239_470]:
         for d in [2, 3, 5, 8, 9, 16, 31, 64]:
             for align in [1, 128]:
-                h, area, most = split_times(cost, np.array([L]), np.array([d]), "peer", align)
+                h, area, most = times(cost, np.array([L]), np.array([d]), "peer", align)
                 rank, seq, start, end = zigzag_arrays(
                     np.array([0]),
                     np.array([L]),
