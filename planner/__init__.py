@@ -48,6 +48,10 @@ from .splits import head_split_times, split_times
 from .strategies import STRATEGIES, Strategy, get_strategy
 
 HEAD_CHECKED_LENGTHS = 4  # longest distinct lengths :func:`heads_may_win` prices
+# ``auto``: a P2P plan this close to its bound, which covers head-parallel plans too, is kept
+# without planning head-parallel groups (they could gain at most this share).
+HEAD_GAP = 0.02
+HEADS_ALWAYS_RANKS = 32  # ``auto``: up to this many ranks, head groups are planned past the gap
 _PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange", "cost")
 
 
@@ -104,7 +108,12 @@ def plan_and_evaluate(
     if (
         exchange == "auto"
         and plan.kv_exchange != "ulysses"
-        and heads_may_win(cost.with_exchange(plan.kv_exchange), lens, sync, cap)
+        and report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
+        and heads_hold(cost, lens, sync, cap)
+        and (
+            cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS
+            or heads_may_win(cost.with_exchange(plan.kv_exchange), lens, sync, cap)
+        )
     ):
         heads = replace(ctx, cost=cost.with_exchange("ulysses"))
         other, other_report = _plan_once(strategy, heads, options, validate)
@@ -194,6 +203,13 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
     return fastest > 0.5 * menu_floor(packed, n)
 
 
+def heads_hold(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
+    """Whether head-parallel groups, of at most one rank a head, can hold the longest sequence."""
+    top = min(cost.cluster.num_ranks, cost.model.heads)
+    room = max(cost.offload_capacity(sync), capacity)
+    return top >= 2 and seq_lens.size > 0 and int(seq_lens.max()) <= room * top
+
+
 def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
     """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside the P2P
     plan: where one of the longest sequences is faster, or covers less area, on a head-parallel
@@ -201,9 +217,6 @@ def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: in
     the one the P2P plan runs in (a quick look, not a proof: the planner then prices both
     plans). With many heads the all-to-alls move less than a ring does."""
     n, top = cost.cluster.num_ranks, min(cost.cluster.num_ranks, cost.model.heads)
-    room = max(cost.offload_capacity(sync), capacity)
-    if top < 2 or seq_lens.size == 0 or int(seq_lens.max()) > room * top:
-        return False
     by_heads = np.arange(2, top + 1)
     by_ring = np.unique(np.concatenate([by_heads, 2 ** np.arange(1, n.bit_length()), [n]]))
     by_ring = by_ring[by_ring <= n]

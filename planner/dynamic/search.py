@@ -32,7 +32,8 @@ this order:
    plan. In ``ulysses`` exchange the rivals are those whose groups split heads: FlexSP's (also up
    to ``RIVAL_RANKS`` ranks where the batch has at most ``FLEXSP_RIVAL_SEQUENCES`` sequences: its
    mixed group sizes can beat hdp's placement there, and its MILP is as cheap as hdp's search)
-   and the DeepSpeed-Ulysses mesh.
+   and the DeepSpeed-Ulysses mesh; under ``auto`` a P2P search up to ``FLEXSP_RIVAL_RANKS``
+   prices those two head-parallel plans too, as their systems run them.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -262,9 +263,14 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run, where it may
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
-    for name, make in makers:
+    runs = [(name, make, own) for name, make in makers]
+    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and n <= FLEXSP_RIVAL_RANKS:
+        heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
+        runs.append(("flexsp", plan_flexsp, heads))
+        runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
+    for name, make, where in runs:
         try:
-            plan = make(own)
+            plan = make(where)
         except PlanningError:  # its layout does not fit this step: nothing to compare
             continue
         yield name, plan
