@@ -320,10 +320,12 @@ def test_repeated_runs_are_bitwise_identical(tmp_path):
     run_ranks(deterministic_rank, 2, spread_everywhere(2, 500, 32).to_json(), str(tmp_path))
 
 
-def test_single_process_without_distributed():
+@pytest.mark.parametrize("exchange", ["rank", "ulysses"])
+def test_single_process_without_distributed(exchange):
     from attention import dist_attn
 
-    plan = Plan.from_shards([40, 9], 1, [[[(1, 0, 9), (0, 0, 25), (0, 25, 40)]]])
+    cells = [[[(1, 0, 9), (0, 0, 25), (0, 25, 40)]]]
+    plan = Plan.from_shards([40, 9], 1, cells, kv_exchange=exchange)
     seqs = global_tensors(plan, 2, 1, 4, torch.float64, 0)
     ref = reference(seqs, 2, 1, 0.5)
     q, k, v, do = (
@@ -374,11 +376,15 @@ def test_bad_inputs_are_clear():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_on_cuda_single_rank():
+@pytest.mark.parametrize("exchange", ["rank", "ulysses"])
+def test_bf16_on_cuda_single_rank(exchange):
     from attention import dist_attn
 
     plan = Plan.from_shards(
-        [3000, 129, 1], 1, [[[(1, 0, 129), (0, 0, 1000), (2, 0, 1), (0, 1000, 3000)]]]
+        [3000, 129, 1],
+        1,
+        [[[(1, 0, 129), (0, 0, 1000), (2, 0, 1), (0, 1000, 3000)]]],
+        kv_exchange=exchange,
     )
     seqs = global_tensors(plan, 8, 2, 64, torch.float64, 0)
     ref = reference(seqs, 8, 2, 0.125)
