@@ -71,8 +71,9 @@ class Plan:
         predicted: the planner's predictions (step time, bound, ...), free-form floats.
         strategy: name of the strategy that produced the plan, if any.
         capacity: tokens per rank per wave the planner was given, if any.
-        kv_exchange: ``"rank"`` (each rank fetches the K/V it lacks) or ``"node"`` (once per
-            node, forwarded over NVLink; :mod:`hdp.exchange`).
+        kv_exchange: ``"rank"`` (each rank fetches the K/V it lacks), ``"node"`` (once per
+            node, forwarded over NVLink; :mod:`hdp.exchange`) or ``"ulysses"`` (the ranks of a
+            split sequence split its heads and exchange by all-to-all: at most one a head).
         ranks_per_node: ranks per node, ``[k * n, (k + 1) * n)`` forming node ``k``; required
             by ``node`` exchange.
     """
