@@ -115,13 +115,14 @@ def plan_and_evaluate(
             or heads_may_win(cost.with_exchange(plan.kv_exchange), lens, sync, cap)
         )
     ):
-        heads = replace(ctx, cost=cost.with_exchange("ulysses"))
+        ulysses = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
+        heads = replace(ctx, cost=ulysses, capacity=ulysses.capacity(sync))
         other, other_report = _plan_once(strategy, heads, options, validate)
         spent = report.plan_time_s + time.perf_counter() - t0
         # Menus price P2P bytes in their exchange: the lesser bound holds for both plans.
         bound = min(plan.predicted["bound_s"], other.predicted["bound_s"])
         if other_report.step_time_s < report.step_time_s:
-            plan, report = other, other_report
+            plan, report, cap = other, other_report, heads.capacity
         plan.predicted["bound_s"] = bound
         report = replace(report, plan_time_s=spent)
     plan.predicted.update(report.summary())

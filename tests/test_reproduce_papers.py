@@ -102,3 +102,26 @@ def test_flexsps_megatron_row_is_within_the_goal():
     base, _ = papers.baseline_step(row, steps=12, seed=0, progress=lambda m: None)
     system = papers.mean_step(row, row.system, (1, None), 12, 0, lambda m: None)
     assert abs(papers.error(base / system, row.published)) <= papers.TOLERANCE, base / system
+
+
+def test_a_head_parallel_plan_keeps_its_own_capacity():
+    """FlexSP's setting (GPT-7B, no activation checkpointing, 64 A100-40GB), its third released
+    batch: hdp's head-parallel plan, planned beside its P2P one, once filled ranks to the
+    Ulysses capacity but was checked against the P2P one."""
+    from hdp import model_preset
+    from hdp.specs import gpu_preset
+    from planner import plan_step
+
+    row = papers.ROWS[8]
+    model = row.model if not isinstance(row.model, str) else model_preset(row.model)
+    gpu = gpu_preset(row.gpu) if isinstance(row.gpu, str) else row.gpu
+    pricing = StepPricing.build(
+        model,
+        ClusterSpec(row.gpus, 8, gpu),
+        capacity=row.capacity,
+        activation_checkpointing=row.checkpointing,
+    )
+    batch = papers.trace_batches(row, 3)[2]
+    plan = plan_step(batch, pricing, "hdp", max_seq=row.max_seq)  # validates the plan
+    assert plan.kv_exchange == "ulysses"
+    assert plan.tokens_per_cell().max() <= plan.predicted["capacity"]
