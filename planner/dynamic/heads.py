@@ -39,9 +39,10 @@ def head_group_counts(ctx: Context) -> list[int]:
     return counts
 
 
-def head_group_plan(ctx: Context, groups: int) -> Plan:
+def head_group_plan(ctx: Context, groups: int) -> Plan | None:
     """Every sequence of at least ``G`` tokens split over one of ``groups`` groups of
-    ``G = N // groups`` ranks, in exact shares (module docstring)."""
+    ``G = N // groups`` ranks, in exact shares (module docstring); ``None`` where a rank would
+    hold more than it can even with offload."""
     n = ctx.num_ranks
     g = n // groups
     lens = ctx.seq_lens
@@ -61,7 +62,7 @@ def head_group_plan(ctx: Context, groups: int) -> Plan:
         L = int(lens[i])
         if L == 0:
             continue
-        share = np.full(g, -(-L // g)) if split[i] else np.zeros(g, dtype=np.int64)
+        share = np.full(g, ctx.split(L, g).most_tokens if split[i] else 0, dtype=np.int64)
         if not split[i]:
             share[int(np.argmin(wave_tokens[k][0])) if wave_tokens[k] else 0] = L
         w = _first_fit(wave_tokens[k], share, ctx.capacity)
@@ -74,7 +75,8 @@ def head_group_plan(ctx: Context, groups: int) -> Plan:
     if seq_ids:
         builder.add_zigzag(seq_ids, waves, members, align=1)
     builder.offload_where_needed()
-    return builder.build()
+    plan = builder.build()
+    return plan if plan.tokens_per_cell().max(initial=0) <= ctx.offload_capacity else None
 
 
 def _first_fit(waves: list[np.ndarray], share: np.ndarray, capacity: int) -> int:

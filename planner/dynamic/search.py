@@ -232,7 +232,9 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         search.polish_wave()
     if ctx.cost.kv_exchange == "ulysses":
         for groups in head_group_counts(ctx):
-            search.consider("head_groups", head_group_plan(ctx, groups))
+            plan = head_group_plan(ctx, groups)
+            if plan is not None:
+                search.consider("head_groups", plan)
     if search.best_s > bound_s * (1 + 1e-9):  # at the bound no baseline can be faster
         for name, rival in rival_plans(ctx):
             search.consider(name, rival)
