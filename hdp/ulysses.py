@@ -28,6 +28,12 @@ def max_degree(model: ModelSpec) -> int:
     return model.heads & -model.heads
 
 
+def most_members(model: ModelSpec, num_ranks: int) -> int:
+    """The most ranks of ``num_ranks`` one head-parallel group may have: one a query head, as
+    ``dist_attn`` splits them (FlexSP's groups are powers of two too: :func:`max_degree`)."""
+    return min(num_ranks, model.heads)
+
+
 @dataclass(frozen=True)
 class UlyssesLinks:
     """Per member of each group, bytes one layer's training moves, by link."""

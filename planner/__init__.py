@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport
+from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
 from .degrees import length_menu, menu_floor, packed_time
@@ -115,8 +115,8 @@ def plan_and_evaluate(
             or heads_may_win(cost.with_exchange(plan.kv_exchange), lens, sync, cap)
         )
     ):
-        ulysses = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
-        heads = replace(ctx, cost=ulysses, capacity=ulysses.capacity(sync))
+        by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
+        heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync))
         other, other_report = _plan_once(strategy, heads, options, validate)
         spent = report.plan_time_s + time.perf_counter() - t0
         # Menus price P2P bytes in their exchange: the lesser bound holds for both plans.
@@ -206,7 +206,7 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
 
 def heads_hold(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
     """Whether head-parallel groups, of at most one rank a head, can hold the longest sequence."""
-    top = min(cost.cluster.num_ranks, cost.model.heads)
+    top = ulysses.most_members(cost.model, cost.cluster.num_ranks)
     room = max(cost.offload_capacity(sync), capacity)
     return top >= 2 and seq_lens.size > 0 and int(seq_lens.max()) <= room * top
 
@@ -217,7 +217,8 @@ def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: in
     group than on any zigzag group of a power-of-two or head-count size in ``cost``'s exchange,
     the one the P2P plan runs in (a quick look, not a proof: the planner then prices both
     plans). With many heads the all-to-alls move less than a ring does."""
-    n, top = cost.cluster.num_ranks, min(cost.cluster.num_ranks, cost.model.heads)
+    n = cost.cluster.num_ranks
+    top = ulysses.most_members(cost.model, n)
     by_heads = np.arange(2, top + 1)
     by_ring = np.unique(np.concatenate([by_heads, 2 ** np.arange(1, n.bit_length()), [n]]))
     by_ring = by_ring[by_ring <= n]

@@ -180,7 +180,7 @@ def menu_pricing(cost: CostModel, pow2: bool) -> tuple[Callable, int, bool]:
     head in exact shares (:meth:`planner.common.Context.split`), else zigzag P2P (``pow2``, the
     Megatron form, always: exact shares)."""
     if cost.kv_exchange == "ulysses" and not pow2:
-        return head_split_times, min(cost.cluster.num_ranks, cost.model.heads), False
+        return head_split_times, ulysses.most_members(cost.model, cost.cluster.num_ranks), False
     return split_times, cost.cluster.num_ranks, not pow2
 
 
@@ -189,7 +189,8 @@ def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray
     it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`planner.degrees`)."""
     m, n = cost.model, cost.cluster.num_ranks
     off_cap = cost.offload_capacity(sync)
-    g = np.arange(max(2, -(-length // max(off_cap, 1))), min(n, m.heads) + 1, dtype=np.float64)
+    least = max(2, -(-length // max(off_cap, 1)))
+    g = np.arange(least, ulysses.most_members(m, n) + 1, dtype=np.float64)
     if g.size == 0:
         return np.zeros(0), np.zeros(0)
     links = ulysses.links(m, cost.cluster, length, g, cost.activation_checkpointing)

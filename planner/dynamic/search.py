@@ -56,7 +56,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from hdp import Plan
+from hdp import Plan, ulysses
 
 from ..bytescale import plan_bytescale
 from ..common import Context, PlanningError, next_pow2
@@ -183,7 +183,7 @@ def check_fits(ctx: Context) -> None:
             f"{ctx.num_ranks}; use more GPUs or a smaller --max-seq"
         )
     m = ctx.cost.model
-    most = min(ctx.num_ranks, m.heads)
+    most = ulysses.most_members(m, ctx.num_ranks)
     if ctx.cost.kv_exchange == "ulysses" and longest > off_cap * most:
         raise PlanningError(
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
