@@ -49,5 +49,7 @@ class DynamicOptions:
     # The MILP: ``None`` where it fits the time budget, else forced on or off.
     use_ilp: bool | None = None
     ilp_time_limit_s: float = 2.0
+    # Family 7: the baselines' plans priced beside hdp's own (off: what hdp's search finds).
+    rivals: bool = True
     # Called with every candidate placed and its placement (tests observe the search with it).
     on_place: Callable[[Any, Any], None] | None = None

@@ -17,23 +17,26 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *Head groups* (``ulysses`` exchange, :mod:`.heads`): the ranks cut into groups of at most one
-   rank a head (a few group counts), each sequence long enough split over one, stacked in waves.
+6. *Equal groups* (:mod:`.groups`): the ranks cut into groups of one size (a few sizes), each
+   sequence long enough split over one, the groups' sequences stacked into shared waves. In
+   ``ulysses`` exchange always (head-parallel groups of at most one rank a head); in a P2P
+   exchange for batches of at most ``FEW_SEQUENCES`` sequences on at most ``RIVAL_RANKS`` ranks,
+   where the relaxation's degrees may not fit side by side.
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price: the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
-   FlexSP's up to ``FLEXSP_RIVAL_RANKS`` (its MILP alone takes up to 6 times hdp's whole search
-   there); none where hdp's plan already meets its bound. hdp must never plan slower than a system
-   it replaces, and the relaxation misses what such plans exploit: a profile where splitting every
-   sequence saves work (the CPU's reference attention), or a micro-batch's fixed cost on few ranks
-   (a one-token sequence that opens a wave of its own costs the dense layers' whole weight traffic).
-   Past those sizes a baseline's plan costs more to price than the search and is far from the best
-   plan. In ``ulysses`` exchange the rivals are those whose groups split heads: FlexSP's (also up
-   to ``RIVAL_RANKS`` ranks where the batch has at most ``FLEXSP_RIVAL_SEQUENCES`` sequences: its
-   mixed group sizes can beat hdp's placement there, and its MILP is as cheap as hdp's search)
-   and the DeepSpeed-Ulysses mesh; under ``auto`` a P2P search up to ``FLEXSP_RIVAL_RANKS``
-   prices those two head-parallel plans too, as their systems run them.
+   FlexSP's up to ``FLEXSP_RIVAL_RANKS``, or up to ``RIVAL_RANKS`` for batches of at most
+   ``FEW_SEQUENCES`` sequences (past those its MILP alone takes up to 6 times hdp's whole
+   search); none where hdp's plan already meets its bound. hdp must never plan slower than a
+   system it replaces, and the relaxation misses what such plans exploit: a profile where
+   splitting every sequence saves work (the CPU's reference attention), mixed group sizes, or a
+   micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own costs
+   the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more to
+   price than the search and is far from the best plan. In ``ulysses`` exchange the rivals are
+   those whose groups split heads: FlexSP's and the DeepSpeed-Ulysses mesh; under ``auto`` a P2P
+   search prices those two head-parallel plans too, as their systems run them, where it prices
+   FlexSP's.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -66,7 +69,7 @@ from ..hybridcp import plan_hybridcp
 from ..static import plan_static
 from . import milp
 from .candidates import Candidate, num_waves_for
-from .heads import head_group_counts, head_group_plan
+from .groups import group_counts, group_plan, group_splits
 from .megatron import plan_megatron_form
 from .options import DynamicOptions
 from .place import place
@@ -77,7 +80,10 @@ from .wave import rebalance_wave
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
 FLEXSP_RIVAL_RANKS = 8
-FLEXSP_RIVAL_SEQUENCES = 16  # in ``ulysses`` exchange, FlexSP's MILP is cheap on so few
+# Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) also get FlexSP's
+# plan and, in a P2P exchange, equal-group plans: FlexSP's MILP is as cheap as hdp's search on
+# so few, and with few sequences a batch's degrees may leave gaps the placer cannot fill.
+FEW_SEQUENCES = 64
 
 NATIVE_SYNC = "peer"
 
@@ -230,12 +236,14 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
-    if ctx.cost.kv_exchange == "ulysses":
-        for groups in head_group_counts(ctx):
-            plan = head_group_plan(ctx, groups)
-            if plan is not None:
-                search.consider("head_groups", plan)
-    if search.best_s > bound_s * (1 + 1e-9):  # at the bound no baseline can be faster
+    few = ctx.seq_lens.size <= FEW_SEQUENCES and ctx.num_ranks <= RIVAL_RANKS
+    if ctx.cost.kv_exchange == "ulysses" or few:
+        for groups in group_counts(ctx):
+            for split, exact in group_splits(ctx, ctx.num_ranks // groups):
+                plan = group_plan(ctx, groups, split, exact)
+                if plan is not None:
+                    search.consider("groups", plan)
+    if options.rivals and search.best_s > bound_s * (1 + 1e-9):  # none beats the bound
         for name, rival in rival_plans(ctx):
             search.consider(name, rival)
     plan = search.best_plan
@@ -256,8 +264,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    few = ctx.cost.kv_exchange == "ulysses" and ctx.seq_lens.size <= FLEXSP_RIVAL_SEQUENCES
-    if n <= FLEXSP_RIVAL_RANKS or (few and n <= RIVAL_RANKS):
+    few = n <= FLEXSP_RIVAL_RANKS or (ctx.seq_lens.size <= FEW_SEQUENCES and n <= RIVAL_RANKS)
+    if few:
         makers.append(("flexsp", plan_flexsp))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
         mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
@@ -266,10 +274,11 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
     runs = [(name, make, own) for name, make in makers]
-    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and n <= FLEXSP_RIVAL_RANKS:
+    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and few:
         heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
-        runs.append(("flexsp", plan_flexsp, heads))
         runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
+        if n <= FLEXSP_RIVAL_RANKS:  # (past that, planning in ``ulysses`` prices it if needed)
+            runs.append(("flexsp", plan_flexsp, heads))
     for name, make, where in runs:
         try:
             plan = make(where)
