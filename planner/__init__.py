@@ -110,10 +110,7 @@ def plan_and_evaluate(
         and cost.kv_exchange != "ulysses"  # (its plan may be a head-parallel rival's)
         and report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
         and heads_hold(cost, lens, sync, cap)
-        and (
-            cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS
-            or heads_may_win(cost, lens, sync, cap)
-        )
+        and (cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS or heads_may_win(cost, lens, sync, cap))
     ):
         by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
         heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync))

@@ -34,9 +34,10 @@ this order:
    micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own costs
    the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more to
    price than the search and is far from the best plan. In ``ulysses`` exchange the rivals are
-   those whose groups split heads: FlexSP's and the DeepSpeed-Ulysses mesh; under ``auto`` a P2P
-   search prices those two head-parallel plans too, as their systems run them, where it prices
-   FlexSP's.
+   those whose groups split heads: FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P
+   search prices them too, as their systems run them: the mesh wherever it prices FlexSP's P2P
+   placement, FlexSP's own plan up to ``FLEXSP_RIVAL_RANKS`` (past that, the head-parallel
+   planning beside it prices it, where :func:`planner.heads_may_win` lets it run).
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -264,8 +265,10 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    few = n <= FLEXSP_RIVAL_RANKS or (ctx.seq_lens.size <= FEW_SEQUENCES and n <= RIVAL_RANKS)
-    if few:
+    flexsp_cheap = n <= FLEXSP_RIVAL_RANKS or (
+        ctx.seq_lens.size <= FEW_SEQUENCES and n <= RIVAL_RANKS
+    )
+    if flexsp_cheap:
         makers.append(("flexsp", plan_flexsp))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
         mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
@@ -274,7 +277,7 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
     runs = [(name, make, own) for name, make in makers]
-    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and few:
+    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and flexsp_cheap:
         heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
         runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
         if n <= FLEXSP_RIVAL_RANKS:  # (past that, planning in ``ulysses`` prices it if needed)
