@@ -1,13 +1,13 @@
 r"""Random search for batches where hdp's plan trails a baseline's, or a plan beats hdp's bound.
 
 Batches are drawn as ``tests/test_bounds.py`` draws them, only larger: one to three sequences of
-half to eight times the capacity and up to 40 shorter ones, on a random profile (cpu with the tiny
-model, h100 and a100-80g with llama-7b), cluster size, node size, capacity and sync mode. Every
-strategy plans each batch under the same pricing; ``flexsp-rank`` is FlexSP's placement run with
-the P2P exchange. A line is printed for every violation, then one summary.
+half to eight times the capacity and up to ``--shorts`` shorter ones, on a random profile (cpu
+with the tiny model, h100 and a100-80g with llama-7b), cluster size, node size, capacity and sync
+mode. Every strategy plans each batch under the same pricing; ``flexsp-rank`` is FlexSP's
+placement run with the P2P exchange. A line is printed for every violation, then one summary.
 
     python scripts/search_trails.py --batches 150 --seed 1
-    python scripts/search_trails.py --ranks 64,128 --profiles h100 --batches 40
+    python scripts/search_trails.py --ranks 64,128 --profiles h100 --batches 40 --shorts 300
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def draw(rng: np.random.Generator, args: argparse.Namespace) -> tuple[StepPricin
     cap = int(rng.choice([1024, 2048, 4096]))
     sync = str(rng.choice(["peer", "wave"]))
     longs = rng.integers(cap // 2, 8 * cap, int(rng.integers(1, 4)))
-    lens = np.concatenate([longs, rng.integers(1, cap, int(rng.integers(0, 41)))])
+    lens = np.concatenate([longs, rng.integers(1, cap, int(rng.integers(0, args.shorts + 1)))])
     cluster = ClusterSpec.preset(profile, n, per_node)
     pricing = StepPricing.build(model_preset(MODELS[profile]), cluster, capacity=cap, sync=sync)
     where = f"{profile} {n} ranks / {per_node} a node, capacity {cap}, {sync}"
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", default="12,16,24,32,64", help="cluster sizes to draw from")
     ap.add_argument("--profiles", default="cpu,h100,a100-80g", help="GPU profiles to draw from")
+    ap.add_argument("--shorts", type=int, default=40, help="most sequences under the capacity")
     args = ap.parse_args()
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.profiles = args.profiles.split(",")
