@@ -353,6 +353,9 @@ class GPUProfile:
     project's CI machine by ``hdp-calibrate measure --device cpu``. ``peak_flops`` serves MFU.
     ``activation_memory_scale`` is what a training step's activations measure over what the cost
     model counts for them on this device (``scripts/bench_fidelity.py metrics`` reports it).
+    ``alltoall_nic_share`` and ``alltoall_nvlink_share``: the share of ``nic_bw`` and
+    ``nvlink_bw`` a head-parallel all-to-all attains, where it was measured (every member sends
+    to every other at once, so it may move slower than a ring).
     """
 
     name: str
@@ -368,6 +371,8 @@ class GPUProfile:
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
     activation_memory_scale: float = 1.0
+    alltoall_nic_share: float = 1.0
+    alltoall_nvlink_share: float = 1.0
     attention_backend: str = "torch_flash"
     tables: KernelTables = field(default_factory=KernelTables)
     source: str = ""
@@ -390,6 +395,9 @@ class GPUProfile:
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
             ):
                 raise ProfileError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
+        for k in ("alltoall_nic_share", "alltoall_nvlink_share"):
+            if not 0 < kw.get(k, 1.0) <= 1:
+                raise ProfileError(f"{where}: {k} must be above 0 and at most 1, got {kw[k]!r}")
         tables = KernelTables.from_json(data.get("tables", {}), where)
         profile = cls(**kw, tables=tables)
         if profile.attention_backend not in tables.attention_backends:

@@ -10,7 +10,8 @@ projections and attention, so they are not hidden behind compute. Degrees above 
 have no heads to split (FlexSP's limit).
 
 Peers of one node exchange over NVLink, the others through the NIC; a member's time is the
-larger of the two byte counts over their bandwidths.
+larger of the two byte counts over their bandwidths, at the share of each an all-to-all attains
+where the profile has it measured (``GPUProfile.alltoall_nic_share``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .specs import ClusterSpec, ModelSpec
+from .specs import ClusterSpec, GPUProfile, ModelSpec
 
 
 def max_degree(model: ModelSpec) -> int:
@@ -66,6 +67,12 @@ def links(model: ModelSpec, cluster: ClusterSpec, length, degree, checkpointing)
     return UlyssesLinks(total * nic_share, total * (1 - nic_share))
 
 
+def link_seconds(gpu: GPUProfile, lk: UlyssesLinks) -> np.ndarray:
+    """Seconds the all-to-all bytes ``lk`` take on ``gpu``'s links, both at once (no latency)."""
+    nic = lk.nic_bytes / (gpu.nic_bw * gpu.alltoall_nic_share)
+    return np.maximum(nic, lk.nvlink_bytes / (gpu.nvlink_bw * gpu.alltoall_nvlink_share))
+
+
 def comm_time(model: ModelSpec, cluster: ClusterSpec, length, degree, checkpointing) -> np.ndarray:
     """One layer's training all-to-all time of one member, seconds (not overlapped)."""
     gpu = cluster.gpu
@@ -73,7 +80,7 @@ def comm_time(model: ModelSpec, cluster: ClusterSpec, length, degree, checkpoint
     g = np.asarray(degree, dtype=np.float64)
     lat = np.where(lk.nic_bytes > 0, gpu.nic_latency, gpu.nvlink_latency)
     calls = 6.0 if checkpointing else 4.0  # QKV and O forward [and again], dO and dQKV backward
-    t = np.maximum(lk.nic_bytes / gpu.nic_bw, lk.nvlink_bytes / gpu.nvlink_bw) + calls * lat
+    t = link_seconds(gpu, lk) + calls * lat
     return np.where(g > 1, t, 0.0)
 
 

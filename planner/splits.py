@@ -194,8 +194,7 @@ def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray
     if g.size == 0:
         return np.zeros(0), np.zeros(0)
     links = ulysses.links(m, cost.cluster, length, g, cost.activation_checkpointing)
-    gpu = cost.cluster.gpu
-    comm = np.maximum(links.nic_bytes / gpu.nic_bw, links.nvlink_bytes / gpu.nvlink_bw)
+    comm = ulysses.link_seconds(cost.cluster.gpu, links)
     attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0])
     per_token = cost.compute.least_dense_s_per_token(off_cap)
     height = m.layers * (attn / g + comm) + length / g * per_token

@@ -72,10 +72,17 @@ GPT_7B = ModelSpec(
 )
 # FlexSP's cluster (Section 6.1): 8 nodes of 8 A100-40GB, "interconnected by 400Gbps
 # InfiniBand": two 200 Gb/s NICs a node in its scripts (NCCL_IB_HCA), so 50 Gb/s per GPU where
-# the preset has 200; at the presets' 90% of the nominal rate. Its measured all-to-all (4.9 GB/s
-# per GPU at 64 ranks, 7/8 of it leaving the node: 4.3 GB/s on a NIC) is 76% of that.
+# the preset has 200; at the presets' 90% of the nominal rate. Its solver's all-to-all
+# bandwidths, measured on that cluster ("4k seq, 2 IB": 96.5 GB/s at 8 ranks, 4.87 at 64, each a
+# member's share of the tensor over the time), count the bytes a member sends as (g - 1) / g of
+# that: 84.4 GB/s on NVLink (35% of the preset's) and, 56 of 63 peers off the node, 4.26 GB/s
+# on a NIC (76%; 79% at 32 ranks, 92% at 16).
 FLEXSP_A100 = replace(
-    gpu_preset("a100-40g"), name="a100-40g-400gbps-node", nic_bw=0.9 * 400e9 / 8 / 8
+    gpu_preset("a100-40g"),
+    name="a100-40g-400gbps-node",
+    nic_bw=0.9 * 400e9 / 8 / 8,
+    alltoall_nic_share=4.87e9 * 63 / 64 * 56 / 63 / (0.9 * 400e9 / 8 / 8),
+    alltoall_nvlink_share=96.5e9 * 7 / 8 / gpu_preset("a100-40g").nvlink_bw,
 )
 # ByteScale's 7B runs: 1,024 GPUs, 32M tokens per step, tensor parallelism 2 (1,024 / (2 x CP
 # 256) = 2 replicas of 8 micro-batches of 2M), 8K tokens per rank (a 312K sequence spans 39).
@@ -113,9 +120,8 @@ _FLEXSP = dict(
     checkpointing=False,  # the paper: none needed for 7B on 64 GPUs
 )
 _FLEXSP_192K = (
-    "DeepSpeed's Ulysses steps under ZeRO-3 cost more than the cost model prices: ours take 7.1 s "
-    "where the paper's took 8.1 s, while our FlexSP steps 5.0 s against its 4.7 s and our "
-    "Megatron-LM 10.9 s against its 9.4 s"
+    "our steps are Megatron-LM's 10.9 s (the paper's 9.4 s), DeepSpeed's 7.9 s (8.1 s) and "
+    "FlexSP's 5.0 s (4.7 s)"
 )
 # FlexSP's Appendix B: Megatron-LM's best mesh "is usually among TP=8, CP=8, or TP=16, CP=4, or
 # TP=8, CP=4, DP=2 with ZeRO-1" (TP 16 spans two nodes, which `--tp` does not express); its
@@ -214,8 +220,7 @@ ROWS = [
         max_seq=384 << 10,
         **_FLEXSP,
         **_DEEPSPEED,
-        gap="DeepSpeed's Ulysses steps under ZeRO-3 cost more than the cost model prices: ours "
-        "take 6.7 s where the paper's took 8.4 s (our FlexSP 4.9 s against its 5.8 s)",
+        gap="our steps are DeepSpeed's 7.6 s (the paper's 8.4 s) and FlexSP's 5.1 s (5.8 s)",
         baseline_meshes=((1, 6 << 10),),  # our memory model holds 5.9K tokens per GPU without it
     ),
     Row(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset, parse_size
-from hdp.specs import GPU_PRESETS, MODEL_PRESETS, gpu_preset
+from hdp.specs import GPU_PRESETS, MODEL_PRESETS, GPUProfile, gpu_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -327,3 +327,24 @@ def test_ulysses_all_to_all_bytes_and_attention():
     per_member = ulysses.bytes_per_member(model, 8192, 8, True) * model.layers
     assert rep.nic_bytes + rep.nvlink_bytes == pytest.approx(8 * per_member)
     assert rep.nic_bytes == pytest.approx(8 * per_member * 4 / 7)  # 4 of 7 peers on the other node
+
+
+def test_all_to_all_at_the_measured_share_of_each_link():
+    """A profile's measured all-to-all shares slow the head-parallel exchange by link: 8 ranks
+    on two nodes, 4 of a member's 7 peers across the NIC, each link's bytes over its bandwidth
+    times its share, the slower link deciding (a hand count), plus one latency per call."""
+    from hdp import ulysses
+
+    model = model_preset("llama-7b")
+    gpu = replace(gpu_preset("h100"), alltoall_nic_share=0.5, alltoall_nvlink_share=0.25)
+    cluster = ClusterSpec(8, 4, gpu)
+    total = ulysses.bytes_per_member(model, 8192, 8, True)
+    nic_s = total * 4 / 7 / (gpu.nic_bw * 0.5)
+    nvlink_s = total * 3 / 7 / (gpu.nvlink_bw * 0.25)
+    want = max(nic_s, nvlink_s) + 6 * gpu.nic_latency
+    assert ulysses.comm_time(model, cluster, 8192, 8, True) == pytest.approx(want)
+    data = gpu_preset("h100").to_json()
+    for bad in (0, 1.5):
+        data["alltoall_nvlink_share"] = bad
+        with pytest.raises(ValueError, match="p.json: alltoall_nvlink_share must be above 0"):
+            GPUProfile.from_json(data, "p.json")

@@ -95,13 +95,22 @@ def test_flexsp_rows_plan_the_papers_own_batches():
             simulate(get_workload(row.workload), pricing, ["static"], batches=empty)
 
 
-def test_flexsps_megatron_row_is_within_the_goal():
-    """FlexSP's 1.98x over Megatron-LM (GPT-7B, Wikipedia, 192K, 64 A100-40GB) within 15%, over
-    the first 12 of the paper's 40 batches (the script's 40 give -4%); hdp is not planned."""
-    (row,) = [r for r in papers.ROWS if "192K" in r.setting and "Megatron" in r.setting]
-    base, _ = papers.baseline_step(row, steps=12, seed=0, progress=lambda m: None)
-    system = papers.mean_step(row, row.system, (1, None), 12, 0, lambda m: None)
-    assert abs(papers.error(base / system, row.published)) <= papers.TOLERANCE, base / system
+@pytest.mark.parametrize(
+    "context,baselines", [("192K", ("Megatron", "DeepSpeed")), ("384K", ("DeepSpeed",))]
+)
+def test_flexsps_rows_are_within_the_goal(context, baselines):
+    """FlexSP's speed-ups (GPT-7B, Wikipedia, 64 A100-40GB) over Megatron-LM at 192K (1.98x) and
+    over DeepSpeed at 192K and 384K (1.72x, 1.46x) within 15%, over the paper's 40 batches; hdp
+    is not planned (Megatron-LM at 384K misses, for reasons its row states)."""
+    rows = [r for r in papers.ROWS if context in r.setting and r.system == "flexsp"]
+    system = papers.mean_step(rows[0], "flexsp", (1, None), 40, 0, lambda m: None)
+    for baseline in baselines:
+        (row,) = [r for r in rows if baseline in r.setting]
+        base, _ = papers.baseline_step(row, steps=40, seed=0, progress=lambda m: None)
+        assert abs(papers.error(base / system, row.published)) <= papers.TOLERANCE, (
+            baseline,
+            base / system,
+        )
 
 
 def test_a_head_parallel_plan_keeps_its_own_capacity():

@@ -35,9 +35,8 @@ this order:
    the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more to
    price than the search and is far from the best plan. In ``ulysses`` exchange the rivals are
    those whose groups split heads: FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P
-   search prices them too, as their systems run them: the mesh wherever it prices FlexSP's P2P
-   placement, FlexSP's own plan up to ``FLEXSP_RIVAL_RANKS`` (past that, the head-parallel
-   planning beside it prices it, where :func:`planner.heads_may_win` lets it run).
+   search prices those two too, as their systems run them, wherever it prices FlexSP's P2P
+   placement: the head-parallel planning beside it runs only where its plan could gain over 2%.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -279,9 +278,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     runs = [(name, make, own) for name, make in makers]
     if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and flexsp_cheap:
         heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
+        runs.append(("flexsp", plan_flexsp, heads))
         runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
-        if n <= FLEXSP_RIVAL_RANKS:  # (past that, planning in ``ulysses`` prices it if needed)
-            runs.append(("flexsp", plan_flexsp, heads))
     for name, make, where in runs:
         try:
             plan = make(where)
