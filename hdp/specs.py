@@ -378,6 +378,9 @@ class GPUProfile:
     source: str = ""
     device: str = ""
 
+    def __post_init__(self) -> None:
+        _check_shares(vars(self), self.name)
+
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str = "profile") -> GPUProfile:
         """A profile from its JSON object (``where`` names it in errors)."""
@@ -395,9 +398,7 @@ class GPUProfile:
                 isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
             ):
                 raise ProfileError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
-        for k in ("alltoall_nic_share", "alltoall_nvlink_share"):
-            if not 0 < kw.get(k, 1.0) <= 1:
-                raise ProfileError(f"{where}: {k} must be above 0 and at most 1, got {kw[k]!r}")
+        _check_shares(kw, where)  # (before __post_init__, to name the file)
         tables = KernelTables.from_json(data.get("tables", {}), where)
         profile = cls(**kw, tables=tables)
         if profile.attention_backend not in tables.attention_backends:
@@ -421,6 +422,13 @@ class GPUProfile:
                 out[f.name] = getattr(self, f.name)
         out["tables"] = self.tables.to_json()
         return out
+
+
+def _check_shares(fields: dict[str, Any], where: str) -> None:
+    """ProfileError naming ``where`` unless each all-to-all share is above 0 and at most 1."""
+    for k in ("alltoall_nic_share", "alltoall_nvlink_share"):
+        if not 0 < fields.get(k, 1.0) <= 1:
+            raise ProfileError(f"{where}: {k} must be above 0 and at most 1, got {fields[k]!r}")
 
 
 _REQUIRED = ("name", "peak_flops", "memory_bytes", "nvlink_bw", "nic_bw", "nvlink_latency")

@@ -106,8 +106,7 @@ def plan_and_evaluate(
     plan, report = _plan_once(strategy, ctx, options, validate)
     t0 = time.perf_counter()
     if (
-        exchange == "auto"
-        and cost.kv_exchange != "ulysses"  # (its plan may be a head-parallel rival's)
+        exchange == "auto"  # (plan may be a head-parallel rival's: ``cost`` is P2P here)
         and report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
         and heads_hold(cost, lens, sync, cap)
         and (cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS or heads_may_win(cost, lens, sync, cap))

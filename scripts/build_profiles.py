@@ -5,9 +5,9 @@
 ``h100`` holds the measured tables as they are: attention (flash and cuDNN), GEMMs, memory-bound
 ops and the fused AdamW step, all forward + backward in bf16 on one H100 80GB HBM3. ``h200``
 (the same compute, faster HBM) and the A100s (slower compute and HBM) are *scaled* from it, not
-measured: their tables are H100 times scaled by the ratio of peak FLOP/s (GEMMs; attention too,
-and on an A100 by FlashAttention-2's larger share of that peak) or of HBM bandwidth (memory-bound
-ops, optimizer). Each file says so in its ``source``. The CPU profile is
+measured: their tables are H100 times scaled by the ratio of peak FLOP/s (GEMMs, attention; on an
+A100 FlashAttention's also by FlashAttention-2's larger share of that peak) or of HBM bandwidth
+(memory-bound ops, optimizer). Each file says so in its ``source``. The CPU profile is
 measured on the machine by ``hdp-calibrate measure --device cpu``.
 """
 
@@ -70,13 +70,18 @@ def measured_tables(folder: Path) -> dict[str, list[list]]:
 
 
 def scaled(
-    tables: dict[str, list[list]], compute: float, memory: float, attention: float | None = None
+    tables: dict[str, list[list]], compute: float, memory: float, flash: float | None = None
 ) -> dict[str, list[list]]:
-    """Times multiplied by ``compute`` (GEMMs, and attention unless ``attention`` is given) or
-    ``memory`` (the rest)."""
-    factors = {"gemm": compute, "attention": compute if attention is None else attention}
+    """Times multiplied by ``compute`` (GEMMs and attention; FlashAttention's rows by ``flash``
+    where given) or ``memory`` (the rest)."""
+
+    def factor(name: str, row: list) -> float:
+        if name == "attention" and row[0] == "torch_flash" and flash is not None:
+            return flash
+        return compute if name in ("gemm", "attention") else memory
+
     return {
-        name: [row[:-1] + [row[-1] * factors.get(name, memory)] for row in rows]
+        name: [row[:-1] + [row[-1] * factor(name, row)] for row in rows]
         for name, rows in tables.items()
     }
 
@@ -129,15 +134,15 @@ def build(folder: Path) -> list[dict]:
             **common,
         ),
     ]
-    attention = 989 / 312 * FA2_PEAK_SHARE["h100"] / FA2_PEAK_SHARE["a100"]
+    flash = 989 / 312 * FA2_PEAK_SHARE["h100"] / FA2_PEAK_SHARE["a100"]
     for name, memory, hbm in (("a100-80g", 80e9, 2.04e12), ("a100-40g", 40e9, 1.56e12)):
         out.append(
             profile(
                 name,
-                scaled_from + f"GEMMs x 989 / 312 (peak), attention x {attention:.3f} (peak, and "
-                "FlashAttention-2's 35% of it on an H100 against 50-73% on an A100), memory-bound "
-                f"x 3.35 / {hbm / 1e12:.2f}",
-                scaled(h100, 989 / 312, 3.35e12 / hbm, attention),
+                scaled_from + f"GEMMs and cuDNN attention x 989 / 312 (peak), FlashAttention x "
+                f"{flash:.3f} (peak, and FlashAttention-2's 35% of it on an H100 against 50-73% "
+                f"on an A100), memory-bound x 3.35 / {hbm / 1e12:.2f}",
+                scaled(h100, 989 / 312, 3.35e12 / hbm, flash),
                 device=f"NVIDIA A100 {name[-3:-1]}GB",
                 peak_flops=312e12,
                 memory_bytes=memory,

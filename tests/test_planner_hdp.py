@@ -510,3 +510,20 @@ def test_clear_errors():
         plan_step([], ClusterSpec.preset("h100", 4), model, "hdp")
     with pytest.raises(ValueError, match="num_ranks"):
         ClusterSpec.preset("h100", 0)
+
+
+def test_equal_group_plans_fill_every_member_before_a_new_wave():
+    """One group of 4 ranks, the sequences over the capacity split in hdp's block shares (their
+    members then offload in the first waves) and 15 whole ones: each whole sequence takes the
+    least-filled member of the first wave with room, so the plan needs no more waves than its
+    tokens over the ranks' capacity (it once put every whole sequence on member 0: 11 waves)."""
+    from planner.dynamic.groups import group_plan
+
+    lens = np.array([1978, 5522, 6273, 289, 445, 270, 997, 182, 919, 817, 864, 119, 402, 643])
+    lens = np.concatenate([lens, [505, 682, 693]])
+    ctx = _wave_context(lens, 4, 1024)
+    plan = group_plan(ctx, 1, lens > 1024, exact=False)
+    assert plan is not None
+    assert plan.num_waves <= -(-int(lens.sum()) // (4 * 1024))
+    whole = np.isin(plan.seq, np.flatnonzero(lens <= 1024))
+    assert set(plan.rank[whole].tolist()) == set(range(4))

@@ -17,7 +17,7 @@ zigzag shares.
 says: the search tries each), deals the sequences to groups longest work first (LPT) and stacks
 each group's sequences into its waves while every member stays within the capacity (a sequence
 that alone overflows it gets a wave of its own and offloads). Sequences that do not split stay
-whole, on their group's least-filled member.
+whole, on the least-filled member of their group's first wave with room.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     lens = ctx.seq_lens
     split = split & (lens >= g)
     ids = np.flatnonzero(split)
-    heads = ctx.cost.kv_exchange == "ulysses"
+    head_parallel = ctx.cost.kv_exchange == "ulysses"
     align = np.array(
         [1 if exact else ctx.split(int(lens[i]), g).align for i in ids.tolist()], dtype=np.int64
     )
@@ -73,13 +73,13 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     held = np.zeros((ids.size, g), dtype=np.int64)  # tokens of each split sequence per member
     if ids.size:
         degree = np.full(ids.size, g)
-        if heads:
+        if head_parallel:
             busy[ids] = head_split_times(ctx.cost, lens[ids], degree, ctx.sync)[0]
         else:
             busy[ids] = split_times(ctx.cost, lens[ids], degree, ctx.sync, align)[0]
         _, _, head, tail = zigzag_shares(lens[ids], degree, align)
         held = (head + tail).reshape(ids.size, g)
-        if heads:  # exact shares; count the fullest member's on each
+        if head_parallel:  # exact shares; count the fullest member's on each
             held[:] = held.max(axis=1, keepdims=True)
     row = np.full(lens.size, -1)
     row[ids] = np.arange(ids.size)
@@ -97,10 +97,8 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
             jobs[1].append(_first_fit(wave_tokens[k], held[row[i]], ctx.capacity))
             jobs[2].append(np.arange(k * g, (k + 1) * g))
         else:
-            share = np.zeros(g, dtype=np.int64)
-            member = int(np.argmin(wave_tokens[k][0])) if wave_tokens[k] else 0
-            share[member] = lens[i]
-            whole[0].append(_first_fit(wave_tokens[k], share, ctx.capacity))
+            wave, member = _first_room(wave_tokens[k], int(lens[i]), ctx.capacity, g)
+            whole[0].append(wave)
             whole[1].append(k * g + member)
             whole[2].append(i)
     builder = PlanBuilder(ctx, "hdp")
@@ -112,6 +110,20 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     builder.offload_where_needed()
     plan = builder.build()
     return plan if plan.tokens_per_cell().max(initial=0) <= ctx.offload_capacity else None
+
+
+def _first_room(waves: list[np.ndarray], length: int, capacity: int, g: int) -> tuple[int, int]:
+    """(wave, member) for a whole sequence in a group of ``g``: the least-filled member of the
+    first wave where it keeps room for ``length`` tokens (a new wave where none does), with the
+    tokens added."""
+    for w, tokens in enumerate(waves):
+        member = int(np.argmin(tokens))
+        if tokens[member] + length <= capacity:
+            tokens[member] += length
+            return w, member
+    waves.append(np.zeros(g, dtype=np.int64))
+    waves[-1][0] = length
+    return len(waves) - 1, 0
 
 
 def _first_fit(waves: list[np.ndarray], share: np.ndarray, capacity: int) -> int:

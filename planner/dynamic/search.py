@@ -17,14 +17,16 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *Equal groups* (:mod:`.groups`): the ranks cut into groups of one size (a few sizes), each
-   sequence long enough split over one, the groups' sequences stacked into shared waves. In
-   ``ulysses`` exchange always (head-parallel groups of at most one rank a head); in a P2P
-   exchange for batches of at most ``FEW_SEQUENCES`` sequences on at most ``RIVAL_RANKS`` ranks,
-   where the relaxation's degrees may not fit side by side.
+6. *Equal groups* (:mod:`.groups`): the ranks cut into groups of one size (a few sizes), the
+   sequences a variant splits each over one group (:func:`.groups.group_splits`: every sequence
+   long enough, or in a P2P exchange also only those over a rank's capacity), the groups'
+   sequences stacked into shared waves. In ``ulysses`` exchange always (head-parallel groups of
+   at most one rank a head); in a P2P exchange where :func:`few_sequences` holds, where the
+   relaxation's degrees may not fit side by side.
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
-   make and price: the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
+   make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
+   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
    FlexSP's up to ``FLEXSP_RIVAL_RANKS``, or up to ``RIVAL_RANKS`` for batches of at most
    ``FEW_SEQUENCES`` sequences (past those its MILP alone takes up to 6 times hdp's whole
@@ -236,8 +238,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for cand in shelves[: options.shelf_placed]:
                 search.place_once(cand, search.best_s)
         search.polish_wave()
-    few = ctx.seq_lens.size <= FEW_SEQUENCES and ctx.num_ranks <= RIVAL_RANKS
-    if ctx.cost.kv_exchange == "ulysses" or few:
+    if ctx.cost.kv_exchange == "ulysses" or few_sequences(ctx):
         for groups in group_counts(ctx):
             for split, exact in group_splits(ctx, ctx.num_ranks // groups):
                 plan = group_plan(ctx, groups, split, exact)
@@ -253,6 +254,12 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
+def few_sequences(ctx: Context) -> bool:
+    """Whether the batch has at most ``FEW_SEQUENCES`` sequences on at most ``RIVAL_RANKS``
+    ranks: then equal-group plans (P2P) and FlexSP's plan are cheap beside hdp's search."""
+    return ctx.seq_lens.size <= FEW_SEQUENCES and ctx.num_ranks <= RIVAL_RANKS
+
+
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     """(name, plan) of each baseline whose plan of this step is cheap to make and price
     (family 7); a baseline that cannot plan the step is left out."""
@@ -264,9 +271,7 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    flexsp_cheap = n <= FLEXSP_RIVAL_RANKS or (
-        ctx.seq_lens.size <= FEW_SEQUENCES and n <= RIVAL_RANKS
-    )
+    flexsp_cheap = n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx)
     if flexsp_cheap:
         makers.append(("flexsp", plan_flexsp))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
