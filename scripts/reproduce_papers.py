@@ -77,12 +77,14 @@ GPT_7B = ModelSpec(
 # member's share of the tensor over the time), count the bytes a member sends as (g - 1) / g of
 # that: 84.4 GB/s on NVLink (35% of the preset's) and, 56 of 63 peers off the node, 4.26 GB/s
 # on a NIC (76%; 79% at 32 ranks, 92% at 16).
+_A100 = gpu_preset("a100-40g")
+_FLEXSP_NIC = 0.9 * 400e9 / 8 / 8
 FLEXSP_A100 = replace(
-    gpu_preset("a100-40g"),
+    _A100,
     name="a100-40g-400gbps-node",
-    nic_bw=0.9 * 400e9 / 8 / 8,
-    alltoall_nic_share=4.87e9 * 63 / 64 * 56 / 63 / (0.9 * 400e9 / 8 / 8),
-    alltoall_nvlink_share=96.5e9 * 7 / 8 / gpu_preset("a100-40g").nvlink_bw,
+    nic_bw=_FLEXSP_NIC,
+    alltoall_nic_share=4.87e9 * 63 / 64 * 56 / 63 / _FLEXSP_NIC,
+    alltoall_nvlink_share=96.5e9 * 7 / 8 / _A100.nvlink_bw,
 )
 # ByteScale's 7B runs: 1,024 GPUs, 32M tokens per step, tensor parallelism 2 (1,024 / (2 x CP
 # 256) = 2 replicas of 8 micro-batches of 2M), 8K tokens per rank (a 312K sequence spans 39).
