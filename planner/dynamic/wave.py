@@ -112,23 +112,13 @@ def place_wave_jobs(
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
         per_rank = ctx.split(L, d).most_tokens
-        best = None
-        for w in range(layer.load.shape[0] + 1):
-            if w == layer.load.shape[0]:
-                if best is not None:
-                    break
-                layer.add_wave()
-            load = layer.load[w]
-            members = pick_members(load, d, rpn, layer.tokens[w] + per_rank <= off_cap)
-            if members is None:
-                continue
-            height = float(load.max())
-            finish = float(load[members].max()) + t
-            if stack_share is not None and height > 0 and finish - height > stack_share * t:
-                continue
-            score = (max(0.0, finish - height), height)
-            if best is None or score < best[0]:
-                best = (score, w, members)
+        room = per_rank <= off_cap - layer.tokens
+        best = _best_wave(layer.load, room, d, rpn, t, stack_share)
+        if best is None:  # no wave takes it: a new one
+            layer.add_wave()
+            room = np.full((1, n), per_rank <= off_cap)
+            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t, stack_share)
+            best = (score, layer.load.shape[0] - 1, members)
         (raise_s, height), w, members = best
         layer.stacked += height > 0 and raise_s > stacked_share * t
         layer.tokens[w, members] += per_rank
@@ -136,6 +126,44 @@ def place_wave_jobs(
         layer.members.append(members)
         layer.wave.append(w)
     return layer
+
+
+def _best_wave(
+    load: np.ndarray, room: np.ndarray, d: int, rpn: int, t: float, stack_share: float | None
+) -> tuple[tuple[float, float], int, np.ndarray] | None:
+    """((raise s, height s), wave, members): the wave (row of ``load``) where a job of ``d``
+    ranks and ``t`` s raises the height least (then the lowest height, then the lowest wave), on
+    :func:`pick_members`' ranks among those with ``room``; ``None`` where none takes it. The
+    ``d``-th least load with room bounds a wave's raise from below, so waves go in the order of
+    that bound and the search stops where the bound cannot win."""
+    if load.shape[0] == 0:
+        return None
+    heights = load.max(axis=1)
+    kth = np.partition(np.where(room, load, np.inf), d - 1, axis=1)[:, d - 1]
+    least_raise = np.maximum(0.0, kth + t - heights)
+    hopeless = ~np.isfinite(kth)
+    if stack_share is not None:  # (its raise is at least the bound)
+        hopeless |= (heights > 0) & (least_raise > stack_share * t)
+    best = None
+    for w in np.lexsort((np.arange(heights.size), heights, least_raise)).tolist():
+        if hopeless[w]:
+            continue
+        if best is not None and (float(least_raise[w]), float(heights[w]), w) >= (
+            *best[0],
+            best[1],
+        ):
+            break
+        members = pick_members(load[w], d, rpn, room[w])
+        if members is None:
+            continue
+        height = float(heights[w])
+        finish = float(load[w, members].max()) + t
+        if stack_share is not None and height > 0 and finish - height > stack_share * t:
+            continue
+        score = (max(0.0, finish - height), height)
+        if best is None or (score, w) < (best[0], best[1]):
+            best = (score, w, members)
+    return best
 
 
 class _Cells:
