@@ -277,3 +277,25 @@ def option_flag(default: str, *, flag: str, choices: tuple[str, ...], help: str)
     """A strategy option that is also a command-line flag of ``hdp-sim`` and ``hdp-plan``
     (:func:`planner.strategies.add_option_flags`)."""
     return field(default=default, metadata={"flag": flag, "choices": choices, "help": help})
+
+
+def fewest_micro_batches(ctx: Context) -> int:
+    """The fewest micro-batches of at most ``ranks x capacity`` tokens that hold the batch."""
+    return -(-int(ctx.seq_lens.sum()) // (ctx.num_ranks * max(ctx.capacity, 1)))
+
+
+def micro_batches(ctx: Context, ids: np.ndarray, count: int) -> list[np.ndarray] | None:
+    """``ids`` dealt into ``count`` micro-batches of at most ``ranks x capacity`` tokens each,
+    longest first to the one with the least work so far; ``None`` where they do not fit."""
+    lens, room = ctx.seq_lens, ctx.num_ranks * ctx.capacity
+    tokens, work = np.zeros(count, dtype=np.int64), np.zeros(count)
+    parts: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(ids.tolist(), key=lambda i: -int(lens[i])):
+        fits = np.flatnonzero(tokens + lens[i] <= room)
+        if fits.size == 0:
+            return None
+        k = int(fits[np.argmin(work[fits])])
+        parts[k].append(i)
+        tokens[k] += lens[i]
+        work[k] += ctx.whole_s[i]
+    return [np.asarray(p, dtype=np.int64) for p in parts if p]

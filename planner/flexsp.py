@@ -44,7 +44,14 @@ import numpy as np
 
 from hdp import Plan, ulysses
 
-from .common import Context, PlanBuilder, PlanningError, next_pow2
+from .common import (
+    Context,
+    PlanBuilder,
+    PlanningError,
+    fewest_micro_batches,
+    micro_batches,
+    next_pow2,
+)
 from .solver import make_solver, solver_name
 from .splits import split_times
 
@@ -126,8 +133,8 @@ def plan_flexsp(ctx: Context) -> Plan:
     if ctx.sync != "wave" or plan.num_waves <= 1:
         return plan
     # Note [FlexSP's micro-batches]
-    fewest = -(-int(lens[ids].sum()) // (n * cap))
-    parts = _micro_batches(ctx, ids, fewest) if fewest < plan.num_waves else None
+    fewest = fewest_micro_batches(ctx)
+    parts = micro_batches(ctx, ids, fewest) if fewest < plan.num_waves else None
     if parts is None:
         return plan
     builder = PlanBuilder(ctx, "flexsp")
@@ -157,23 +164,6 @@ def _solve(ctx: Context, ids: np.ndarray, sizes: list[int], one_wave: bool = Fal
         sol = _smallest_groups(groups, n)
     _spread_spare_ranks(groups, sol, n)
     return buckets, sol, sizes
-
-
-def _micro_batches(ctx: Context, ids: np.ndarray, count: int) -> list[np.ndarray] | None:
-    """``ids`` dealt into ``count`` micro-batches of at most ``ranks x capacity`` tokens each,
-    longest first to the one with the least work so far; ``None`` where they do not fit."""
-    lens, room = ctx.seq_lens, ctx.num_ranks * ctx.capacity
-    tokens, work = np.zeros(count, dtype=np.int64), np.zeros(count)
-    parts: list[list[int]] = [[] for _ in range(count)]
-    for i in sorted(ids.tolist(), key=lambda i: -int(lens[i])):
-        fits = np.flatnonzero(tokens + lens[i] <= room)
-        if fits.size == 0:
-            return None
-        k = int(fits[np.argmin(work[fits])])
-        parts[k].append(i)
-        tokens[k] += lens[i]
-        work[k] += ctx.whole_s[i]
-    return [np.asarray(p, dtype=np.int64) for p in parts if p]
 
 
 def _job_time(ctx: Context, length: int, degree: int) -> float:

@@ -74,15 +74,49 @@ def test_no_plan_beats_the_bounds_and_hdp_never_trails_a_baseline(
     data=st.data(),
 )
 def test_hdp_never_trails_a_baseline_on_more_ranks(profile, n, per_node, sync, data):
-    """Past 8 ranks FlexSP's plan is a rival only for batches of few sequences: there its mixed
-    group sizes once beat hdp's placement by up to 1.8x (the CPU profile, where splits save
-    work) and 1.16x (H100)."""
+    """Past 8 ranks FlexSP's mixed group sizes once beat hdp's placement by up to 1.8x (the CPU
+    profile, where splits save work) and 1.16x (H100)."""
     cap = 2048
     cluster = ClusterSpec.preset(profile, n, per_node)
     pricing = StepPricing.build(model_preset(PROFILES[profile]), cluster, capacity=cap, sync=sync)
     lens = data.draw(st.lists(st.integers(cap // 2, 8 * cap), min_size=1, max_size=3))
     lens += data.draw(st.lists(st.integers(1, cap), max_size=30))
     _check_bounds_and_hdp_first(_plans(np.asarray(lens), pricing))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    profile=st.sampled_from(sorted(PROFILES)),
+    n=st.sampled_from([16, 32]),
+    sync=st.sampled_from(["peer", "wave"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_hdp_never_trails_a_baseline_on_many_sequences(profile, n, sync, seed):
+    """Batches of 65-200 sequences, past the 64 where equal-group plans are tried: FlexSP's plan
+    once beat hdp's by up to 1.33x here (CPU profile, 32 ranks)."""
+    cap = 2048
+    cluster = ClusterSpec.preset(profile, n, 2)
+    pricing = StepPricing.build(model_preset(PROFILES[profile]), cluster, capacity=cap, sync=sync)
+    rng = np.random.default_rng(seed)
+    longs = rng.integers(cap // 2, 8 * cap, int(rng.integers(1, 4)))
+    lens = np.concatenate([longs, rng.integers(1, cap, int(rng.integers(65, 200)))])
+    _check_bounds_and_hdp_first(_plans(lens, pricing))
+
+
+def test_mixed_group_sizes_beat_flexsp_without_its_plan():
+    """32 CPU ranks, 122 sequences: hdp's plan stepped 1.33x FlexSP's, whose plan was no rival
+    past 64 sequences. hdp's own mixed-size groups (Note [Mixed group sizes]) now beat it with
+    FlexSP's plan left out of the search."""
+    rng = np.random.default_rng(7)
+    lens = np.concatenate([rng.integers(1024, 16384, 2), rng.integers(1, 2048, 120)])
+    cluster = ClusterSpec.preset("cpu", 32, 2)
+    pricing = StepPricing.build(
+        model_preset("tiny"), cluster, capacity=2048, sync="peer", kv_exchange="rank"
+    )
+    flexsp = plan_step(lens, pricing, "flexsp").predicted["step_time_s"]
+    own = plan_step(lens, pricing, "hdp", hdp_options=DynamicOptions(rivals=False))
+    assert own.predicted["step_time_s"] <= flexsp * (1 + 1e-9)
+    assert "from_mixed_groups" in own.predicted
 
 
 @pytest.mark.parametrize(

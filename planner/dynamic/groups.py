@@ -1,4 +1,4 @@
-"""Plans of a whole batch on equal rank groups, for hdp's search (family 6).
+"""Plans of a whole batch on rank groups, for hdp's search (family 6).
 
 The relaxation's packing gives a long sequence most ranks and puts the short ones whole beside
 its shares. Two things it misses, which a system like FlexSP exploits, are cheap to build here:
@@ -14,10 +14,11 @@ the heads wherever its tokens lie, so such a group is balanced at any length; a 
 zigzag shares.
 
 :func:`group_plan` cuts the ranks into groups of ``G`` ranks (as many as :func:`group_counts`
-says: the search tries each), deals the sequences to groups longest work first (LPT) and stacks
-each group's sequences into its waves while every member stays within the capacity (a sequence
-that alone overflows it gets a wave of its own and offloads). Sequences that do not split stay
-whole, on the least-filled member of their group's first wave with room.
+says: the search tries each) and deals the sequences to groups longest work first (LPT);
+:mod:`.mixed` cuts them into groups of several power-of-two sizes. Either way :func:`stack`
+stacks each group's sequences into its waves while every member stays within the capacity (a
+sequence that alone overflows it gets a wave of its own and offloads); sequences that do not
+split stay whole, on the least-filled member of their group's first wave with room.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def group_counts(ctx: Context) -> list[int]:
     sequence, and one group a node (a node's traffic stays on NVLink)."""
     n, rpn = ctx.num_ranks, ctx.ranks_per_node
     least = max(1, -(-int(ctx.seq_lens.max(initial=1)) // ctx.offload_capacity))
-    most = ulysses.most_members(ctx.cost.model, n) if ctx.cost.kv_exchange == "ulysses" else n
+    most = most_members(ctx)
     counts, c = [], -(-n // most)
     while n // c >= least and c <= n:
         counts.append(c)
@@ -64,52 +65,108 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     g = ctx.num_ranks // groups
     lens = ctx.seq_lens
     split = split & (lens >= g)
-    ids = np.flatnonzero(split)
-    head_parallel = ctx.cost.kv_exchange == "ulysses"
-    align = np.array(
-        [1 if exact else ctx.split(int(lens[i]), g).align for i in ids.tolist()], dtype=np.int64
-    )
+    degree = np.where(split, g, 1)
+    align = np.ones(lens.size, dtype=np.int64)
+    if not exact:
+        align[split] = [ctx.split(int(lens[i]), g).align for i in np.flatnonzero(split).tolist()]
     busy = ctx.whole_s.copy()
-    held = np.zeros((ids.size, g), dtype=np.int64)  # tokens of each split sequence per member
-    if ids.size:
-        degree = np.full(ids.size, g)
-        if head_parallel:
-            busy[ids] = head_split_times(ctx.cost, lens[ids], degree, ctx.sync)[0]
-        else:
-            busy[ids] = split_times(ctx.cost, lens[ids], degree, ctx.sync, align)[0]
-        _, _, head, tail = zigzag_shares(lens[ids], degree, align)
-        held = (head + tail).reshape(ids.size, g)
-        if head_parallel:  # exact shares; count the fullest member's on each
-            held[:] = held.max(axis=1, keepdims=True)
-    row = np.full(lens.size, -1)
-    row[ids] = np.arange(ids.size)
+    busy[split] = split_busy(ctx, lens[split], degree[split], align[split])
+    order = np.argsort(-busy, kind="stable")
+    group_of = np.empty(lens.size, dtype=np.int64)
     load = np.zeros(groups)
-    wave_tokens: list[list[np.ndarray]] = [[] for _ in range(groups)]  # per wave: per member
-    jobs: tuple[list, list, list] = ([], [], [])  # split sequences: ids, waves, members
-    whole: tuple[list, list, list] = ([], [], [])  # whole ones: waves, ranks, ids
-    for i in np.argsort(-busy, kind="stable").tolist():
+    for i in order.tolist():
         k = int(np.argmin(load))
         load[k] += busy[i]
+        group_of[i] = k
+    return stacked_plan(
+        ctx, np.full(groups, g), order, group_of[order], degree[order], align[order]
+    )
+
+
+def stacked_plan(
+    ctx: Context,
+    group_sizes: np.ndarray,
+    ids: np.ndarray,
+    group_of: np.ndarray,
+    degree: np.ndarray,
+    align: np.ndarray,
+) -> Plan | None:
+    """:func:`stack` into a plan of its own; ``None`` where a rank would hold more than it can
+    even with offload."""
+    builder = PlanBuilder(ctx, "hdp")
+    stack(ctx, builder, 0, ids, group_sizes, group_of, degree, align)
+    return finish(ctx, builder)
+
+
+def stack(
+    ctx: Context,
+    builder: PlanBuilder,
+    wave0: int,
+    ids: np.ndarray,
+    group_sizes: np.ndarray,
+    group_of: np.ndarray,
+    degree: np.ndarray,
+    align: int | np.ndarray = 1,
+) -> int:
+    """Groups of ``group_sizes`` ranks on consecutive ranks; sequence ``ids[k]`` (in this order)
+    in group ``group_of[k]``, split over all its members where ``degree[k] > 1`` (in shares
+    aligned to ``align[k]``) and else whole on one, stacked into the group's waves from
+    ``wave0``; returns the waves used."""
+    lens = ctx.seq_lens
+    align = np.broadcast_to(np.asarray(align, dtype=np.int64), ids.shape)
+    starts = np.cumsum(group_sizes) - group_sizes
+    split = np.flatnonzero(degree > 1)
+    held: dict[int, np.ndarray] = {}  # tokens of each split sequence per member
+    if split.size:
+        _, _, head, tail = zigzag_shares(lens[ids[split]], degree[split], align[split])
+        rows = np.split(head + tail, np.cumsum(degree[split])[:-1])
+        if ctx.cost.kv_exchange == "ulysses":  # exact shares; count the fullest member's on each
+            rows = [np.full(r.size, r.max()) for r in rows]
+        held = dict(zip(split.tolist(), rows))
+    wave_tokens: list[list[np.ndarray]] = [[] for _ in group_sizes]  # per wave: per member
+    jobs: tuple[list, list, list, list] = ([], [], [], [])  # split: ids, waves, members, align
+    whole: tuple[list, list, list] = ([], [], [])  # whole ones: waves, ranks, ids
+    for k, i in enumerate(ids.tolist()):
         if lens[i] == 0:
             continue
-        if split[i]:
+        g = int(group_of[k])
+        if degree[k] > 1:
             jobs[0].append(i)
-            jobs[1].append(_first_fit(wave_tokens[k], held[row[i]], ctx.capacity))
-            jobs[2].append(np.arange(k * g, (k + 1) * g))
+            jobs[1].append(wave0 + _first_fit(wave_tokens[g], held[k], ctx.capacity))
+            jobs[2].append(np.arange(starts[g], starts[g] + group_sizes[g]))
+            jobs[3].append(align[k])
         else:
-            wave, member = _first_room(wave_tokens[k], int(lens[i]), ctx.capacity, g)
-            whole[0].append(wave)
-            whole[1].append(k * g + member)
+            room = _first_room(wave_tokens[g], int(lens[i]), ctx.capacity, int(group_sizes[g]))
+            whole[0].append(wave0 + room[0])
+            whole[1].append(starts[g] + room[1])
             whole[2].append(i)
-    builder = PlanBuilder(ctx, "hdp")
     if jobs[0]:
-        builder.add_zigzag(jobs[0], jobs[1], jobs[2], align=align[row[jobs[0]]])
+        builder.add_zigzag(jobs[0], jobs[1], jobs[2], align=np.array(jobs[3], dtype=np.int64))
     if whole[0]:
         seqs = np.array(whole[2], dtype=np.int64)
         builder.add(np.array(whole[0]), np.array(whole[1]), seqs, 0, lens[seqs])
+    return max((len(w) for w in wave_tokens), default=0)
+
+
+def finish(ctx: Context, builder: PlanBuilder) -> Plan | None:
+    """The builder's plan with offload where needed; ``None`` where a rank would hold more than
+    it can even with offload."""
     builder.offload_where_needed()
     plan = builder.build()
     return plan if plan.tokens_per_cell().max(initial=0) <= ctx.offload_capacity else None
+
+
+def most_members(ctx: Context) -> int:
+    """The most ranks a group may have: all, or in ``ulysses`` exchange one a head."""
+    n = ctx.num_ranks
+    return ulysses.most_members(ctx.cost.model, n) if ctx.cost.kv_exchange == "ulysses" else n
+
+
+def split_busy(ctx: Context, lens: np.ndarray, degree: np.ndarray, align: np.ndarray) -> np.ndarray:
+    """Busy time (s) of each sequence split over ``degree`` ranks, as the exchange runs it."""
+    if ctx.cost.kv_exchange == "ulysses":
+        return head_split_times(ctx.cost, lens, degree, ctx.sync)[0]
+    return split_times(ctx.cost, lens, degree, ctx.sync, align)[0]
 
 
 def _first_room(waves: list[np.ndarray], length: int, capacity: int, g: int) -> tuple[int, int]:

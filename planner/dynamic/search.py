@@ -17,28 +17,32 @@ this order:
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
    where its compute hides them).
 5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *Equal groups* (:mod:`.groups`): the ranks cut into groups of one size (a few sizes), the
-   sequences a variant splits each over one group (:func:`.groups.group_splits`: every sequence
-   long enough, or in a P2P exchange also only those over a rank's capacity), the groups'
-   sequences stacked into shared waves. In ``ulysses`` exchange always (head-parallel groups of
-   at most one rank a head); in a P2P exchange where :func:`few_sequences` holds, where the
-   relaxation's degrees may not fit side by side.
+6. *Groups* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups, each sequence split over
+   one group or whole on one of its ranks, each group's sequences stacked into shared waves.
+   *Equal groups*: groups of one size (a few sizes), the sequences a variant splits each over
+   one group (:func:`.groups.group_splits`: every sequence long enough, or in a P2P exchange
+   also only those over a rank's capacity); in ``ulysses`` exchange always (head-parallel
+   groups of at most one rank a head), in a P2P exchange where :func:`few_sequences` holds.
+   *Mixed sizes* (Note [Mixed group sizes]): power-of-two groups as FlexSP lays them out,
+   chosen without its MILP, up to ``RIVAL_RANKS`` ranks. Both catch what the relaxation's
+   degrees miss where they do not fit side by side: a profile where splitting every sequence
+   saves work (the CPU's reference attention), or short sequences that share a group's
+   micro-batches and so its fixed costs.
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
    the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
-   FlexSP's up to ``FLEXSP_RIVAL_RANKS``, or up to ``RIVAL_RANKS`` for batches of at most
-   ``FEW_SEQUENCES`` sequences (past those its MILP alone takes up to 6 times hdp's whole
-   search); none where hdp's plan already meets its bound. hdp must never plan slower than a
-   system it replaces, and the relaxation misses what such plans exploit: a profile where
-   splitting every sequence saves work (the CPU's reference attention), mixed group sizes, or a
-   micro-batch's fixed cost on few ranks (a one-token sequence that opens a wave of its own costs
-   the dense layers' whole weight traffic). Past those sizes a baseline's plan costs more to
-   price than the search and is far from the best plan. In ``ulysses`` exchange the rivals are
-   those whose groups split heads: FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P
-   search prices those two too, as their systems run them, wherever it prices FlexSP's P2P
-   placement: the head-parallel planning beside it runs only where its plan could gain over 2%.
+   FlexSP's where :func:`cheap_flexsp` holds (past it, its MILP solved once per micro-batch
+   alone takes up to 6 times hdp's whole search); none where hdp's plan already meets its
+   bound. hdp must never plan slower than a system it replaces, and the relaxation misses what
+   such plans exploit: mixed group sizes, or a micro-batch's fixed cost on few ranks (a
+   one-token sequence that opens a wave of its own costs the dense layers' whole weight
+   traffic). Past those sizes a baseline's plan costs more to price than the search and is far
+   from the best plan. In ``ulysses`` exchange the rivals are those whose groups split heads:
+   FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P search prices those two too,
+   as their systems run them, wherever it prices FlexSP's P2P placement: the head-parallel
+   planning beside it runs only where its plan could gain over 2%.
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -64,7 +68,7 @@ import numpy as np
 from hdp import Plan, ulysses
 
 from ..bytescale import plan_bytescale
-from ..common import Context, PlanningError, next_pow2
+from ..common import Context, PlanningError, fewest_micro_batches, next_pow2
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
 from ..flexsp import plan_flexsp
 from ..hybridcp import plan_hybridcp
@@ -73,6 +77,7 @@ from . import milp
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits
 from .megatron import plan_megatron_form
+from .mixed import mixed_group_plans
 from .options import DynamicOptions
 from .place import place
 from .shelves import shelf_candidates
@@ -82,9 +87,10 @@ from .wave import rebalance_wave
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
 FLEXSP_RIVAL_RANKS = 8
+FLEXSP_RIVAL_SOLVES = 4
 # Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) also get FlexSP's
-# plan and, in a P2P exchange, equal-group plans: FlexSP's MILP is as cheap as hdp's search on
-# so few, and with few sequences a batch's degrees may leave gaps the placer cannot fill.
+# plan wherever it solves, and in a P2P exchange equal-group plans: with few sequences a batch's
+# degrees may leave gaps the placer cannot fill.
 FEW_SEQUENCES = 64
 
 NATIVE_SYNC = "peer"
@@ -243,7 +249,10 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
             for split, exact in group_splits(ctx, ctx.num_ranks // groups):
                 plan = group_plan(ctx, groups, split, exact)
                 if plan is not None:
-                    search.consider("groups", plan)
+                    search.consider("equal_groups", plan)
+    if ctx.num_ranks <= RIVAL_RANKS:  # (past it, planning time is budgeted)
+        for plan in mixed_group_plans(ctx):
+            search.consider("mixed_groups", plan)
     if options.rivals and search.best_s > bound_s * (1 + 1e-9):  # none beats the bound
         for name, rival in rival_plans(ctx):
             search.consider(name, rival)
@@ -260,6 +269,20 @@ def few_sequences(ctx: Context) -> bool:
     return ctx.seq_lens.size <= FEW_SEQUENCES and ctx.num_ranks <= RIVAL_RANKS
 
 
+def cheap_flexsp(ctx: Context) -> bool:
+    """Whether FlexSP's plan is cheap beside hdp's search: on at most ``FLEXSP_RIVAL_RANKS``
+    ranks, where :func:`few_sequences` holds, or on at most ``RIVAL_RANKS`` where it solves its
+    MILP at most ``FLEXSP_RIVAL_SOLVES`` times (once, and in ``wave`` sync once more for each
+    micro-batch where the batch needs several: :mod:`planner.flexsp`, Note [FlexSP's
+    micro-batches])."""
+    n = ctx.num_ranks
+    if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):
+        return True
+    fewest = fewest_micro_batches(ctx)
+    solves = 1 if ctx.sync == "peer" or fewest <= 1 else 1 + fewest
+    return n <= RIVAL_RANKS and solves <= FLEXSP_RIVAL_SOLVES
+
+
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     """(name, plan) of each baseline whose plan of this step is cheap to make and price
     (family 7); a baseline that cannot plan the step is left out."""
@@ -271,7 +294,7 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    flexsp_cheap = n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx)
+    flexsp_cheap = cheap_flexsp(ctx)
     if flexsp_cheap:
         makers.append(("flexsp", plan_flexsp))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads

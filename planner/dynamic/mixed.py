@@ -1,0 +1,249 @@
+"""Plans on rank groups of mixed power-of-two sizes, for hdp's search (family 6).
+
+Note [Mixed group sizes]
+------------------------
+FlexSP runs each sequence on a group of ranks of some power-of-two size and chooses, by a MILP
+inside a bisection on the step time ``H``, how many groups of each size there are and which
+sequences each size runs. Without a MILP, for one ``H``:
+
+1. Every sequence takes the size of least area (size times its time there) among those where it
+   runs within ``H``.
+2. A size needs ``ceil(load / H)`` groups, at least one where used (in ``wave`` sync also
+   enough to hold its sequences' tokens in one wave, at ``ONE_WAVE_FILL`` of the capacity).
+   Where they need more ranks than there are, the sequences of one size move wholesale to
+   another where they also run within ``H``, whichever move needs the fewest ranks, until they
+   fit; else ``H`` is too short.
+3. Spare ranks become more groups of the size with the most load per group.
+
+The least ``H`` that fits is bisected, and the layouts at ``MIXED_HEIGHTS`` times it are each
+dealt twice, longest first to the group where a sequence would finish first: among its own
+size's groups, or among all (a group its own sequences leave short of the step then takes
+shorter ones). The cost model prices every plan; the search keeps the fastest.
+
+Example, 16 ranks: two long sequences of 2.0 s on 4 ranks, 1.2 s on 8 and 0.8 s on 16 (areas
+8, 9.6 and 12.8 rank-s), and 40 short ones of 0.2 s whole or 0.12 s on 2 (areas 0.2 and 0.24).
+At ``H`` = 1.9 s the long ones take 8 ranks (2 groups, 16 ranks) and the short ones one
+(``ceil(8 / 1.9)`` = 5 groups): 21 ranks. Moving the short ones to 2 ranks needs
+``16 + 2 ceil(4.8 / 1.9)`` = 22, the long ones to 16 needs ``16 + 5`` = 21: no move needs fewer,
+so 1.9 s does not fit. At 2.0 s the long ones take 4 ranks (2 groups, 8 ranks) and the short
+ones 4 groups of one: 12 ranks. Of the 4 spare, the first goes to the size with the most load
+per group (a tie at 2.0 s: the smaller size), the rest to groups of one, as 4 no longer fit:
+2 groups of 4 run the long ones in 2.0 s, 8 ranks the short ones in 1.0 s each.
+
+In ``wave`` sync every wave lasts as long as its slowest group, so the batch is first dealt into
+the fewest micro-batches that hold it (as FlexSP does: :func:`planner.common.micro_batches`),
+each laid out on all ranks in turn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hdp import Plan
+
+from ..common import Context, PlanBuilder, fewest_micro_batches, micro_batches
+from .groups import finish, most_members, split_busy, stack
+
+# Heights tried, as multiples of the least where a layout fits the ranks.
+MIXED_HEIGHTS = (1.0, 1.05, 1.12, 1.25, 1.5)
+BISECTION_STEPS = 8
+# The least height is searched up to this many doublings of its lower bound.
+MAX_DOUBLINGS = 12
+# Where a layout must run in one wave, its groups of each size are counted to hold their tokens
+# at this share of the capacity: sequences do not pack whole groups full.
+ONE_WAVE_FILL = 0.9
+
+
+def mixed_group_plans(ctx: Context) -> list[Plan]:
+    """Plans on groups of mixed power-of-two sizes, one for each height of ``MIXED_HEIGHTS``
+    that gives a new layout (Note [Mixed group sizes]). In ``wave`` sync the batch is first
+    dealt into the fewest micro-batches that hold it, each laid out on all ranks in turn."""
+    sizes = 1 << np.arange(int(math.log2(most_members(ctx))) + 1)
+    time = _size_times(ctx, sizes)
+    if not np.isfinite(time.min(axis=1)).all():
+        return []
+    ids = np.flatnonzero(ctx.seq_lens > 0)
+    if ids.size == 0:
+        return []
+    parts = [ids]
+    if ctx.sync == "wave" and fewest_micro_batches(ctx) > 1:
+        parts = micro_batches(ctx, ids, fewest_micro_batches(ctx)) or parts
+    n, lens = ctx.num_ranks, ctx.seq_lens
+    tables, ladders = [], []
+    for part in parts:
+        table = _Table(time[part], sizes, lens[part], n, ctx.capacity)
+        ladder = _layouts(table) if ctx.sync == "wave" else []
+        if not ladder:  # ``peer`` sync, or no layout holds the part in one wave: let it stack
+            table = table._replace(room=None)
+            ladder = _layouts(table)
+        tables.append(table)
+        ladders.append(ladder)
+    plans, seen = [], set()
+    for k in range(min(len(ladder) for ladder in ladders)):
+        key = b"".join(a.tobytes() for ladder in ladders for a in ladder[k])
+        if key in seen:
+            continue
+        seen.add(key)
+        for any_size in (False, True):
+            builder, wave = PlanBuilder(ctx, "hdp"), 0
+            for part, table, ladder in zip(parts, tables, ladders):
+                wave += _stack_layout(ctx, builder, wave, part, table, ladder[k], any_size)
+            plan = finish(ctx, builder)
+            if plan is not None:
+                plans.append(plan)
+    return plans
+
+
+class _Layout(NamedTuple):
+    """The size index of each sequence, and the groups of each size."""
+
+    size_of: np.ndarray
+    counts: np.ndarray
+
+
+class _Table(NamedTuple):
+    """What a layout is chosen from: each sequence's time (s, rows) on a group of each size
+    (columns, inf where it cannot run), its tokens, the ranks, and the tokens a rank holds where
+    the layout must run in one wave (``None``: any number of waves)."""
+
+    time: np.ndarray
+    sizes: np.ndarray
+    lens: np.ndarray
+    num_ranks: int
+    room: int | None
+
+
+def _layouts(table: _Table) -> list[_Layout]:
+    """Layouts (size index of each sequence, groups of each size) at the least step time a
+    layout fits the ranks (bisected) and at ``MIXED_HEIGHTS`` times it."""
+    time, sizes = table.time, table.sizes
+    lo = max(float(time.min(axis=1).max()), (time * sizes).min(axis=1).sum() / table.num_ranks)
+    hi = lo
+    for _ in range(MAX_DOUBLINGS):
+        if _layout(table, hi) is not None:
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return []
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _layout(table, mid) is not None else (mid, hi)
+    found = (_layout(table, hi * f) for f in MIXED_HEIGHTS)
+    return [layout for layout in found if layout is not None]
+
+
+def _layout(table: _Table, height: float) -> _Layout | None:
+    """(size index of each sequence, groups of each size) at step time ``height``, or ``None``
+    where no repair fits the ranks (Note [Mixed group sizes])."""
+    time, sizes, n = table.time, table.sizes, table.num_ranks
+    fits = time <= height
+    if not fits.any(axis=1).all():
+        return None
+    size_of = np.argmin(np.where(fits, time * sizes, np.inf), axis=1)
+    while True:
+        counts = _counts(table, size_of, height)
+        if int(counts @ sizes) <= n:
+            break
+        best = None
+        for src in np.flatnonzero(counts).tolist():
+            moving = size_of == src
+            for dst in np.flatnonzero(fits[moving].all(axis=0)).tolist():
+                if dst == src:
+                    continue
+                trial = np.where(moving, dst, size_of)
+                need = int(_counts(table, trial, height) @ sizes)
+                if best is None or need < best[0]:
+                    best = (need, trial)
+        if best is None or best[0] >= int(counts @ sizes):
+            return None
+        size_of = best[1]
+    load = np.bincount(size_of, weights=_chosen(time, size_of), minlength=sizes.size)
+    spare = n - int(counts @ sizes)
+    while True:  # spare ranks: another group of the most loaded size that fits
+        per_group = np.where((counts > 0) & (sizes <= spare), load / np.maximum(counts, 1), -1.0)
+        s = int(np.argmax(per_group))
+        if per_group[s] < 0:
+            return _Layout(size_of, counts)
+        counts[s] += 1
+        spare -= int(sizes[s])
+
+
+def _counts(table: _Table, size_of: np.ndarray, height: float) -> np.ndarray:
+    """Groups each size needs to run its sequences within ``height`` (at least one where used,
+    and where the layout runs in one wave, enough to hold their tokens)."""
+    sizes = table.sizes
+    load = np.bincount(size_of, weights=_chosen(table.time, size_of), minlength=sizes.size)
+    need = np.ceil(load / height - 1e-9)
+    if table.room is not None:
+        tokens = np.bincount(size_of, weights=table.lens, minlength=sizes.size)
+        need = np.maximum(need, np.ceil(tokens / (sizes * table.room * ONE_WAVE_FILL) - 1e-9))
+    used = np.bincount(size_of, minlength=sizes.size) > 0
+    return np.where(used, np.maximum(1, need), 0).astype(np.int64)
+
+
+def _chosen(time: np.ndarray, size_of: np.ndarray) -> np.ndarray:
+    """Each sequence's time on its chosen size."""
+    return time[np.arange(size_of.size), size_of]
+
+
+def _stack_layout(
+    ctx: Context,
+    builder: PlanBuilder,
+    wave0: int,
+    ids: np.ndarray,
+    table: _Table,
+    layout: _Layout,
+    any_size: bool,
+) -> int:
+    """A layout of the sequences ``ids`` (the rows of ``table``) stacked into ``builder`` from
+    wave ``wave0`` as :func:`_deal` deals it, largest groups first on the ranks (so every group
+    is aligned to its size); returns the waves used."""
+    order, group_sizes, group_of, _ = _deal(table, layout, any_size)
+    degree = group_sizes[group_of]
+    return stack(ctx, builder, wave0, ids[order], group_sizes, group_of[order], degree[order])
+
+
+def _deal(
+    table: _Table, layout: _Layout, any_size: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(the sequences' order, each group's size, each sequence's group, each group's load s):
+    the sequences go longest first, each to the group where it would finish first (where the
+    layout runs in one wave: of those that still hold it, where any does); a group of its own
+    size, or with ``any_size`` of any, so that a group its own sequences leave short of the
+    step takes shorter ones."""
+    size_of, counts = layout
+    order = np.argsort(-_chosen(table.time, size_of), kind="stable")
+    size_idx = np.repeat(np.arange(table.sizes.size), counts)[::-1]  # of each group
+    group_sizes = table.sizes[size_idx]
+    load = np.zeros(group_sizes.size)
+    held = np.zeros(group_sizes.size, dtype=np.int64)  # tokens on each member
+    group_of = np.empty(size_of.size, dtype=np.int64)
+    anywhere = np.ones(group_sizes.size, dtype=bool)
+    for i in order.tolist():
+        share = -(-int(table.lens[i]) // group_sizes)
+        allowed = size_idx == size_of[i]
+        if any_size or not allowed.any():
+            allowed = anywhere
+        if table.room is not None and (allowed & (held + share <= table.room)).any():
+            allowed = allowed & (held + share <= table.room)
+        finish = np.where(allowed, load + table.time[i, size_idx], np.inf)
+        k = int(np.argmin(finish))
+        load[k] = finish[k]
+        held[k] += share[k]
+        group_of[i] = k
+    return order, group_sizes, group_of, load
+
+
+def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
+    """Time (s) of each sequence (rows) on a group of each size (columns, a whole sequence on
+    one rank), in exact shares; inf where it cannot run."""
+    lens = ctx.seq_lens
+    time = np.full((lens.size, sizes.size), np.inf)
+    time[:, 0] = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
+    for s, g in enumerate(sizes.tolist()[1:], start=1):
+        ok = lens >= g
+        time[ok, s] = split_busy(ctx, lens[ok], np.full(int(ok.sum()), g), 1)
+    return time
