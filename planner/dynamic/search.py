@@ -88,6 +88,9 @@ STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
 FLEXSP_RIVAL_RANKS = 8
 FLEXSP_RIVAL_SOLVES = 4
+# Past this many sequences neither FlexSP's plan (its length buckets' dynamic programming grows
+# with their square) nor mixed-size groups are cheap, and whole sequences fill the gaps anyway.
+RIVAL_SEQUENCES = 1024
 # Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) also get FlexSP's
 # plan wherever it solves, and in a P2P exchange equal-group plans: with few sequences a batch's
 # degrees may leave gaps the placer cannot fill.
@@ -250,7 +253,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
                 plan = group_plan(ctx, groups, split, exact)
                 if plan is not None:
                     search.consider("equal_groups", plan)
-    if ctx.num_ranks <= RIVAL_RANKS:  # (past it, planning time is budgeted)
+    if ctx.num_ranks <= RIVAL_RANKS and ctx.seq_lens.size <= RIVAL_SEQUENCES:
         for plan in mixed_group_plans(ctx):
             search.consider("mixed_groups", plan)
     if options.rivals and search.best_s > bound_s * (1 + 1e-9):  # none beats the bound
@@ -271,16 +274,17 @@ def few_sequences(ctx: Context) -> bool:
 
 def cheap_flexsp(ctx: Context) -> bool:
     """Whether FlexSP's plan is cheap beside hdp's search: on at most ``FLEXSP_RIVAL_RANKS``
-    ranks, where :func:`few_sequences` holds, or on at most ``RIVAL_RANKS`` where it solves its
-    MILP at most ``FLEXSP_RIVAL_SOLVES`` times (once, and in ``wave`` sync once more for each
-    micro-batch where the batch needs several: :mod:`planner.flexsp`, Note [FlexSP's
-    micro-batches])."""
+    ranks, where :func:`few_sequences` holds, or on at most ``RIVAL_RANKS`` for at most
+    ``RIVAL_SEQUENCES`` sequences where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES``
+    times (once, and in ``wave`` sync once more for each micro-batch where the batch needs
+    several: :mod:`planner.flexsp`, Note [FlexSP's micro-batches])."""
     n = ctx.num_ranks
     if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):
         return True
     fewest = fewest_micro_batches(ctx)
     solves = 1 if ctx.sync == "peer" or fewest <= 1 else 1 + fewest
-    return n <= RIVAL_RANKS and solves <= FLEXSP_RIVAL_SOLVES
+    many = ctx.seq_lens.size > RIVAL_SEQUENCES
+    return n <= RIVAL_RANKS and not many and solves <= FLEXSP_RIVAL_SOLVES
 
 
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
