@@ -16,7 +16,7 @@ def test_the_worked_example_of_the_note():
     """Note [Mixed group sizes]: 1.9 s fits no layout; the least that fits gives the long
     sequences 2 groups of 4 and the short ones the 8 ranks left, one each."""
     sizes = np.array([1, 2, 4, 8, 16])
-    time = np.vstack([[[INF, INF, 2.0, 1.2, 0.8]] * 2, [[0.2, 0.12, INF, INF, INF]] * 40])
+    time = np.vstack([[[INF, INF, 2.0, 1.25, 0.75]] * 2, [[0.25, 0.1875, INF, INF, INF]] * 40])
     table = mixed._Table(time, sizes, np.array([8000] * 2 + [500] * 40), 16, None)
     assert mixed._layout(table, 1.9) is None
     layout = mixed._layouts(table)[0]

@@ -72,29 +72,14 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     busy = ctx.whole_s.copy()
     busy[split] = split_busy(ctx, lens[split], degree[split], align[split])
     order = np.argsort(-busy, kind="stable")
-    group_of = np.empty(lens.size, dtype=np.int64)
+    group_of = np.empty(lens.size, dtype=np.int64)  # in ``order``
     load = np.zeros(groups)
-    for i in order.tolist():
-        k = int(np.argmin(load))
-        load[k] += busy[i]
-        group_of[i] = k
-    return stacked_plan(
-        ctx, np.full(groups, g), order, group_of[order], degree[order], align[order]
-    )
-
-
-def stacked_plan(
-    ctx: Context,
-    group_sizes: np.ndarray,
-    ids: np.ndarray,
-    group_of: np.ndarray,
-    degree: np.ndarray,
-    align: np.ndarray,
-) -> Plan | None:
-    """:func:`stack` into a plan of its own; ``None`` where a rank would hold more than it can
-    even with offload."""
+    for k, i in enumerate(order.tolist()):
+        group = int(np.argmin(load))
+        load[group] += busy[i]
+        group_of[k] = group
     builder = PlanBuilder(ctx, "hdp")
-    stack(ctx, builder, 0, ids, group_sizes, group_of, degree, align)
+    stack(ctx, builder, 0, order, np.full(groups, g), group_of, split[order], align[order])
     return finish(ctx, builder)
 
 
@@ -105,40 +90,42 @@ def stack(
     ids: np.ndarray,
     group_sizes: np.ndarray,
     group_of: np.ndarray,
-    degree: np.ndarray,
+    split: np.ndarray,
     align: int | np.ndarray = 1,
 ) -> int:
     """Groups of ``group_sizes`` ranks on consecutive ranks; sequence ``ids[k]`` (in this order)
-    in group ``group_of[k]``, split over all its members where ``degree[k] > 1`` (in shares
-    aligned to ``align[k]``) and else whole on one, stacked into the group's waves from
-    ``wave0``; returns the waves used."""
+    in group ``group_of[k]``, split over all its members where ``split[k]`` (in shares aligned
+    to ``align[k]``) and else whole on one, stacked into the group's waves from ``wave0``;
+    returns the waves used."""
     lens = ctx.seq_lens
     align = np.broadcast_to(np.asarray(align, dtype=np.int64), ids.shape)
     starts = np.cumsum(group_sizes) - group_sizes
-    split = np.flatnonzero(degree > 1)
+    splits = np.flatnonzero(split)
     held: dict[int, np.ndarray] = {}  # tokens of each split sequence per member
-    if split.size:
-        _, _, head, tail = zigzag_shares(lens[ids[split]], degree[split], align[split])
-        rows = np.split(head + tail, np.cumsum(degree[split])[:-1])
+    if splits.size:
+        degree = group_sizes[group_of[splits]]
+        _, _, head, tail = zigzag_shares(lens[ids[splits]], degree, align[splits])
+        rows = np.split(head + tail, np.cumsum(degree)[:-1])
         if ctx.cost.kv_exchange == "ulysses":  # exact shares; count the fullest member's on each
             rows = [np.full(r.size, r.max()) for r in rows]
-        held = dict(zip(split.tolist(), rows))
+        held = dict(zip(splits.tolist(), rows))
     wave_tokens: list[list[np.ndarray]] = [[] for _ in group_sizes]  # per wave: per member
     jobs: tuple[list, list, list, list] = ([], [], [], [])  # split: ids, waves, members, align
     whole: tuple[list, list, list] = ([], [], [])  # whole ones: waves, ranks, ids
     for k, i in enumerate(ids.tolist()):
         if lens[i] == 0:
             continue
-        g = int(group_of[k])
-        if degree[k] > 1:
+        group = int(group_of[k])
+        first, size = int(starts[group]), int(group_sizes[group])
+        if split[k]:
             jobs[0].append(i)
-            jobs[1].append(wave0 + _first_fit(wave_tokens[g], held[k], ctx.capacity))
-            jobs[2].append(np.arange(starts[g], starts[g] + group_sizes[g]))
+            jobs[1].append(wave0 + _first_fit(wave_tokens[group], held[k], ctx.capacity))
+            jobs[2].append(np.arange(first, first + size))
             jobs[3].append(align[k])
         else:
-            room = _first_room(wave_tokens[g], int(lens[i]), ctx.capacity, int(group_sizes[g]))
-            whole[0].append(wave0 + room[0])
-            whole[1].append(starts[g] + room[1])
+            wave, member = _first_room(wave_tokens[group], int(lens[i]), ctx.capacity, size)
+            whole[0].append(wave0 + wave)
+            whole[1].append(first + member)
             whole[2].append(i)
     if jobs[0]:
         builder.add_zigzag(jobs[0], jobs[1], jobs[2], align=np.array(jobs[3], dtype=np.int64))
@@ -169,16 +156,16 @@ def split_busy(ctx: Context, lens: np.ndarray, degree: np.ndarray, align: np.nda
     return split_times(ctx.cost, lens, degree, ctx.sync, align)[0]
 
 
-def _first_room(waves: list[np.ndarray], length: int, capacity: int, g: int) -> tuple[int, int]:
-    """(wave, member) for a whole sequence in a group of ``g``: the least-filled member of the
-    first wave where it keeps room for ``length`` tokens (a new wave where none does), with the
-    tokens added."""
+def _first_room(waves: list[np.ndarray], length: int, capacity: int, size: int) -> tuple[int, int]:
+    """(wave, member) for a whole sequence in a group of ``size`` ranks: the least-filled
+    member of the first wave where it keeps room for ``length`` tokens (a new wave where none
+    does), with the tokens added."""
     for w, tokens in enumerate(waves):
         member = int(np.argmin(tokens))
         if tokens[member] + length <= capacity:
             tokens[member] += length
             return w, member
-    waves.append(np.zeros(g, dtype=np.int64))
+    waves.append(np.zeros(size, dtype=np.int64))
     waves[-1][0] = length
     return len(waves) - 1, 0
 

@@ -20,15 +20,14 @@ dealt twice, longest first to the group where a sequence would finish first: amo
 size's groups, or among all (a group its own sequences leave short of the step then takes
 shorter ones). The cost model prices every plan; the search keeps the fastest.
 
-Example, 16 ranks: two long sequences of 2.0 s on 4 ranks, 1.2 s on 8 and 0.8 s on 16 (areas
-8, 9.6 and 12.8 rank-s), and 40 short ones of 0.2 s whole or 0.12 s on 2 (areas 0.2 and 0.24).
-At ``H`` = 1.9 s the long ones take 8 ranks (2 groups, 16 ranks) and the short ones one
-(``ceil(8 / 1.9)`` = 5 groups): 21 ranks. Moving the short ones to 2 ranks needs
-``16 + 2 ceil(4.8 / 1.9)`` = 22, the long ones to 16 needs ``16 + 5`` = 21: no move needs fewer,
-so 1.9 s does not fit. At 2.0 s the long ones take 4 ranks (2 groups, 8 ranks) and the short
-ones 4 groups of one: 12 ranks. Of the 4 spare, the first goes to the size with the most load
-per group (a tie at 2.0 s: the smaller size), the rest to groups of one, as 4 no longer fit:
-2 groups of 4 run the long ones in 2.0 s, 8 ranks the short ones in 1.0 s each.
+Example, 16 ranks: two long sequences of 2 s on 4 ranks, 1.25 s on 8 and 0.75 s on 16 (areas
+8, 10 and 12 rank-s), and 40 short ones of 0.25 s whole or 0.1875 s on 2 (areas 0.25 and
+0.375). At ``H`` = 1.9 s the long ones take 8 ranks (2 groups, 16 ranks) and the short ones one
+(``ceil(10 / 1.9)`` = 6 groups): 22 ranks. Moving the short ones to 2 ranks needs
+``16 + 2 ceil(7.5 / 1.9)`` = 24, the long ones to 16 needs ``16 + 6`` = 22: no move needs
+fewer, so 1.9 s does not fit. At 2 s the long ones take 4 ranks (2 groups, 8 ranks) and the
+short ones 5 groups of one: 13 ranks. The 3 spare become groups of one (a group of 4 no longer
+fits): the long ones run in 2 s, the short ones in 1.25 s on each of 8 ranks.
 
 In ``wave`` sync every wave lasts as long as its slowest group, so the batch is first dealt into
 the fewest micro-batches that hold it (as FlexSP does: :func:`planner.common.micro_batches`),
@@ -58,39 +57,40 @@ ONE_WAVE_FILL = 0.9
 
 
 def mixed_group_plans(ctx: Context) -> list[Plan]:
-    """Plans on groups of mixed power-of-two sizes, one for each height of ``MIXED_HEIGHTS``
-    that gives a new layout (Note [Mixed group sizes]). In ``wave`` sync the batch is first
-    dealt into the fewest micro-batches that hold it, each laid out on all ranks in turn."""
+    """Plans on groups of mixed power-of-two sizes (Note [Mixed group sizes]): for each height
+    of ``MIXED_HEIGHTS`` that gives a new layout, one plan per way of dealing it. In ``wave``
+    sync the batch is first dealt into the fewest micro-batches that hold it, each laid out on
+    all ranks in turn."""
     sizes = 1 << np.arange(int(math.log2(most_members(ctx))) + 1)
     time = _size_times(ctx, sizes)
-    if not np.isfinite(time.min(axis=1)).all():
-        return []
     ids = np.flatnonzero(ctx.seq_lens > 0)
-    if ids.size == 0:
+    if ids.size == 0 or not np.isfinite(time.min(axis=1)).all():
         return []
     parts = [ids]
-    if ctx.sync == "wave" and fewest_micro_batches(ctx) > 1:
-        parts = micro_batches(ctx, ids, fewest_micro_batches(ctx)) or parts
-    n, lens = ctx.num_ranks, ctx.seq_lens
+    fewest = fewest_micro_batches(ctx)
+    if ctx.sync == "wave" and fewest > 1:
+        parts = micro_batches(ctx, ids, fewest) or parts
     tables, ladders = [], []
     for part in parts:
-        table = _Table(time[part], sizes, lens[part], n, ctx.capacity)
-        ladder = _layouts(table) if ctx.sync == "wave" else []
-        if not ladder:  # ``peer`` sync, or no layout holds the part in one wave: let it stack
+        table = _Table(time[part], sizes, ctx.seq_lens[part], ctx.num_ranks, ctx.capacity)
+        ladder = _layouts(table) if ctx.sync == "wave" else [None]
+        if not any(ladder):  # ``peer`` sync, or no layout holds the part in one wave: let it stack
             table = table._replace(room=None)
             ladder = _layouts(table)
         tables.append(table)
         ladders.append(ladder)
     plans, seen = [], set()
-    for k in range(min(len(ladder) for ladder in ladders)):
-        key = b"".join(a.tobytes() for ladder in ladders for a in ladder[k])
+    for layouts in zip(*ladders):  # one height in every micro-batch
+        if None in layouts:
+            continue
+        key = b"".join(a.tobytes() for layout in layouts for a in layout)
         if key in seen:
             continue
         seen.add(key)
         for any_size in (False, True):
             builder, wave = PlanBuilder(ctx, "hdp"), 0
-            for part, table, ladder in zip(parts, tables, ladders):
-                wave += _stack_layout(ctx, builder, wave, part, table, ladder[k], any_size)
+            for part, table, layout in zip(parts, tables, layouts):
+                wave += _stack_layout(ctx, builder, wave, part, table, layout, any_size)
             plan = finish(ctx, builder)
             if plan is not None:
                 plans.append(plan)
@@ -116,9 +116,9 @@ class _Table(NamedTuple):
     room: int | None
 
 
-def _layouts(table: _Table) -> list[_Layout]:
-    """Layouts (size index of each sequence, groups of each size) at the least step time a
-    layout fits the ranks (bisected) and at ``MIXED_HEIGHTS`` times it."""
+def _layouts(table: _Table) -> list[_Layout | None]:
+    """Layouts (size index of each sequence, groups of each size) at ``MIXED_HEIGHTS`` times the
+    least step time a layout fits the ranks (bisected); ``None`` at a height none fits."""
     time, sizes = table.time, table.sizes
     lo = max(float(time.min(axis=1).max()), (time * sizes).min(axis=1).sum() / table.num_ranks)
     hi = lo
@@ -127,12 +127,11 @@ def _layouts(table: _Table) -> list[_Layout]:
             break
         lo, hi = hi, hi * 2
     else:
-        return []
+        return [None] * len(MIXED_HEIGHTS)
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if _layout(table, mid) is not None else (mid, hi)
-    found = (_layout(table, hi * f) for f in MIXED_HEIGHTS)
-    return [layout for layout in found if layout is not None]
+    return [_layout(table, hi * f) for f in MIXED_HEIGHTS]
 
 
 def _layout(table: _Table, height: float) -> _Layout | None:
@@ -201,19 +200,17 @@ def _stack_layout(
     """A layout of the sequences ``ids`` (the rows of ``table``) stacked into ``builder`` from
     wave ``wave0`` as :func:`_deal` deals it, largest groups first on the ranks (so every group
     is aligned to its size); returns the waves used."""
-    order, group_sizes, group_of, _ = _deal(table, layout, any_size)
-    degree = group_sizes[group_of]
-    return stack(ctx, builder, wave0, ids[order], group_sizes, group_of[order], degree[order])
+    order, group_sizes, group_of = _deal(table, layout, any_size)
+    split = group_sizes[group_of] > 1
+    return stack(ctx, builder, wave0, ids[order], group_sizes, group_of, split)
 
 
-def _deal(
-    table: _Table, layout: _Layout, any_size: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(the sequences' order, each group's size, each sequence's group, each group's load s):
-    the sequences go longest first, each to the group where it would finish first (where the
-    layout runs in one wave: of those that still hold it, where any does); a group of its own
-    size, or with ``any_size`` of any, so that a group its own sequences leave short of the
-    step takes shorter ones."""
+def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, ...]:
+    """(the sequences' order, each group's size, each sequence's group in that order): the
+    sequences go longest first, each to the group where it would finish first among those
+    where it runs (where the layout runs in one wave: of those that still hold it, where any
+    does); a group of its own size, or with ``any_size`` of any, so that a group its own
+    sequences leave short of the step takes shorter ones."""
     size_of, counts = layout
     order = np.argsort(-_chosen(table.time, size_of), kind="stable")
     size_idx = np.repeat(np.arange(table.sizes.size), counts)[::-1]  # of each group
@@ -221,20 +218,18 @@ def _deal(
     load = np.zeros(group_sizes.size)
     held = np.zeros(group_sizes.size, dtype=np.int64)  # tokens on each member
     group_of = np.empty(size_of.size, dtype=np.int64)
-    anywhere = np.ones(group_sizes.size, dtype=bool)
-    for i in order.tolist():
+    for k, i in enumerate(order.tolist()):
+        runs = np.isfinite(table.time[i, size_idx])
+        allowed = runs if any_size else runs & (size_idx == size_of[i])
         share = -(-int(table.lens[i]) // group_sizes)
-        allowed = size_idx == size_of[i]
-        if any_size or not allowed.any():
-            allowed = anywhere
         if table.room is not None and (allowed & (held + share <= table.room)).any():
-            allowed = allowed & (held + share <= table.room)
-        finish = np.where(allowed, load + table.time[i, size_idx], np.inf)
-        k = int(np.argmin(finish))
-        load[k] = finish[k]
-        held[k] += share[k]
-        group_of[i] = k
-    return order, group_sizes, group_of, load
+            allowed &= held + share <= table.room
+        done_s = np.where(allowed, load + table.time[i, size_idx], np.inf)
+        g = int(np.argmin(done_s))
+        load[g] = done_s[g]
+        held[g] += share[g]
+        group_of[k] = g
+    return order, group_sizes, group_of
 
 
 def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ this order:
    also only those over a rank's capacity); in ``ulysses`` exchange always (head-parallel
    groups of at most one rank a head), in a P2P exchange where :func:`few_sequences` holds.
    *Mixed sizes* (Note [Mixed group sizes]): power-of-two groups as FlexSP lays them out,
-   chosen without its MILP, up to ``RIVAL_RANKS`` ranks. Both catch what the relaxation's
+   chosen without its MILP, up to ``RIVAL_RANKS`` ranks and ``RIVAL_SEQUENCES`` sequences,
+   unless the best plan so far meets the bound. Both catch what the relaxation's
    degrees miss where they do not fit side by side: a profile where splitting every sequence
    saves work (the CPU's reference attention), or short sequences that share a group's
    micro-batches and so its fixed costs.
@@ -91,9 +92,9 @@ FLEXSP_RIVAL_SOLVES = 4
 # Past this many sequences neither FlexSP's plan (its length buckets' dynamic programming grows
 # with their square) nor mixed-size groups are cheap, and whole sequences fill the gaps anyway.
 RIVAL_SEQUENCES = 1024
-# Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) also get FlexSP's
-# plan wherever it solves, and in a P2P exchange equal-group plans: with few sequences a batch's
-# degrees may leave gaps the placer cannot fill.
+# Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) get FlexSP's plan
+# however many times it solves its MILP, and in a P2P exchange equal-group plans: with few
+# sequences a batch's degrees may leave gaps the placer cannot fill.
 FEW_SEQUENCES = 64
 
 NATIVE_SYNC = "peer"
@@ -253,7 +254,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
                 plan = group_plan(ctx, groups, split, exact)
                 if plan is not None:
                     search.consider("equal_groups", plan)
-    if ctx.num_ranks <= RIVAL_RANKS and ctx.seq_lens.size <= RIVAL_SEQUENCES:
+    within_caps = ctx.num_ranks <= RIVAL_RANKS and ctx.seq_lens.size <= RIVAL_SEQUENCES
+    if within_caps and search.best_s > bound_s * (1 + 1e-9):
         for plan in mixed_group_plans(ctx):
             search.consider("mixed_groups", plan)
     if options.rivals and search.best_s > bound_s * (1 + 1e-9):  # none beats the bound
@@ -276,13 +278,13 @@ def cheap_flexsp(ctx: Context) -> bool:
     """Whether FlexSP's plan is cheap beside hdp's search: on at most ``FLEXSP_RIVAL_RANKS``
     ranks, where :func:`few_sequences` holds, or on at most ``RIVAL_RANKS`` for at most
     ``RIVAL_SEQUENCES`` sequences where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES``
-    times (once, and in ``wave`` sync once more for each micro-batch where the batch needs
-    several: :mod:`planner.flexsp`, Note [FlexSP's micro-batches])."""
+    times (once, and in ``wave`` sync where its plan has more waves than the fewest
+    micro-batches once more for each of those: :mod:`planner.flexsp`, Note [FlexSP's
+    micro-batches])."""
     n = ctx.num_ranks
     if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):
         return True
-    fewest = fewest_micro_batches(ctx)
-    solves = 1 if ctx.sync == "peer" or fewest <= 1 else 1 + fewest
+    solves = 1 if ctx.sync == "peer" else 1 + fewest_micro_batches(ctx)
     many = ctx.seq_lens.size > RIVAL_SEQUENCES
     return n <= RIVAL_RANKS and not many and solves <= FLEXSP_RIVAL_SOLVES
 
