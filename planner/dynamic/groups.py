@@ -65,12 +65,11 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     g = ctx.num_ranks // groups
     lens = ctx.seq_lens
     split = split & (lens >= g)
-    degree = np.where(split, g, 1)
     align = np.ones(lens.size, dtype=np.int64)
     if not exact:
         align[split] = [ctx.split(int(lens[i]), g).align for i in np.flatnonzero(split).tolist()]
     busy = ctx.whole_s.copy()
-    busy[split] = split_busy(ctx, lens[split], degree[split], align[split])
+    busy[split] = split_busy(ctx, lens[split], np.full(int(split.sum()), g), align[split])
     order = np.argsort(-busy, kind="stable")
     group_of = np.empty(lens.size, dtype=np.int64)  # in ``order``
     load = np.zeros(groups)

@@ -219,12 +219,14 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
     held = np.zeros(group_sizes.size, dtype=np.int64)  # tokens on each member
     group_of = np.empty(size_of.size, dtype=np.int64)
     for k, i in enumerate(order.tolist()):
-        runs = np.isfinite(table.time[i, size_idx])
+        time_s = table.time[i, size_idx]
+        runs = np.isfinite(time_s)
         allowed = runs if any_size else runs & (size_idx == size_of[i])
         share = -(-int(table.lens[i]) // group_sizes)
-        if table.room is not None and (allowed & (held + share <= table.room)).any():
-            allowed &= held + share <= table.room
-        done_s = np.where(allowed, load + table.time[i, size_idx], np.inf)
+        if table.room is not None:
+            roomy = allowed & (held + share <= table.room)
+            allowed = roomy if roomy.any() else allowed
+        done_s = np.where(allowed, load + time_s, np.inf)
         g = int(np.argmin(done_s))
         load[g] = done_s[g]
         held[g] += share[g]
