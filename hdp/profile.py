@@ -109,11 +109,15 @@ def _mesh_interp(mesh: np.ndarray, x, y) -> np.ndarray:
     i = np.minimum(fx.astype(np.int64), last - 1)
     j = np.minimum(fy.astype(np.int64), last - 1)
     tx, ty = fx - i, fy - j
+    sx, sy = 1 - tx, 1 - ty
+    # Flat indices: the planner interpolates millions of shards, and one take beats a 2-D index.
+    flat, row = mesh.ravel(), mesh.shape[1]
+    k = i * row + j
     return (
-        mesh[i, j] * (1 - tx) * (1 - ty)
-        + mesh[i + 1, j] * tx * (1 - ty)
-        + mesh[i, j + 1] * (1 - tx) * ty
-        + mesh[i + 1, j + 1] * tx * ty
+        flat[k] * sx * sy
+        + flat[k + row] * tx * sy
+        + flat[k + 1] * sx * ty
+        + flat[k + row + 1] * tx * ty
     )
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
-from .degrees import length_menu, menu_floor, packed_time
+from .degrees import fastest_height, menu_floor, packed_time
 from .pricing import Settled, StepPricing
 from .splits import head_split_times, split_times
 from .strategies import STRATEGIES, Strategy, get_strategy
@@ -195,8 +195,7 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
         return False
     n = cost.cluster.num_ranks
     packed = packed_time(cost, seq_lens, cost.offload_capacity(sync))
-    menu = length_menu(cost, int(seq_lens.max()), sync, capacity)
-    fastest = float(menu.height.min()) if menu.degrees.size else float("inf")
+    fastest = fastest_height(cost, int(seq_lens.max()), sync, capacity)
     return fastest > 0.5 * menu_floor(packed, n)
 
 

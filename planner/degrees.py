@@ -75,7 +75,7 @@ from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
 from .common import blocks_fit, use_blocks
-from .splits import menu_pricing, split_times, ulysses_options
+from .splits import menu_pricing, split_times, split_times_both, ulysses_options
 
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
@@ -156,12 +156,13 @@ def _zigzag_menu(
     capacity: int,
     pow2: bool = False,
     floor_s: float = 0.0,
+    bounds: bool = True,
 ) -> Menu:
     """Priced degree menu of one length split in zigzag shares. Degrees above the one with the
     smallest height are dropped: they are slower and larger. ``pow2``: powers of two only
     (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
     the menu ends a little past the first degree no taller than it (Note [Menus end at the
-    floor])."""
+    floor]). ``bounds`` False leaves the bound's entries unpriced (they repeat hdp's)."""
     off_cap = cost.offload_capacity(sync)
     times, most_ranks, in_blocks = menu_pricing(cost, pow2)
 
@@ -171,22 +172,26 @@ def _zigzag_menu(
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
         # Megatron (pow2) splits into exact shares; hdp by common.use_blocks, priced here in
         # blocks first and exactly where the blocks leave a member over the offload capacity.
-        lengths = np.full(deg.size, length)
+        k, lengths = deg.size, np.full(deg.size, length)
         blocked = blocks_fit(length, deg) & in_blocks
+        if not blocked.any():
+            h, a, most = times(cost, lengths, deg, sync, 1)
+            return _until_lowest(Menu(deg, h, a, most, deg, h, a))
         align = np.where(blocked, BLOCK_TOKENS, 1)
-        h, a, most = times(cost, lengths, deg, sync, align)
+        exact = bound = None
+        if exact_too:  # hdp's entries and the bound's from one pass over both splits
+            parts, aligns = _blocks_then_exact(deg, align)
+            timed, by_bytes = split_times_both(cost, np.full(2 * k, length), parts, sync, aligns)
+            (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
+            bound = [np.fmin(x[:k], x[k:]) for x in by_bytes[:2]]
+        else:
+            h, a, most = times(cost, lengths, deg, sync, align)
         over = blocked & ~use_blocks(length, deg, most, off_cap)
-        if not blocked.any() or not (exact_too or over.any()):
-            return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        h_exact, a_exact, most_exact = times(cost, lengths, deg, sync, 1)
-        h, a, most = (
-            np.where(over, h_exact, h),
-            np.where(over, a_exact, a),
-            np.where(over, most_exact, most),
-        )
-        if not exact_too:
-            return _until_lowest(Menu(deg, h, a, most, deg, h, a))
-        return _until_lowest(Menu(deg, h, a, most, deg, *bound_entries(deg)))
+        if over.any():
+            if exact is None:
+                exact = times(cost, lengths, deg, sync, 1)
+            h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
+        return _until_lowest(Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound)))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
@@ -219,9 +224,11 @@ def _zigzag_menu(
     rpn = cost.cluster.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
-    menu = price(np.unique(np.concatenate([fine, nodes])))
+    menu = price(np.unique(np.concatenate([fine, nodes])), exact_too=bounds)
     at_top = np.flatnonzero(menu.bound_degrees == top)
-    if not cut or at_top.size == 0:  # (past its lowest height a menu's area only grows)
+    if (
+        not bounds or not cut or at_top.size == 0
+    ):  # (past its lowest height a menu's area only grows)
         return menu
     return replace(
         menu,
@@ -231,15 +238,28 @@ def _zigzag_menu(
     )
 
 
+def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
+    """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
+    length), without pricing the bound's entries."""
+    heights = _zigzag_menu(cost, length, sync, capacity, bounds=False).height
+    return float(heights.min()) if heights.size else math.inf
+
+
 def _bound_entries(
     cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """(height, area) of the bound's entries at degrees ``deg``: either split, by bytes alone."""
-    lengths = np.full(deg.size, length)
+    k = deg.size
     align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
-    hb, ab, _ = split_times(cost, lengths, deg, sync, align, latency=False)
-    he, ae, _ = split_times(cost, lengths, deg, sync, 1, latency=False)
-    return np.fmin(hb, he), np.fmin(ab, ae)
+    parts, aligns = _blocks_then_exact(deg, align)
+    h, a, _ = split_times(cost, np.full(2 * k, length), parts, sync, aligns, latency=False)
+    return np.fmin(h[:k], h[k:]), np.fmin(a[:k], a[k:])
+
+
+def _blocks_then_exact(deg: np.ndarray, align: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(parts, align) pricing each degree of ``deg`` twice in one call: split by ``align``, then
+    exactly."""
+    return np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
 
 
 def _tail_area(

@@ -32,62 +32,103 @@ def split_times(
     capacity offload the needed share of their activations (priced by the cost model).
     ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
     bytes, not messages])."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    parts = np.asarray(parts, dtype=np.int64)
-    m, rpn = cost.model, cost.cluster.ranks_per_node
-    rep, member, head, tail = zigzag_shares(lengths, parts, align)
-    head_start, tail_end = zigzag_positions(rep, head, tail)
-    held = head + tail
-    # Heads and tails priced in one call (attn_time prices an empty chunk at 0).
-    chunks = cost.attn_time(
-        np.concatenate([head_start, tail_end - tail]), np.concatenate([head_start + head, tail_end])
-    )
-    attn_layer = chunks[: head.size] + chunks[head.size :]
-    # Whole sequences may share a member's cell (their dense layers then run at the packed
-    # speed): bounds price dense work at the best speed per token.
-    per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
-    dense = cost.dense_time(held) if latency else held * per_token
-    compute = m.layers * attn_layer + dense
-    d = parts[rep]
-    # Node of each member (groups start at a node boundary) and per-node sums.
-    node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
-    node_heads = np.bincount(node_idx, weights=head)
-    node_size = np.bincount(node_idx)
-    # Tails of members j > i on i's node: the node's tail total minus the inclusive prefix.
-    tail_cum = np.cumsum(tail)
-    node_first = np.searchsorted(node_idx, np.arange(node_heads.size))
-    node_tail_incl = tail_cum - (tail_cum - tail)[node_first][node_idx]
-    node_tails = np.bincount(node_idx, weights=tail)
-    received = tail_end - held
-    in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
-    out_all = (d - 1) * head + member * tail
-    out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
-    if cost.kv_exchange == "node":
-        links = _ZigzagLinks(rep, node_idx, head, tail, tail_end, received, in_intra)
-        received, in_intra, out_intra, out_all = links.node_exchange(out_intra)
-    msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
-    msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
-    traffic = KVTraffic(
-        in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
-    )
-    t_fwd, t_bwd = cost.comm_time_per_layer(traffic, latency)
-    fs = cost.attn_fwd_share
-    exposed = m.layers * (
-        np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
-    )
-    exposed = np.where(d > 1, exposed, 0.0)
-    n = lengths.size
-    busy, height, most = _jobs(cost, sync, n, rep, held, compute, exposed)
-    if sync == "peer" and latency:
-        area = parts * height  # the members start together and wait for the slowest
-    else:
-        # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
-        # member's cell (their dense layers then run at the packed speed, and their attention
-        # may hide under its K/V traffic): count only compute, dense at the best speed. Bounds
-        # count so in peer sync too, where other sequences may fill a member's wait.
-        packed = m.layers * attn_layer + held * per_token
-        area = np.bincount(rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n)
-    return height, area, most
+    return _ZigzagJobs.of(cost, lengths, parts, align).times(cost, sync, latency)
+
+
+def split_times_both(
+    cost: CostModel,
+    lengths: np.ndarray,
+    parts: np.ndarray,
+    sync: str = "peer",
+    align: int | np.ndarray = 1,
+) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """:func:`split_times` with ``latency`` True and False, from one pass over the shares."""
+    jobs = _ZigzagJobs.of(cost, lengths, parts, align)
+    return jobs.times(cost, sync, True), jobs.times(cost, sync, False)
+
+
+class _ZigzagJobs(NamedTuple):
+    """What both of :func:`split_times`' pricings share, one row per member of every job."""
+
+    parts: np.ndarray  # per job
+    rep: np.ndarray  # the job of each member
+    d: np.ndarray  # its job's members
+    held: np.ndarray  # tokens it holds
+    attn_layer: np.ndarray  # its attention, one layer
+    traffic: KVTraffic
+
+    @classmethod
+    def of(
+        cls, cost: CostModel, lengths: np.ndarray, parts: np.ndarray, align: int | np.ndarray
+    ) -> _ZigzagJobs:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        parts = np.asarray(parts, dtype=np.int64)
+        rpn = cost.cluster.ranks_per_node
+        rep, member, head, tail = zigzag_shares(lengths, parts, align)
+        head_start, tail_end = zigzag_positions(rep, head, tail)
+        held = head + tail
+        # Heads and tails priced in one call (attn_time prices an empty chunk at 0).
+        chunks = cost.attn_time(
+            np.concatenate([head_start, tail_end - tail]),
+            np.concatenate([head_start + head, tail_end]),
+        )
+        attn_layer = chunks[: head.size] + chunks[head.size :]
+        d = parts[rep]
+        # Node of each member (groups start at a node boundary) and per-node sums.
+        node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
+        node_heads = np.bincount(node_idx, weights=head)
+        node_size = np.bincount(node_idx)
+        # Tails of members j > i on i's node: the node's tail total minus the inclusive prefix.
+        tail_cum = np.cumsum(tail)
+        node_first = np.searchsorted(node_idx, np.arange(node_heads.size))
+        node_tail_incl = tail_cum - (tail_cum - tail)[node_first][node_idx]
+        node_tails = np.bincount(node_idx, weights=tail)
+        received = tail_end - held
+        in_intra = node_heads[node_idx] - head + node_tails[node_idx] - node_tail_incl
+        out_all = (d - 1) * head + member * tail
+        out_intra = (node_size[node_idx] - 1) * head + (member % rpn) * tail
+        if cost.kv_exchange == "node":
+            links = _ZigzagLinks(rep, node_idx, head, tail, tail_end, received, in_intra)
+            received, in_intra, out_intra, out_all = links.node_exchange(out_intra)
+        msgs_in = (d - 1) + received // DEFAULT_KV_BLOCK_TOKENS
+        msgs_out = (d - 1) + out_all // DEFAULT_KV_BLOCK_TOKENS
+        traffic = KVTraffic(
+            in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
+        )
+        return cls(parts, rep, d, held, attn_layer, traffic)
+
+    def times(
+        self, cost: CostModel, sync: str, latency: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`split_times` of these jobs."""
+        m, held, attn_layer = cost.model, self.held, self.attn_layer
+        # Whole sequences may share a member's cell (their dense layers then run at the packed
+        # speed): bounds price dense work at the best speed per token.
+        per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
+        dense = cost.dense_time(held) if latency else held * per_token
+        compute = m.layers * attn_layer + dense
+        t_fwd, t_bwd = cost.comm_time_per_layer(self.traffic, latency)
+        fs = cost.attn_fwd_share
+        exposed = m.layers * (
+            np.maximum(0.0, t_fwd - fs * attn_layer)
+            + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
+        )
+        exposed = np.where(self.d > 1, exposed, 0.0)
+        n = self.parts.size
+        busy, height, most = _jobs(cost, sync, n, self.rep, held, compute, exposed)
+        if sync == "peer" and latency:
+            area = self.parts * height  # the members start together and wait for the slowest
+        else:
+            # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
+            # member's cell (their dense layers then run at the packed speed, and their
+            # attention may hide under its K/V traffic): count only compute, dense at the best
+            # speed. Bounds count so in peer sync too, where other sequences may fill a
+            # member's wait.
+            packed = m.layers * attn_layer + held * per_token
+            area = np.bincount(
+                self.rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n
+            )
+        return height, area, most
 
 
 def _jobs(
@@ -203,4 +244,10 @@ def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray
     return height, m.layers * (attn + g * comm) + length * per_token
 
 
-__all__ = ["head_split_times", "menu_pricing", "split_times", "ulysses_options"]
+__all__ = [
+    "head_split_times",
+    "menu_pricing",
+    "split_times",
+    "split_times_both",
+    "ulysses_options",
+]

@@ -59,12 +59,16 @@ def place_peer(
     # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
     heap = [(float(rank_load[r]), r) for r in range(n)]
     heapq.heapify(heap)
+    whole_s, tokens, ranks, slots = ctx.packed_s.tolist(), lens.tolist(), [], []
     for i in rest:
-        _, r = heapq.heappop(heap)
-        assignment.single_rank[i] = r
-        rank_load[r] += ctx.packed_s[i]
-        assignment.single_key[i] = tail.key + _first_fit(tail.waves[r], int(lens[i]), ctx.capacity)
-        heapq.heappush(heap, (float(rank_load[r]), r))
+        load, r = heap[0]
+        heapq.heapreplace(heap, (load + whole_s[i], r))
+        ranks.append(r)
+        slots.append(_first_fit(tail.waves[r], tokens[i], ctx.capacity))
+    for load, r in heap:  # one entry per rank, at its load
+        rank_load[r] = load
+    assignment.single_rank[rest] = ranks
+    assignment.single_key[rest] = tail.key + np.asarray(slots, dtype=np.int64)
     if polish_moves and rest:
         _polish(ctx, assignment, tail, np.asarray(rest), polish_moves)
     return assignment
@@ -80,29 +84,33 @@ def _fill_gaps(
     """Each whole sequence, longest first, into the smallest idle gap before a job that it fills
     without delaying the job (``room``: the gaps, sorted); returns the sequences no gap takes."""
     gap_waves: dict[tuple[int, int], list[int]] = {}
-    rest = []
+    whole_s, tokens = ctx.packed_s.tolist(), ctx.seq_lens.tolist()
+    rest, placed, ranks, keys = [], [], [], []
     for i in single.tolist():
-        t = float(ctx.packed_s[i])
+        t = whole_s[i]
         j = bisect.bisect_left(room, (t, -1, -1))
         if j == len(room):
             rest.append(i)
             continue
         left, r, k = room.pop(j)
         waves = gap_waves.setdefault((r, k), [])
-        slot = _first_fit(waves, int(ctx.seq_lens[i]), ctx.capacity)
-        assignment.single_rank[i], assignment.single_key[i] = r, 2 * k * stride + slot
+        placed.append(i)
+        ranks.append(r)
+        keys.append(2 * k * stride + _first_fit(waves, tokens[i], ctx.capacity))
         if left - t > 0:
             bisect.insort(room, (left - t, r, k))
+    assignment.single_rank[placed], assignment.single_key[placed] = ranks, keys
     return rest
 
 
 def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
     """Index of the first of ``waves`` (tokens used) with room for ``tokens``; opens one if none."""
-    k = next((k for k, used in enumerate(waves) if used + tokens <= cap), len(waves))
-    if k == len(waves):
-        waves.append(0)
-    waves[k] += tokens
-    return k
+    for k, used in enumerate(waves):
+        if used + tokens <= cap:
+            waves[k] = used + tokens
+            return k
+    waves.append(tokens)
+    return len(waves) - 1
 
 
 def _polish(ctx: Context, assignment: Assignment, tail: _Tail, ids: np.ndarray, moves: int) -> None:
