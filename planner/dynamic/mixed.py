@@ -201,7 +201,7 @@ def _stack_layout(
     wave ``wave0`` as :func:`_deal` deals it, largest groups first on the ranks (so every group
     is aligned to its size); returns the waves used."""
     order, group_sizes, group_of = _deal(table, layout, any_size)
-    split = group_sizes[group_of] > 1
+    split = (group_sizes[group_of] > 1) & (table.lens[order] >= group_sizes[group_of])
     return stack(ctx, builder, wave0, ids[order], group_sizes, group_of, split)
 
 
@@ -222,7 +222,8 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
         time_s = table.time[i, size_idx]
         runs = np.isfinite(time_s)
         allowed = runs if any_size else runs & (size_idx == size_of[i])
-        share = -(-int(table.lens[i]) // group_sizes)
+        tokens = int(table.lens[i])
+        share = np.where(tokens >= group_sizes, -(-tokens // group_sizes), tokens)  # whole: one
         if table.room is not None:
             roomy = allowed & (held + share <= table.room)
             allowed = roomy if roomy.any() else allowed
@@ -235,11 +236,12 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
 
 
 def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
-    """Time (s) of each sequence (rows) on a group of each size (columns, a whole sequence on
-    one rank), in exact shares; inf where it cannot run."""
+    """Time (s) of each sequence (rows) on a group of each size (columns), in exact shares; a
+    sequence with fewer tokens than the group has members runs whole on one of them (a group
+    then still takes the short sequences a layout gives it). inf where it cannot run."""
     lens = ctx.seq_lens
-    time = np.full((lens.size, sizes.size), np.inf)
-    time[:, 0] = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
+    whole = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
+    time = np.repeat(whole[:, None], sizes.size, axis=1)
     for s, g in enumerate(sizes.tolist()[1:], start=1):
         ok = lens >= g
         time[ok, s] = split_busy(ctx, lens[ok], np.full(int(ok.sum()), g), 1)
