@@ -42,7 +42,8 @@ import numpy as np
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
-from .degrees import fastest_height, menu_floor, packed_time
+from .degrees import packed_time
+from .menus import fastest_height, menu_floor
 from .pricing import Settled, StepPricing
 from .splits import head_split_times, split_times
 from .strategies import STRATEGIES, Strategy, get_strategy

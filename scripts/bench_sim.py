@@ -88,7 +88,7 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
     zigzag splits can finish sooner, whatever the lower bound says."""
     import numpy as np
 
-    from planner.degrees import split_times
+    from planner.splits import split_times
 
     cost = StepPricing.build(model, cluster).cost
     cap = cost.capacity("peer")

@@ -14,12 +14,12 @@ from test_strategies import check_plan
 from hdp import ClusterSpec, CostModel, Plan, model_preset
 from planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, solver
 from planner.common import Context, zigzag_arrays
-from planner.degrees import relaxation_bound, split_times, step_bound, work_area
+from planner.degrees import relaxation_bound, step_bound, work_area
 from planner.dynamic import DynamicOptions, candidate_heights, milp
 from planner.dynamic.candidates import num_waves_for
 from planner.dynamic.place import place
 from planner.dynamic.shelves import shelf_candidates
-from planner.splits import head_split_times
+from planner.splits import head_split_times, split_times
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])

@@ -24,8 +24,9 @@ import numpy as np
 from hdp import Plan
 
 from ..common import Context, PlanBuilder, PlanningError
-from ..degrees import Jobs, Relaxation, relaxation_bound, split_times, step_bound
+from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
+from ..splits import split_times
 from .options import DynamicOptions
 
 

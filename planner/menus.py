@@ -1,0 +1,276 @@
+"""Degree menus: how long one sequence length takes on each of its useful degrees.
+
+:func:`length_menu` prices a length's degrees once per cost model, with
+:func:`planner.splits.split_times`: a coarse pass finds where the height stops falling, and a fine
+menu, with the node multiples around it, ends a little beyond. Each entry has hdp's own figures
+(128-token blocks, latency counted) and the bound's (the faster of either split, by bytes alone).
+The relaxation and the bounds of :mod:`planner.degrees` sweep these menus.
+
+Note [Bounds price bytes, not messages]: the closed form counts a member's messages as its
+``d - 1`` partners plus one per K/V block it receives, while a plan's exchange
+(:meth:`hdp.Plan.exchange`) merges a member's adjacent pieces and may send fewer. A bound that
+charged the closed form's per-message latency could then exceed a plan: a 2049-token sequence of
+the tiny model split over 5 ranks ran 0.7% under it. So the entries bounds use (``Menu.bound_*``)
+price the K/V traffic by its bytes alone, which every zigzag split of the sequence must move,
+while hdp's own entries keep the latency that decides between its degrees.
+
+Note [Menus end at the floor]: every relaxation value is at least the least work of the batch
+spread over the slots (:func:`menu_floor` of :func:`planner.degrees.least_time`), so below that
+height a job's height no longer matters, only its area. A menu thus ends at the coarse degree where
+the height first drops below the floor, and bounds give the degrees past it one option: that height
+and the least area of the coarse degrees past it, walked until the area grows (the degrees between
+them are covered as the menus' own gaps are). On the GPU profiles the area grows at once, but on
+the CPU profile more members save more work (Note [Splits that save work] in
+:mod:`planner.degrees`) and it may fall. In ``node`` exchange the heights of a long sequence fall
+up to the whole cluster; without this end its menu would price every degree up to it. (``rank``
+menus end where their heights stop falling, well before.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+import numpy as np
+
+from hdp import CostModel
+from hdp.plan import BLOCK_TOKENS
+
+from .common import blocks_fit, use_blocks
+from .splits import menu_pricing, split_times, split_times_both, ulysses_options
+
+
+def degree_menu(
+    length: int, num_ranks: int, offload_capacity: int, ratio: float = 1.08, dense_up_to: int = 16
+) -> np.ndarray:
+    """Candidate degrees of one sequence: from the fewest ranks that can hold it (with offload),
+    every ``d`` up to ``dense_up_to``, then every ``ratio``-th, and all ranks."""
+    d = max(1, -(-length // max(offload_capacity, 1)))
+    if d > num_ranks:
+        return np.zeros(0, dtype=np.int64)
+    out = [d]
+    while d < num_ranks:
+        d = d + 1 if d < dense_up_to else max(d + 1, int(round(d * ratio)))
+        out.append(min(num_ranks, d))
+    return np.asarray(out, dtype=np.int64)
+
+
+_NONE = np.zeros(0)
+
+
+@dataclass(frozen=True)
+class Menu:
+    """The priced degrees of one sequence length, arrays sorted by degree. ``degrees``, ``height``,
+    ``area``, ``most_tokens``: a member's figures as ``hdp`` splits the sequence (128-token blocks),
+    the feasible degrees up to the fastest. ``bound_*``: for bounds over every strategy's plans,
+    the degrees that either split can hold, each at the faster of hdp's split and the exact
+    zigzag split other strategies use, traffic priced by its bytes (Note [Bounds price bytes, not
+    messages]), up to the fastest."""
+
+    degrees: np.ndarray
+    height: np.ndarray
+    area: np.ndarray
+    most_tokens: np.ndarray
+    bound_degrees: np.ndarray
+    bound_height: np.ndarray
+    bound_area: np.ndarray
+    tail_area: float = math.inf
+    ulysses_height: np.ndarray = field(default_factory=lambda: _NONE)
+    ulysses_area: np.ndarray = field(default_factory=lambda: _NONE)
+
+
+@lru_cache(maxsize=4096)
+def length_menu(
+    cost: CostModel,
+    length: int,
+    sync: str,
+    capacity: int,
+    pow2: bool = False,
+    floor_s: float = 0.0,
+) -> Menu:
+    """Priced degree menu of one length (cached per cost model, so repeated lengths are free):
+    :func:`_zigzag_menu`, with the bound's :func:`ulysses_options` beside it. Megatron's form
+    (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
+    menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s)
+    if pow2:
+        return menu
+    if cost.kv_exchange == "ulysses":  # hdp's head-parallel entries; bounds cover P2P plans too
+        p2p = length_menu(cost.with_exchange("rank"), length, sync, capacity, pow2, floor_s)
+        return replace(
+            menu,
+            bound_degrees=p2p.bound_degrees,
+            bound_height=p2p.bound_height,
+            bound_area=p2p.bound_area,
+            tail_area=p2p.tail_area,
+            ulysses_height=p2p.ulysses_height,
+            ulysses_area=p2p.ulysses_area,
+        )
+    height, area = ulysses_options(cost, length, sync)
+    return replace(menu, ulysses_height=height, ulysses_area=area)
+
+
+def _zigzag_menu(
+    cost: CostModel,
+    length: int,
+    sync: str,
+    capacity: int,
+    pow2: bool = False,
+    floor_s: float = 0.0,
+    bounds: bool = True,
+) -> Menu:
+    """Priced degree menu of one length split in zigzag shares. Degrees above the one with the
+    smallest height are dropped: they are slower and larger. ``pow2``: powers of two only
+    (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
+    the menu ends a little past the first degree no taller than it (Note [Menus end at the
+    floor]). ``bounds`` False leaves the bound's entries unpriced (they repeat hdp's)."""
+    off_cap = cost.offload_capacity(sync)
+    most_ranks = menu_pricing(cost, pow2)[1]
+
+    def bound_entries(deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _bound_entries(cost, length, sync, deg, pow2)
+
+    def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
+        return _priced(cost, length, sync, deg, pow2, exact_too)
+
+    if pow2:
+        d_min = max(1, -(-length // max(capacity, 1)))
+        deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(cost.cluster.num_ranks)) + 1)
+        return price(deg.astype(np.int64))
+    # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
+    # Members hold at least one block: fewer tokens per member would leave the exact splits of
+    # other strategies faster than every degree priced, and the bound would not be one.
+    # One degree beyond the fewest that hold it: blocks can leave the fewest a block over the
+    # capacity (1793 tokens on 3 ranks of 640: 641 on one).
+    widest = min(most_ranks, max(1, length // BLOCK_TOKENS, -(-length // max(off_cap, 1)) + 1))
+    candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
+    if candidates.size == 0:  # more ranks than the cluster has
+        return price(candidates)
+    coarse = price(candidates, exact_too=False)
+    # (Where no 128-token split fits, the exact one may: price them all.)
+    top, cut = widest, False
+    if coarse.degrees.size:
+        below = np.flatnonzero(coarse.height <= floor_s)
+        if below.size:  # the fine menu's first degree below the floor is at most this one
+            top = int(coarse.degrees[int(below[0])])
+            cut = top < widest
+        else:
+            top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
+    fine = degree_menu(length, min(widest, top), off_cap)
+    # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
+    # degree is often a whole number of nodes: add the node multiples around every fine degree.
+    # The sweep's virtual options assume heights between two entries lie above the lower one,
+    # which holds only with those multiples in the menu.
+    rpn = cost.cluster.ranks_per_node
+    nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
+    nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
+    menu = price(np.unique(np.concatenate([fine, nodes])), exact_too=bounds)
+    at_top = np.flatnonzero(menu.bound_degrees == top)
+    if (
+        not bounds or not cut or at_top.size == 0
+    ):  # (past its lowest height a menu's area only grows)
+        return menu
+    return replace(
+        menu,
+        tail_area=_tail_area(
+            bound_entries, float(menu.bound_area[at_top[0]]), candidates[candidates > top]
+        ),
+    )
+
+
+def _priced(
+    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool, exact_too: bool
+) -> Menu:
+    """The menu of ``length`` at degrees ``deg``, up to its lowest height; ``exact_too`` False
+    leaves the bound's entries unpriced (they repeat hdp's). Megatron (``pow2``) splits into
+    exact shares; hdp by :func:`planner.common.use_blocks`, priced here in blocks first and
+    exactly where the blocks leave a member over the offload capacity."""
+    times, _, in_blocks = menu_pricing(cost, pow2)
+    k, lengths = deg.size, np.full(deg.size, length)
+    blocked = blocks_fit(length, deg) & in_blocks
+    if not blocked.any():
+        h, a, most = times(cost, lengths, deg, sync, 1)
+        return _until_lowest(Menu(deg, h, a, most, deg, h, a))
+    align = np.where(blocked, BLOCK_TOKENS, 1)
+    exact = bound = None
+    if exact_too:  # hdp's entries and the bound's from one pass over both splits
+        parts, aligns = _blocks_then_exact(deg, align)
+        timed, by_bytes = split_times_both(cost, np.full(2 * k, length), parts, sync, aligns)
+        (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
+        bound = [np.fmin(x[:k], x[k:]) for x in by_bytes[:2]]
+    else:
+        h, a, most = times(cost, lengths, deg, sync, align)
+    over = blocked & ~use_blocks(length, deg, most, cost.offload_capacity(sync))
+    if over.any():
+        if exact is None:
+            exact = times(cost, lengths, deg, sync, 1)
+        h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
+    return _until_lowest(Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound)))
+
+
+def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
+    """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
+    length), without pricing the bound's entries."""
+    heights = _zigzag_menu(cost, length, sync, capacity, bounds=False).height
+    return float(heights.min()) if heights.size else math.inf
+
+
+def _bound_entries(
+    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(height, area) of the bound's entries at degrees ``deg``: either split, by bytes alone."""
+    k = deg.size
+    align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
+    parts, aligns = _blocks_then_exact(deg, align)
+    h, a, _ = split_times(cost, np.full(2 * k, length), parts, sync, aligns, latency=False)
+    return np.fmin(h[:k], h[k:]), np.fmin(a[:k], a[k:])
+
+
+def _blocks_then_exact(deg: np.ndarray, align: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(parts, align) pricing each degree of ``deg`` twice in one call: split by ``align``, then
+    exactly."""
+    return np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
+
+
+def _tail_area(
+    bound_entries: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    end_area: float,
+    degrees: np.ndarray,
+) -> float:
+    """Least bound area of the coarse ``degrees`` past a menu's end (where it is ``end_area``),
+    walked in order until the area grows again (Note [Menus end at the floor])."""
+    least = last = end_area
+    for d in degrees.tolist():
+        height, area = bound_entries(np.array([d]))
+        if not np.isfinite(height[0]) or area[0] >= last:
+            return least
+        least = last = float(area[0])
+    return least
+
+
+def menu_floor(work_s: np.ndarray, slots: int) -> float:
+    """The work ``work_s`` spread evenly over ``slots``, rounded down to a quarter octave so that
+    batches alike share cached menus: a lower bound of every relaxation value where ``work_s``
+    is each sequence's :func:`least_time`."""
+    simple = float(np.sum(work_s)) / max(slots, 1)
+    return 0.0 if simple <= 0 else float(2.0 ** (math.floor(math.log2(simple) * 4) / 4))
+
+
+def _until_lowest(mu: Menu) -> Menu:
+    """Each set of entries (hdp's, the bound's) cut to the feasible ones up to its lowest height."""
+
+    def keep(degrees: np.ndarray, height: np.ndarray) -> np.ndarray:
+        ok = np.isfinite(height)
+        return ok & (degrees <= degrees[ok][int(np.argmin(height[ok]))]) if ok.any() else ok
+
+    k, b = keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height)
+    return Menu(
+        mu.degrees[k],
+        mu.height[k],
+        mu.area[k],
+        mu.most_tokens[k],
+        mu.bound_degrees[b],
+        mu.bound_height[b],
+        mu.bound_area[b],
+    )
