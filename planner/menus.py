@@ -29,9 +29,9 @@ menus end where their heights stop falling, well before.)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -128,11 +128,8 @@ def _zigzag_menu(
     off_cap = cost.offload_capacity(sync)
     most_ranks = menu_pricing(cost, pow2)[1]
 
-    def bound_entries(deg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return _bound_entries(cost, length, sync, deg, pow2)
-
     def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
-        return _priced(cost, length, sync, deg, pow2, exact_too)
+        return _until_lowest(_priced(cost, length, sync, deg, pow2, exact_too))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
@@ -165,33 +162,35 @@ def _zigzag_menu(
     rpn = cost.cluster.ranks_per_node
     nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
     nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
-    menu = price(np.unique(np.concatenate([fine, nodes])), exact_too=bounds)
+    menu_degrees = np.unique(np.concatenate([fine, nodes]))
+    past = candidates[candidates > top] if cut and bounds else candidates[:0]
+    # The first degree past the end is priced with the menu: most tail walks stop there.
+    priced = _priced(cost, length, sync, np.concatenate([menu_degrees, past[:1]]), pow2, bounds)
+    menu = _until_lowest(_first(priced, menu_degrees.size))
     at_top = np.flatnonzero(menu.bound_degrees == top)
-    if (
-        not bounds or not cut or at_top.size == 0
-    ):  # (past its lowest height a menu's area only grows)
+    if past.size == 0 or at_top.size == 0:  # (past its lowest height a menu's area only grows)
         return menu
-    return replace(
-        menu,
-        tail_area=_tail_area(
-            bound_entries, float(menu.bound_area[at_top[0]]), candidates[candidates > top]
-        ),
-    )
+    first_past = (float(priced.bound_height[-1]), float(priced.bound_area[-1]))
+    walk = _TailWalk(cost, length, sync, pow2, first_past)
+    return replace(menu, tail_area=walk.least_area(float(menu.bound_area[at_top[0]]), past))
 
 
 def _priced(
     cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool, exact_too: bool
 ) -> Menu:
-    """The menu of ``length`` at degrees ``deg``, up to its lowest height; ``exact_too`` False
-    leaves the bound's entries unpriced (they repeat hdp's). Megatron (``pow2``) splits into
+    """The menu of ``length`` at degrees ``deg`` (every one, infeasible ones too); ``exact_too``
+    False leaves the bound's entries unpriced (they repeat hdp's). Megatron (``pow2``) splits into
     exact shares; hdp by :func:`planner.common.use_blocks`, priced here in blocks first and
     exactly where the blocks leave a member over the offload capacity."""
     times, _, in_blocks = menu_pricing(cost, pow2)
     k, lengths = deg.size, np.full(deg.size, length)
     blocked = blocks_fit(length, deg) & in_blocks
-    if not blocked.any():
-        h, a, most = times(cost, lengths, deg, sync, 1)
-        return _until_lowest(Menu(deg, h, a, most, deg, h, a))
+    if not blocked.any():  # one split; the bound's entries price it by bytes alone
+        if not (exact_too and times is split_times):
+            h, a, most = times(cost, lengths, deg, sync, 1)
+            return Menu(deg, h, a, most, deg, h, a)
+        (h, a, most), (h_bytes, a_bytes, _) = split_times_both(cost, lengths, deg, sync, 1)
+        return Menu(deg, h, a, most, deg, h_bytes, a_bytes)
     align = np.where(blocked, BLOCK_TOKENS, 1)
     exact = bound = None
     if exact_too:  # hdp's entries and the bound's from one pass over both splits
@@ -206,7 +205,20 @@ def _priced(
         if exact is None:
             exact = times(cost, lengths, deg, sync, 1)
         h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
-    return _until_lowest(Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound)))
+    return Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound))
+
+
+def _first(mu: Menu, k: int) -> Menu:
+    """The first ``k`` entries of an uncut menu (hdp's and the bound's)."""
+    return Menu(
+        mu.degrees[:k],
+        mu.height[:k],
+        mu.area[:k],
+        mu.most_tokens[:k],
+        mu.bound_degrees[:k],
+        mu.bound_height[:k],
+        mu.bound_area[:k],
+    )
 
 
 def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
@@ -233,20 +245,30 @@ def _blocks_then_exact(deg: np.ndarray, align: np.ndarray) -> tuple[np.ndarray, 
     return np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
 
 
-def _tail_area(
-    bound_entries: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
-    end_area: float,
-    degrees: np.ndarray,
-) -> float:
-    """Least bound area of the coarse ``degrees`` past a menu's end (where it is ``end_area``),
-    walked in order until the area grows again (Note [Menus end at the floor])."""
-    least = last = end_area
-    for d in degrees.tolist():
-        height, area = bound_entries(np.array([d]))
-        if not np.isfinite(height[0]) or area[0] >= last:
-            return least
-        least = last = float(area[0])
-    return least
+class _TailWalk(NamedTuple):
+    """The bound's entries past a cut menu's end (Note [Menus end at the floor]), the first
+    already priced."""
+
+    cost: CostModel
+    length: int
+    sync: str
+    pow2: bool
+    first: tuple[float, float]  # (height, area) at the first degree past the end
+
+    def least_area(self, end_area: float, degrees: np.ndarray) -> float:
+        """Least bound area of the coarse ``degrees`` past the menu's end (where it is
+        ``end_area``), walked in order until the area grows again."""
+        least = last = end_area
+        for k, d in enumerate(degrees.tolist()):
+            if k == 0:
+                height, area = self.first
+            else:
+                h, a = _bound_entries(self.cost, self.length, self.sync, np.array([d]), self.pow2)
+                height, area = float(h[0]), float(a[0])
+            if not math.isfinite(height) or area >= last:
+                return least
+            least = last = area
+        return least
 
 
 def menu_floor(work_s: np.ndarray, slots: int) -> float:

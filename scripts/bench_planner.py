@@ -8,6 +8,8 @@ r"""The planner's targets, measured side by side in one run.
 
     python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 \
         --out docs/figures
+    python scripts/bench_planner.py --parts planning --scaling 256:8M,1024:32M \
+        --planning-seeds 0,1,2,3,4
 """
 
 from __future__ import annotations
@@ -79,33 +81,41 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
     return rows
 
 
-def planning_time(points: list[tuple[int, int]], seed: int) -> list[dict]:
+def planning_time(points: list[tuple[int, int]], seeds: list[int]) -> list[dict]:
+    """hdp's planning time on a fresh byted-2m batch of each seed at each (ranks, tokens) point,
+    after one warm-up plan (imports, kernel tables) that is not counted."""
     rows = []
     model = model_preset("llama-7b")
-    for n, tokens in points:
-        lens = get_workload("byted-2m").sample_batch(
-            np.random.default_rng(seed), tokens_per_step=tokens
-        )
+    for k, (n, tokens) in enumerate(points):
         cluster = ClusterSpec.preset("h100", n)
-        t0 = time.perf_counter()
-        plan, rep = plan_and_evaluate(lens, cluster, model, "hdp", validate=False)
-        total = time.perf_counter() - t0
-        rows.append(
-            {
-                "gpus": n,
-                "tokens": tokens,
-                "sequences": int(lens.size),
-                "plan_s": rep.plan_time_s,
-                "with_evaluation_s": total,
-                "x_bound": rep.step_time_s / plan.predicted["bound_s"],
-            }
-        )
-        print(
-            f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  {lens.size:7d} sequences  "
-            f"plan {rep.plan_time_s:6.2f} s  (+ evaluation {total - rep.plan_time_s:5.2f} s)  "
-            f"step/bound {rows[-1]['x_bound']:.3f}",
-            flush=True,
-        )
+        for seed in ([seeds[0] + 1000] if k == 0 else []) + seeds:
+            lens = get_workload("byted-2m").sample_batch(
+                np.random.default_rng(seed), tokens_per_step=tokens
+            )
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan, rep = plan_and_evaluate(lens, cluster, model, "hdp", validate=False)
+            total, cpu = time.perf_counter() - t0, time.process_time() - c0
+            if k == 0 and seed == seeds[0] + 1000:
+                continue
+            rows.append(
+                {
+                    "gpus": n,
+                    "tokens": tokens,
+                    "seed": seed,
+                    "sequences": int(lens.size),
+                    "plan_s": rep.plan_time_s,
+                    "with_evaluation_s": total,
+                    "cpu_s": cpu,
+                    "x_bound": rep.step_time_s / plan.predicted["bound_s"],
+                }
+            )
+            print(
+                f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  seed {seed:3d}  "
+                f"{lens.size:7d} sequences  plan {rep.plan_time_s:6.3f} s  (+ evaluation "
+                f"{total - rep.plan_time_s:5.3f} s; CPU in all {cpu:6.3f} s)  "
+                f"step/bound {rows[-1]['x_bound']:.3f}",
+                flush=True,
+            )
     return rows
 
 
@@ -121,23 +131,41 @@ def main() -> None:
         default="256:8M,1024:32M,4096:128M,16384:256M,16384:512M",
         help="RANKS:TOKENS points for the planning-time curve",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="batch seed of the quality part")
+    ap.add_argument(
+        "--planning-seeds",
+        default="0",
+        help="comma-separated seeds: one fresh batch each at every --scaling point",
+    )
+    ap.add_argument(
+        "--parts",
+        default="quality,planning",
+        help="which parts to run: quality, planning or both (comma-separated)",
+    )
     ap.add_argument(
         "--out", default=None, help="folder for bench_planner.json and planner_time.png"
     )
     args = ap.parse_args()
     from hdp.specs import parse_size
 
-    q = quality(
-        args.models.split(","),
-        [int(g) for g in args.gpus.split(",")],
-        args.workloads.split(","),
-        args.seed,
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"quality", "planning"}:
+        ap.error(f"--parts {args.parts!r}: choose quality, planning or quality,planning")
+    q = (
+        quality(
+            args.models.split(","),
+            [int(g) for g in args.gpus.split(",")],
+            args.workloads.split(","),
+            args.seed,
+        )
+        if "quality" in parts
+        else []
     )
     points = [
         (int(p.split(":")[0]), parse_size(p.split(":")[1])) for p in args.scaling.split(",") if p
     ]
-    s = planning_time(points, args.seed)
+    seeds = [int(x) for x in args.planning_seeds.split(",") if x]
+    s = planning_time(points, seeds) if "planning" in parts and seeds else []
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
