@@ -461,6 +461,60 @@ def test_skipping_wave_candidates_changes_no_plan_on_real_batches(workload):
     assert len(skipping) < len(everything) or workload != "byted-2m"
 
 
+def _peer_plans_with_and_without_skipping(lens, cluster, model, capacity=None) -> tuple[list, list]:
+    """Step times of every ``peer`` candidate placed, planning as usual and with nothing skipped
+    (the last of each list is the plan kept); each placed candidate's step is checked to be at
+    least its tallest multi-rank job's busy time as the closed form prices it by bytes alone,
+    in whichever split is faster (what candidates are skipped by)."""
+    lens = np.asarray(lens)
+    cost = CostModel(model, cluster, capacity_override=capacity)
+    if nic_may_bind(cost, lens, "peer", cost.capacity("peer")):
+        cost = cost.with_exchange("node")
+    runs: list[list[float]] = []
+
+    def check(cand, placement):
+        step = cost.evaluate(placement.plan).step_time_s
+        multi = np.flatnonzero(cand.degree > 1)
+        L, d = lens[multi], cand.degree[multi]
+        blocks = np.where(L >= 256 * d, 128, 1)
+        by_blocks = split_times(cost, L, d, "peer", blocks, latency=False)[0]
+        exact = split_times(cost, L, d, "peer", 1, latency=False)[0]
+        assert step >= np.fmin(by_blocks, exact).max(initial=0.0) * (1 - 1e-12)
+        runs[-1].append(step)
+
+    for skip in (True, False):
+        runs.append([])
+        options = DynamicOptions(skip_by_work=skip, on_place=check)
+        report = plan_and_evaluate(
+            lens, cluster, model, "hdp", sync="peer", capacity=capacity, hdp_options=options
+        )[1]
+        runs[-1].append(report.step_time_s)
+    return runs[0], runs[1]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.sampled_from([2, 4, 8]), cap=st.integers(64, 600), data=st.data())
+def test_skipped_peer_candidates_could_not_have_won(n, cap, data):
+    lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
+    skipping, everything = _peer_plans_with_and_without_skipping(
+        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), capacity=cap
+    )
+    assert skipping[-1] == everything[-1]
+
+
+@pytest.mark.parametrize(("workload", "gpus"), [("byted-2m", 256), ("github-2m", 64)])
+def test_skipping_peer_candidates_changes_no_plan(workload, gpus):
+    # peer sync skips a candidate whose tallest job cannot finish before the best step so far.
+    from hdp.workloads import get_workload
+
+    lens = get_workload(workload).sample_batch(np.random.default_rng(1), tokens_per_step=gpus << 15)
+    skipping, everything = _peer_plans_with_and_without_skipping(
+        lens, ClusterSpec.preset("h100", gpus), model_preset("llama-7b")
+    )
+    assert skipping[-1] == everything[-1]
+    assert len(skipping) < len(everything)  # one candidate's job alone outlasts the best plan
+
+
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("solver exploded")

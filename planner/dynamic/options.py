@@ -42,7 +42,8 @@ class DynamicOptions:
     # ``wave`` sync, shelves: first-wave heights tried, and how many of the best are placed.
     shelf_heights: int = 64
     shelf_placed: int = 3
-    # ``wave`` sync: skip a candidate whose work spread over the ranks cannot beat the best step.
+    # Skip a candidate that cannot beat the best step: ``wave`` sync by its work spread over the
+    # ranks, ``peer`` by its tallest job (Note [Skipping by work]).
     skip_by_work: bool = True
     # ``peer`` sync: moves of whole sequences between ranks after placement.
     polish_moves: int = 20000

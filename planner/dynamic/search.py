@@ -56,6 +56,12 @@ In ``wave`` sync the candidates of 1-3 go least work first. A candidate's work
 whose work is not below the best step so far cannot win and is not placed. A height candidate
 is compared only with the best height candidate, so the best height, where 4 starts, is the one
 all heights placed would give.
+
+In ``peer`` sync a rank's work runs back to back, so the step is at least the busy time of every
+multi-rank job's slowest member. The bound's entries of the job's menu (Note [Bounds price bytes,
+not messages] in :mod:`planner.menus`) bound that from below, so a candidate whose tallest job's
+entry is not below the best step so far is not placed either. At 1024 ranks the tallest height
+candidate is often such a one: its jobs alone take longer than the best plan.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class CandidateSearch:
         self.ctx, self.options, self.rel = ctx, options, rel
         self.num_waves = num_waves_for(ctx)
         self.skips = ctx.sync == "wave" and options.skip_by_work
+        self.skips_tall = ctx.sync == "peer" and options.skip_by_work
         self.best_s = math.inf
         self.best_plan: Plan | None = None
         self._placed: dict[tuple, tuple[float, bool]] = {}  # -> (step s, whether a job stacked)
@@ -122,6 +129,19 @@ class CandidateSearch:
             self._work[key] = area / ctx.num_ranks
         return self._work[key]
 
+    def tallest_job_s(self, degree: np.ndarray) -> float:
+        """The least busy time the slowest member of the candidate's tallest multi-rank job may
+        have: the bound's entry of its menu at its degree (between two entries, the lower)."""
+        tallest = 0.0
+        for i, mu in zip(self.rel.long_ids.tolist(), self.rel.menus):
+            d, at = int(degree[i]), mu.bound_degrees
+            k = int(np.searchsorted(at, d))
+            if d <= 1 or k == at.size or (k == 0 and at[0] != d):
+                continue  # whole, or past the menu's ends: no entry bounds it
+            h = mu.bound_height[k] if at[k] == d else min(mu.bound_height[k - 1 : k + 1])
+            tallest = max(tallest, float(h))
+        return tallest
+
     def cannot_win(self, degree: np.ndarray) -> bool:
         return self.skips and self.work_s(degree) >= self.best_s
 
@@ -131,7 +151,9 @@ class CandidateSearch:
         key = (cand.degree.tobytes(), cand.cheap_share, cand.stack_share)
         if key in self._placed:
             return self._placed[key]
-        if self.skips and self.work_s(cand.degree) >= prune_at:
+        if (self.skips and self.work_s(cand.degree) >= prune_at) or (
+            self.skips_tall and self.tallest_job_s(cand.degree) >= prune_at
+        ):
             self._placed[key] = (math.inf, False)
             return self._placed[key]
         placement = place(self.ctx, self.num_waves, cand, self.options)
