@@ -223,3 +223,18 @@ def test_auto_plans_head_parallel_after_a_head_parallel_rival_wins():
     auto = plan_step(lens, pricing, "hdp").predicted["step_time_s"]
     heads = plan_step(lens, replace(pricing, kv_exchange="ulysses"), "hdp")
     assert auto <= heads.predicted["step_time_s"] * (1 + HEAD_GAP)
+
+
+def test_hdp_keeps_up_with_head_parallel_meshes_past_the_rival_ranks():
+    """1024 a100-80g ranks, 31 sequences of at most 7,247 tokens: FlexSP's plan and the
+    DeepSpeed-Ulysses mesh, both head-parallel, stepped 0.4% under hdp's, which was within the
+    2% that makes ``auto`` plan head-parallel groups too, and past the ranks where FlexSP's plan
+    is a rival. The mesh is now priced wherever the static one is."""
+    lens = [4069, 4633, 7247, 620, 940, 801, 429, 812, 819, 964, 99, 750, 456, 345, 498, 910]
+    lens += [420, 473, 629, 325, 20, 416, 462, 484, 134, 911, 140, 334, 51, 431, 484]
+    cluster = ClusterSpec.preset("a100-80g", 1024, 4)
+    pricing = StepPricing.build(model_preset("llama-7b"), cluster, capacity=1024, sync="wave")
+    hdp = plan_step(lens, pricing, "hdp").predicted["step_time_s"]
+    for name in ("flexsp", "ulysses"):
+        rival = plan_step(lens, pricing, name).predicted["step_time_s"]
+        assert hdp <= rival * (1 + 1e-9), name

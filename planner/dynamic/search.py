@@ -32,7 +32,8 @@ this order:
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
-   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards,
+   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards (under ``auto`` the
+   DeepSpeed-Ulysses mesh's there too),
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
    FlexSP's where :func:`cheap_flexsp` holds (past it, its MILP solved once per micro-batch
    alone takes up to 6 times hdp's whole search); none where hdp's plan already meets its
@@ -42,8 +43,9 @@ this order:
    traffic). Past those sizes a baseline's plan costs more to price than the search and is far
    from the best plan. In ``ulysses`` exchange the rivals are those whose groups split heads:
    FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P search prices those two too,
-   as their systems run them, wherever it prices FlexSP's P2P placement: the head-parallel
-   planning beside it runs only where its plan could gain over 2%.
+   as their systems run them: FlexSP's wherever it prices its P2P placement, the mesh wherever
+   it prices the static one or FlexSP's. (The head-parallel planning beside it runs only where
+   its plan could gain over 2%.)
 
 Every placed candidate where a multi-rank job raised a wave that already held work by more
 than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
@@ -317,7 +319,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     n = ctx.num_ranks
     makers: list[tuple[str, Callable[[Context], Plan]]] = []
     cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
-    if ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS:
+    static_cheap = ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS
+    if static_cheap:
         makers.append(("static", plan_static))
     if n <= RIVAL_RANKS:
         makers.append(("bytescale", plan_bytescale))
@@ -332,10 +335,12 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
     runs = [(name, make, own) for name, make in makers]
-    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses" and flexsp_cheap:
+    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses":
         heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
-        runs.append(("flexsp", plan_flexsp, heads))
-        runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
+        if flexsp_cheap:
+            runs.append(("flexsp", plan_flexsp, heads))
+        if flexsp_cheap or static_cheap:  # the mesh costs what the static one does
+            runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
     for name, make, where in runs:
         try:
             plan = make(where)
