@@ -300,17 +300,16 @@ def few_sequences(ctx: Context) -> bool:
 
 def cheap_flexsp(ctx: Context) -> bool:
     """Whether FlexSP's plan is cheap beside hdp's search: on at most ``FLEXSP_RIVAL_RANKS``
-    ranks, where :func:`few_sequences` holds, or on at most ``RIVAL_RANKS`` for at most
-    ``RIVAL_SEQUENCES`` sequences where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES``
-    times (once, and in ``wave`` sync where its plan has more waves than the fewest
-    micro-batches once more for each of those: :mod:`planner.flexsp`, Note [FlexSP's
-    micro-batches])."""
+    ranks, where :func:`few_sequences` holds, or for at most ``RIVAL_SEQUENCES`` sequences
+    where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES`` times (once, and in ``wave`` sync
+    where its plan has more waves than the fewest micro-batches once more for each of those:
+    :mod:`planner.flexsp`, Note [FlexSP's micro-batches]). Its MILP grows with the sequences,
+    not the ranks: its group sizes are the powers of two."""
     n = ctx.num_ranks
     if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):
         return True
     solves = 1 if ctx.sync == "peer" else 1 + fewest_micro_batches(ctx)
-    many = ctx.seq_lens.size > RIVAL_SEQUENCES
-    return n <= RIVAL_RANKS and not many and solves <= FLEXSP_RIVAL_SOLVES
+    return ctx.seq_lens.size <= RIVAL_SEQUENCES and solves <= FLEXSP_RIVAL_SOLVES
 
 
 def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
