@@ -34,7 +34,8 @@ this order:
    make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
    the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards (under ``auto`` the
    DeepSpeed-Ulysses mesh's there too),
-   ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks,
+   ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks
+   (up to ``SMALL_BATCH_RIVAL_RANKS`` for at most ``RIVAL_SEQUENCES`` sequences),
    FlexSP's where :func:`cheap_flexsp` holds (past it, its MILP solved once per micro-batch
    alone takes up to 6 times hdp's whole search); none where hdp's plan already meets its
    bound. hdp must never plan slower than a system it replaces, and the relaxation misses what
@@ -95,6 +96,9 @@ from .wave import rebalance_wave
 # The baselines' plans priced beside hdp's candidates (family 7), where they are this small.
 STATIC_RIVAL_SHARDS = 4096
 RIVAL_RANKS = 256
+# Up to this many ranks ByteScale's and hybrid CP's plans are rivals for batches of at most
+# ``RIVAL_SEQUENCES`` sequences too: hybrid CP's plan then costs at most about 0.1 s.
+SMALL_BATCH_RIVAL_RANKS = 1024
 FLEXSP_RIVAL_RANKS = 8
 FLEXSP_RIVAL_SOLVES = 4
 # Past this many sequences neither FlexSP's plan (its length buckets' dynamic programming grows
@@ -321,7 +325,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     static_cheap = ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS
     if static_cheap:
         makers.append(("static", plan_static))
-    if n <= RIVAL_RANKS:
+    small_batch = ctx.seq_lens.size <= RIVAL_SEQUENCES and n <= SMALL_BATCH_RIVAL_RANKS
+    if n <= RIVAL_RANKS or small_batch:
         makers.append(("bytescale", plan_bytescale))
         makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
     flexsp_cheap = cheap_flexsp(ctx)
