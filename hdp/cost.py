@@ -236,15 +236,16 @@ class CostModel:
         """:meth:`least_attn_time` of integer ``lengths``, each length priced once per cost model
         (planners evaluate many plans of one batch: the last batch's answer is kept whole)."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        batch, last = lengths.tobytes(), self._least_attn_last
-        if last and last[0] == batch:
+        batch, memo = lengths.tobytes(), self._least_attn_last
+        last = memo[0] if memo else None  # (one read: a planning thread may replace it)
+        if last is not None and last[0] == batch:
             return last[1].copy()
         known, listed = self._least_attn, lengths.tolist()
         new = sorted({x for x in listed if x not in known})
         if new:
             known.update(zip(new, self.least_attn_time(np.asarray(new)).tolist()))
         out = np.fromiter((known[x] for x in listed), dtype=np.float64, count=len(listed))
-        last[:] = [batch, out.copy()]
+        memo[:] = [(batch, out.copy())]
         return out
 
     def lower_bound(self, seq_lens: np.ndarray) -> float:
@@ -359,8 +360,8 @@ class CostModel:
         return {}
 
     @cached_property
-    def _least_attn_last(self) -> list:
-        """[the lengths' bytes, their :meth:`least_attn_of`] of the last batch asked."""
+    def _least_attn_last(self) -> list[tuple[bytes, np.ndarray]]:
+        """[(the lengths' bytes, their :meth:`least_attn_of`)] of the last batch asked."""
         return []
 
     @cached_property

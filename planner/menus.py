@@ -93,10 +93,11 @@ def length_menu(
     """Priced degree menu of one length (cached per cost model, so repeated lengths are free):
     :func:`_zigzag_menu`, with the bound's :func:`ulysses_options` beside it. Megatron's form
     (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
-    menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s)
+    heads = cost.kv_exchange == "ulysses" and not pow2
+    menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s, bounds=not heads)
     if pow2:
         return menu
-    if cost.kv_exchange == "ulysses":  # hdp's head-parallel entries; bounds cover P2P plans too
+    if heads:  # hdp's head-parallel entries; the bound's are the P2P menu's
         p2p = length_menu(cost.with_exchange("rank"), length, sync, capacity, pow2, floor_s)
         return replace(
             menu,
@@ -124,12 +125,13 @@ def _zigzag_menu(
     smallest height are dropped: they are slower and larger. ``pow2``: powers of two only
     (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
     the menu ends a little past the first degree no taller than it (Note [Menus end at the
-    floor]). ``bounds`` False leaves the bound's entries unpriced (they repeat hdp's)."""
+    floor]). ``bounds`` False leaves the bound's entries unpriced: they repeat hdp's and bound
+    nothing."""
     off_cap = cost.offload_capacity(sync)
     most_ranks = menu_pricing(cost, pow2)[1]
 
-    def price(deg: np.ndarray, exact_too: bool = True) -> Menu:
-        return _until_lowest(_priced(cost, length, sync, deg, pow2, exact_too))
+    def price(deg: np.ndarray, with_bounds: bool = True) -> Menu:
+        return _until_lowest(_priced(cost, length, sync, deg, pow2, with_bounds))
 
     if pow2:
         d_min = max(1, -(-length // max(capacity, 1)))
@@ -144,7 +146,7 @@ def _zigzag_menu(
     candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
     if candidates.size == 0:  # more ranks than the cluster has
         return price(candidates)
-    coarse = price(candidates, exact_too=False)
+    coarse = price(candidates, with_bounds=False)
     # (Where no 128-token split fits, the exact one may: price them all.)
     top, cut = widest, False
     if coarse.degrees.size:
@@ -176,24 +178,25 @@ def _zigzag_menu(
 
 
 def _priced(
-    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool, exact_too: bool
+    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool, with_bounds: bool
 ) -> Menu:
-    """The menu of ``length`` at degrees ``deg`` (every one, infeasible ones too); ``exact_too``
-    False leaves the bound's entries unpriced (they repeat hdp's). Megatron (``pow2``) splits into
+    """The menu of ``length`` at degrees ``deg`` (every one, infeasible ones too);
+    ``with_bounds`` False leaves the bound's entries unpriced (they repeat hdp's and bound
+    nothing). Megatron (``pow2``) splits into
     exact shares; hdp by :func:`planner.common.use_blocks`, priced here in blocks first and
     exactly where the blocks leave a member over the offload capacity."""
     times, _, in_blocks = menu_pricing(cost, pow2)
     k, lengths = deg.size, np.full(deg.size, length)
     blocked = blocks_fit(length, deg) & in_blocks
     if not blocked.any():  # one split; the bound's entries price it by bytes alone
-        if not (exact_too and times is split_times):
+        if not (with_bounds and times is split_times):
             h, a, most = times(cost, lengths, deg, sync, 1)
             return Menu(deg, h, a, most, deg, h, a)
         (h, a, most), (h_bytes, a_bytes, _) = split_times_both(cost, lengths, deg, sync, 1)
         return Menu(deg, h, a, most, deg, h_bytes, a_bytes)
     align = np.where(blocked, BLOCK_TOKENS, 1)
     exact = bound = None
-    if exact_too:  # hdp's entries and the bound's from one pass over both splits
+    if with_bounds:  # hdp's entries and the bound's from one pass over both splits
         parts, aligns = _blocks_then_exact(deg, align)
         timed, by_bytes = split_times_both(cost, np.full(2 * k, length), parts, sync, aligns)
         (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
@@ -221,6 +224,7 @@ def _first(mu: Menu, k: int) -> Menu:
     )
 
 
+@lru_cache(maxsize=1024)
 def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
     """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
     length), without pricing the bound's entries."""

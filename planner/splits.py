@@ -1,7 +1,8 @@
 """The closed form of one sequence split over ``d`` ranks in zigzag shares: each member's busy
 time, the job's area and the most tokens a member holds, for many (length, degree) pairs at once,
 by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two agree). The degree
-menus and bounds of :mod:`planner.degrees` and the FlexSP baseline price splits with it.
+menus of :mod:`planner.menus`, the bounds of :mod:`planner.degrees` and the FlexSP baseline price
+splits with it.
 :func:`head_split_times` is the same for head-parallel (Ulysses) groups, as hdp's ``ulysses``
 menus price them, and :func:`ulysses_options` as bounds price them."""
 
@@ -32,7 +33,7 @@ def split_times(
     capacity offload the needed share of their activations (priced by the cost model).
     ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
     bytes, not messages])."""
-    return _ZigzagJobs.of(cost, lengths, parts, align).times(cost, sync, latency)
+    return _ZigzagJobs.of(cost, lengths, parts, align).times(sync, latency)
 
 
 def split_times_both(
@@ -44,12 +45,13 @@ def split_times_both(
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """:func:`split_times` with ``latency`` True and False, from one pass over the shares."""
     jobs = _ZigzagJobs.of(cost, lengths, parts, align)
-    return jobs.times(cost, sync, True), jobs.times(cost, sync, False)
+    return jobs.times(sync, True), jobs.times(sync, False)
 
 
 class _ZigzagJobs(NamedTuple):
     """What both of :func:`split_times`' pricings share, one row per member of every job."""
 
+    cost: CostModel  # its exchange shaped the traffic
     parts: np.ndarray  # per job
     rep: np.ndarray  # the job of each member
     d: np.ndarray  # its job's members
@@ -95,12 +97,11 @@ class _ZigzagJobs(NamedTuple):
         traffic = KVTraffic(
             in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
         )
-        return cls(parts, rep, d, held, attn_layer, traffic)
+        return cls(cost, parts, rep, d, held, attn_layer, traffic)
 
-    def times(
-        self, cost: CostModel, sync: str, latency: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def times(self, sync: str, latency: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`split_times` of these jobs."""
+        cost = self.cost
         m, held, attn_layer = cost.model, self.held, self.attn_layer
         # Whole sequences may share a member's cell (their dense layers then run at the packed
         # speed): bounds price dense work at the best speed per token.

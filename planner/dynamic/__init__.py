@@ -2,11 +2,11 @@
 
 Read in this order:
 
-1. :mod:`planner.degrees` prices a menu of degrees for every long sequence (compute at the
+1. :mod:`planner.menus` prices a menu of degrees for every long sequence (compute at the
    kernel efficiency of its blocks, exposed K/V traffic over NVLink and the NIC, host offload
-   where its members hold more than the capacity) and solves the relaxation: the height ``M``
-   minimising ``max(M, area / ranks)`` and, for each sequence, the smallest-area degree no taller
-   than ``M``. Short sequences stay whole.
+   where its members hold more than the capacity); :mod:`planner.degrees` solves the
+   relaxation: the height ``M`` minimising ``max(M, area / ranks)`` and, for each sequence, the
+   smallest-area degree no taller than ``M``. Short sequences stay whole.
 2. :mod:`.search` turns the relaxation into candidates (Note [The candidate families]), places
    each once, skips those that cannot win and keeps the fastest by the cost model.
 3. :mod:`.place` places one candidate: :mod:`.wave` in ``wave`` sync (a step is the sum of its

@@ -201,7 +201,7 @@ def _stack_layout(
     wave ``wave0`` as :func:`_deal` deals it, largest groups first on the ranks (so every group
     is aligned to its size); returns the waves used."""
     order, group_sizes, group_of = _deal(table, layout, any_size)
-    split = (group_sizes[group_of] > 1) & (table.lens[order] >= group_sizes[group_of])
+    split = (group_sizes[group_of] > 1) & _splits(table.lens[order], group_sizes[group_of])
     return stack(ctx, builder, wave0, ids[order], group_sizes, group_of, split)
 
 
@@ -210,7 +210,9 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
     sequences go longest first, each to the group where it would finish first among those
     where it runs (where the layout runs in one wave: of those that still hold it, where any
     does); a group of its own size, or with ``any_size`` of any, so that a group its own
-    sequences leave short of the step takes shorter ones."""
+    sequences leave short of the step takes shorter ones. A sequence too short to split
+    (:func:`_splits`) counts whole against the group's time and every member's tokens, though
+    it runs on one member: a layout may then leave a group less full than it could be."""
     size_of, counts = layout
     order = np.argsort(-_chosen(table.time, size_of), kind="stable")
     size_idx = np.repeat(np.arange(table.sizes.size), counts)[::-1]  # of each group
@@ -223,7 +225,7 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
         runs = np.isfinite(time_s)
         allowed = runs if any_size else runs & (size_idx == size_of[i])
         tokens = int(table.lens[i])
-        share = np.where(tokens >= group_sizes, -(-tokens // group_sizes), tokens)  # whole: one
+        share = np.where(_splits(tokens, group_sizes), -(-tokens // group_sizes), tokens)
         if table.room is not None:
             roomy = allowed & (held + share <= table.room)
             allowed = roomy if roomy.any() else allowed
@@ -243,6 +245,12 @@ def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
     whole = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
     time = np.repeat(whole[:, None], sizes.size, axis=1)
     for s, g in enumerate(sizes.tolist()[1:], start=1):
-        ok = lens >= g
+        ok = _splits(lens, g)
         time[ok, s] = split_busy(ctx, lens[ok], np.full(int(ok.sum()), g), 1)
     return time
+
+
+def _splits(tokens, group_size):
+    """Whether a sequence of ``tokens`` splits over a group of ``group_size`` ranks (else it
+    runs whole on one member); numpy arrays broadcast."""
+    return tokens >= group_size

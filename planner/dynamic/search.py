@@ -32,8 +32,8 @@ this order:
 7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
    the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
    make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
-   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards (under ``auto`` the
-   DeepSpeed-Ulysses mesh's there too),
+   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards (the
+   DeepSpeed-Ulysses mesh's there too, and wherever FlexSP's is priced),
    ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks
    (up to ``SMALL_BATCH_RIVAL_RANKS`` for at most ``RIVAL_SEQUENCES`` sequences),
    FlexSP's where :func:`cheap_flexsp` holds (past it, its MILP solved once per micro-batch
@@ -64,7 +64,8 @@ In ``peer`` sync a rank's work runs back to back, so the step is at least the bu
 multi-rank job's slowest member. The bound's entries of the job's menu (Note [Bounds price bytes,
 not messages] in :mod:`planner.menus`) bound that from below, so a candidate whose tallest job's
 entry is not below the best step so far is not placed either. At 1024 ranks the tallest height
-candidate is often such a one: its jobs alone take longer than the best plan.
+candidate is often such a one: its jobs alone take longer than the best plan. Not in ``ulysses``
+exchange: there the entries are the P2P splits', and a head-parallel job may run 3x faster.
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ class CandidateSearch:
         self.ctx, self.options, self.rel = ctx, options, rel
         self.num_waves = num_waves_for(ctx)
         self.skips = ctx.sync == "wave" and options.skip_by_work
-        self.skips_tall = ctx.sync == "peer" and options.skip_by_work
+        # (Head-parallel jobs run faster than the P2P splits the menus' bound entries price.)
+        self.skips_tall = (
+            ctx.sync == "peer" and options.skip_by_work and ctx.cost.kv_exchange != "ulysses"
+        )
         self.best_s = math.inf
         self.best_plan: Plan | None = None
         self._placed: dict[tuple, tuple[float, bool]] = {}  # -> (step s, whether a job stacked)
@@ -153,7 +157,8 @@ class CandidateSearch:
 
     def place_once(self, cand: Candidate, prune_at: float = math.inf) -> tuple[float, bool]:
         """Step time of ``cand`` and whether a multi-rank job stacked; a repeat returns what the
-        first placement got. Not placed (``inf``) where its work is ``prune_at`` or more."""
+        first placement got. Not placed (``inf``) where its work, or in ``peer`` sync its tallest
+        job, is ``prune_at`` or more (Note [Skipping by work])."""
         key = (cand.degree.tobytes(), cand.cheap_share, cand.stack_share)
         if key in self._placed:
             return self._placed[key]
@@ -332,9 +337,10 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
     flexsp_cheap = cheap_flexsp(ctx)
     if flexsp_cheap:
         makers.append(("flexsp", plan_flexsp))
+    mesh_cheap = flexsp_cheap or static_cheap  # (the mesh costs what the static one does)
+    mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
     if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
-        mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
-        makers = [mesh if k == "static" else (k, f) for k, f in makers if k in ("static", "flexsp")]
+        makers = ([mesh] if mesh_cheap else []) + [(k, f) for k, f in makers if k == "flexsp"]
     own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run, where it may
     if ctx.any_exchange and ctx.cost.kv_exchange == "node":
         own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
@@ -343,8 +349,8 @@ def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
         heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
         if flexsp_cheap:
             runs.append(("flexsp", plan_flexsp, heads))
-        if flexsp_cheap or static_cheap:  # the mesh costs what the static one does
-            runs.append(("ulysses", lambda c: plan_static(c, "ulysses"), heads))
+        if mesh_cheap:
+            runs.append((*mesh, heads))
     for name, make, where in runs:
         try:
             plan = make(where)
