@@ -447,14 +447,15 @@ def _plans_with_and_without_skipping(
     return runs[0], runs[1]
 
 
+@pytest.mark.parametrize("sync", ["wave", "peer"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.sampled_from([2, 4, 8]), cap=st.integers(64, 600), data=st.data())
-def test_skipped_wave_candidates_could_not_have_won(n, cap, data):
-    # wave sync skips a candidate whose work spread over the ranks is not below the best step so
-    # far: that work is a lower bound of every candidate's step, and skipping changes no plan.
+def test_skipped_candidates_could_not_have_won(sync, n, cap, data):
+    # A skipped candidate's floor (wave: its work spread over the ranks; peer: its tallest job)
+    # is a lower bound of its step and not below the best step so far: skipping changes no plan.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
     skipping, everything = _plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "wave", capacity=cap
+        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), sync, capacity=cap
     )
     assert skipping[-1] == everything[-1]
 
@@ -470,16 +471,6 @@ def test_skipping_wave_candidates_changes_no_plan_on_real_batches(workload):
     assert skipping[-1] == everything[-1]
     # Where candidates differ in work (a 2M-context batch), some are not placed at all.
     assert len(skipping) < len(everything) or workload != "byted-2m"
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.sampled_from([2, 4, 8]), cap=st.integers(64, 600), data=st.data())
-def test_skipped_peer_candidates_could_not_have_won(n, cap, data):
-    lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
-    skipping, everything = _plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), "peer", capacity=cap
-    )
-    assert skipping[-1] == everything[-1]
 
 
 @pytest.mark.parametrize(("workload", "gpus"), [("byted-2m", 256), ("github-2m", 64)])
