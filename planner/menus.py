@@ -168,7 +168,8 @@ def _zigzag_menu(
     past = candidates[candidates > top] if cut and bounds else candidates[:0]
     # The first degree past the end is priced with the menu: most tail walks stop there.
     priced = _priced(cost, length, sync, np.concatenate([menu_degrees, past[:1]]), pow2, bounds)
-    menu = _until_lowest(_first(priced, menu_degrees.size))
+    in_menu = slice(menu_degrees.size)
+    menu = _until_lowest(_entries(priced, in_menu, in_menu))
     at_top = np.flatnonzero(menu.bound_degrees == top)
     if past.size == 0 or at_top.size == 0:  # (past its lowest height a menu's area only grows)
         return menu
@@ -197,7 +198,8 @@ def _priced(
     align = np.where(blocked, BLOCK_TOKENS, 1)
     exact = bound = None
     if with_bounds:  # hdp's entries and the bound's from one pass over both splits
-        parts, aligns = _blocks_then_exact(deg, align)
+        # Each degree twice in one call: split by ``align``, then exactly.
+        parts, aligns = np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
         timed, by_bytes = split_times_both(cost, np.full(2 * k, length), parts, sync, aligns)
         (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
         bound = [np.fmin(x[:k], x[k:]) for x in by_bytes[:2]]
@@ -211,42 +213,12 @@ def _priced(
     return Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound))
 
 
-def _first(mu: Menu, k: int) -> Menu:
-    """The first ``k`` entries of an uncut menu (hdp's and the bound's)."""
-    return Menu(
-        mu.degrees[:k],
-        mu.height[:k],
-        mu.area[:k],
-        mu.most_tokens[:k],
-        mu.bound_degrees[:k],
-        mu.bound_height[:k],
-        mu.bound_area[:k],
-    )
-
-
 @lru_cache(maxsize=1024)
 def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
     """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
     length), without pricing the bound's entries."""
     heights = _zigzag_menu(cost, length, sync, capacity, bounds=False).height
     return float(heights.min()) if heights.size else math.inf
-
-
-def _bound_entries(
-    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """(height, area) of the bound's entries at degrees ``deg``: either split, by bytes alone."""
-    k = deg.size
-    align = np.where(blocks_fit(length, deg) & (not pow2), BLOCK_TOKENS, 1)
-    parts, aligns = _blocks_then_exact(deg, align)
-    h, a, _ = split_times(cost, np.full(2 * k, length), parts, sync, aligns, latency=False)
-    return np.fmin(h[:k], h[k:]), np.fmin(a[:k], a[k:])
-
-
-def _blocks_then_exact(deg: np.ndarray, align: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(parts, align) pricing each degree of ``deg`` twice in one call: split by ``align``, then
-    exactly."""
-    return np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
 
 
 class _TailWalk(NamedTuple):
@@ -267,8 +239,8 @@ class _TailWalk(NamedTuple):
             if k == 0:
                 height, area = self.first
             else:
-                h, a = _bound_entries(self.cost, self.length, self.sync, np.array([d]), self.pow2)
-                height, area = float(h[0]), float(a[0])
+                mu = _priced(self.cost, self.length, self.sync, np.array([d]), self.pow2, True)
+                height, area = float(mu.bound_height[0]), float(mu.bound_area[0])
             if not math.isfinite(height) or area >= last:
                 return least
             least = last = area
@@ -290,13 +262,17 @@ def _until_lowest(mu: Menu) -> Menu:
         ok = np.isfinite(height)
         return ok & (degrees <= degrees[ok][int(np.argmin(height[ok]))]) if ok.any() else ok
 
-    k, b = keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height)
+    return _entries(mu, keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height))
+
+
+def _entries(mu: Menu, own, bound) -> Menu:
+    """The menu's entries ``own`` of hdp's and ``bound`` of the bound's (masks or slices)."""
     return Menu(
-        mu.degrees[k],
-        mu.height[k],
-        mu.area[k],
-        mu.most_tokens[k],
-        mu.bound_degrees[b],
-        mu.bound_height[b],
-        mu.bound_area[b],
+        mu.degrees[own],
+        mu.height[own],
+        mu.area[own],
+        mu.most_tokens[own],
+        mu.bound_degrees[bound],
+        mu.bound_height[bound],
+        mu.bound_area[bound],
     )

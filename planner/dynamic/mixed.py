@@ -159,7 +159,7 @@ def _layout(table: _Table, height: float) -> _Layout | None:
         if best is None or best[0] >= int(counts @ sizes):
             return None
         size_of = best[1]
-    load = np.bincount(size_of, weights=_chosen(time, size_of), minlength=sizes.size)
+    load = _load(table, size_of)
     spare = n - int(counts @ sizes)
     while True:  # spare ranks: another group of the most loaded size that fits
         per_group = np.where((counts > 0) & (sizes <= spare), load / np.maximum(counts, 1), -1.0)
@@ -174,13 +174,17 @@ def _counts(table: _Table, size_of: np.ndarray, height: float) -> np.ndarray:
     """Groups each size needs to run its sequences within ``height`` (at least one where used,
     and where the layout runs in one wave, enough to hold their tokens)."""
     sizes = table.sizes
-    load = np.bincount(size_of, weights=_chosen(table.time, size_of), minlength=sizes.size)
-    need = np.ceil(load / height - 1e-9)
+    need = np.ceil(_load(table, size_of) / height - 1e-9)
     if table.room is not None:
         tokens = np.bincount(size_of, weights=table.lens, minlength=sizes.size)
         need = np.maximum(need, np.ceil(tokens / (sizes * table.room * ONE_WAVE_FILL) - 1e-9))
     used = np.bincount(size_of, minlength=sizes.size) > 0
     return np.where(used, np.maximum(1, need), 0).astype(np.int64)
+
+
+def _load(table: _Table, size_of: np.ndarray) -> np.ndarray:
+    """Seconds of work each size's sequences bring, at their time on that size."""
+    return np.bincount(size_of, weights=_chosen(table.time, size_of), minlength=table.sizes.size)
 
 
 def _chosen(time: np.ndarray, size_of: np.ndarray) -> np.ndarray:
