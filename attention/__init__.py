@@ -2,8 +2,8 @@
 
 ``dist_attn(q, k, v, plan, wave, group=None, softmax_scale=None, backend=None)`` is the entry
 point; kernels (cuDNN, ``flash_attn``, PyTorch FlashAttention, a pure-torch reference) live in
-:mod:`attention.kernels` and :mod:`attention.cudnn`, the log-sum-exp merge in
-:mod:`attention.merge`.
+:mod:`hdp.attention.kernels` and :mod:`hdp.attention.cudnn`, the log-sum-exp merge in
+:mod:`hdp.attention.merge`.
 """
 
 from .dist import dist_attn

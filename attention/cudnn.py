@@ -1,5 +1,5 @@
 """cuDNN's fused attention (``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its
-``_backward``) behind the packed variable-length interface of :mod:`attention.kernels`.
+``_backward``) behind the packed variable-length interface of :mod:`hdp.attention.kernels`.
 
 The aten ops take dense ``(B, H, L, d)`` tensors: every batch element has the same query and key
 length, and key heads equal query heads. :class:`CudnnBackend` turns one packed varlen call into
@@ -20,8 +20,8 @@ again and again. Each length is rounded up to a bucket (:func:`bucket`: a multip
 meets a few hundred lengths (under 400 up to 256K tokens). A graph is built per (batch, length)
 pair, though, and the batch of a grouped call (how many blocks share a bucket) changes with the
 data: on batches whose lengths change at every step the builds never stop, which is why ``auto``
-prefers FlashAttention (:func:`attention.kernels.candidate_names`). The padding is exact where it
-is applied:
+prefers FlashAttention (:func:`hdp.attention.kernels.candidate_names`). The padding is exact where
+it is applied:
 
 * causal diagonal blocks (square) are padded at the end of both queries and keys: a real query
   ``i < L`` sees keys ``j <= i < L`` only, so padded keys never reach it;
@@ -61,7 +61,7 @@ the first time its reason is seen, so one shape cuDNN cannot take does not stop 
 GPU tests require that nothing was refused.
 
 Causal masks: aten's cuDNN attention aligns the causal mask top-left when ``L_q != L_k``, while
-the interface of :mod:`attention.kernels` is bottom-right aligned. That difference never arises
+the interface of :mod:`hdp.attention.kernels` is bottom-right aligned. That difference never arises
 here: causal calls only ever carry diagonal blocks, which are square (checked per segment) and
 stay square when padded.
 """

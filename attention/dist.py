@@ -23,7 +23,7 @@ run in the same order on every rank (sends posted before waits), so no plan can 
 or NCCL. Every rank of ``group`` must call with the same plan and wave, including ranks with no
 tokens in it.
 
-A plan in ``ulysses`` exchange runs head-parallel instead (:mod:`attention.ulysses`).
+A plan in ``ulysses`` exchange runs head-parallel instead (:mod:`hdp.attention.ulysses`).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def dist_attn(
     the world). A collective: every rank of the group calls it with the same plan and wave.
     ``softmax_scale`` defaults to ``1 / sqrt(d)``; ``backend`` (``reference``, ``cudnn``,
     ``torch_flash``, ``flash_attn``) defaults to the fastest for the device and dtype (see
-    :func:`attention.select_backend`). Returns ``[T_local, H, d]`` in ``q.dtype``.
+    :func:`hdp.attention.select_backend`). Returns ``[T_local, H, d]`` in ``q.dtype``.
     """
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1

@@ -17,7 +17,7 @@ segment's keys:
 row's blocks add up to the row's exact gradient.
 
 Backends: ``cudnn`` (cuDNN's fused attention through torch's aten ops, CUDA, fp16/bf16; in
-:mod:`attention.cudnn`), ``flash_attn`` (the package, CUDA, fp16/bf16), ``torch_flash``
+:mod:`hdp.attention.cudnn`), ``flash_attn`` (the package, CUDA, fp16/bf16), ``torch_flash``
 (``torch.ops.aten._flash_attention_forward/_backward``, CUDA, fp16/bf16) and ``reference``
 (pure torch, any device and dtype, exact, memory-bounded: queries and keys are processed in chunks,
 never an ``L x L`` matrix).

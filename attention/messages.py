@@ -1,7 +1,7 @@
 """The P2P messages of ``dist_attn``: posting a batch of sends and receives, and counting bytes.
 
-Both exchanges post through :func:`post`: the zigzag K/V rounds of :mod:`attention.dist` and the
-head-parallel all-to-alls of :mod:`attention.ulysses`.
+Both exchanges post through :func:`post`: the zigzag K/V rounds of :mod:`hdp.attention.dist` and the
+head-parallel all-to-alls of :mod:`hdp.attention.ulysses`.
 """
 
 from __future__ import annotations

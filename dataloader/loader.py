@@ -1,9 +1,9 @@
 """The per-rank dataloader: plans ahead on rank 0, broadcasts compactly, reads only local shards.
 
 Rank 0 runs a background thread that forms global batches (:class:`BatchStream`, lengths only) and
-plans each with :func:`planner.plan_step`, keeping up to ``plan_ahead`` planned steps ready. Each
-step rank 0 broadcasts one message (:func:`encode_step`: the batch's sequence descriptors and the
-plan's wire form), and every rank, rank 0 included, runs the plan decoded from it, so all ranks
+plans each with :func:`hdp.planner.plan_step`, keeping up to ``plan_ahead`` planned steps ready.
+Each step rank 0 broadcasts one message (:func:`encode_step`: the batch's sequence descriptors and
+the plan's wire form), and every rank, rank 0 included, runs the plan decoded from it, so all ranks
 derive the same communication rounds. Every rank then reads only the tokens of its own shards (plus
 one token past a shard's end, for the label). It yields a :class:`StepData`: for each wave,
 ``input_ids``, ``labels`` (the next token of the same sequence; ``IGNORE_INDEX`` after a
@@ -36,7 +36,7 @@ from .batching import BatchStream, GlobalBatch, SeqRef
 from .sources import Source
 
 if TYPE_CHECKING:  # for annotations only: the planner (plan_step) is imported where it plans
-    from planner import StepPricing
+    from hdp.planner import StepPricing
 
 IGNORE_INDEX = -100
 
@@ -151,7 +151,7 @@ class HDPDataLoader:
 
     # ------------------------------------------------------------------ planning (rank 0)
     def _plan(self, batch: GlobalBatch) -> tuple[Plan, float]:
-        from planner import plan_step
+        from hdp.planner import plan_step
 
         t0 = time.perf_counter()
         opts = dict(self.plan_options)

@@ -247,7 +247,7 @@ class ParquetSource:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(
-                f"{path}: reading parquet needs pyarrow (pip install 'hdp[parquet]')"
+                f"{path}: reading parquet needs pyarrow (pip install 'hdp-llm[parquet]')"
             ) from None
         self.path = Path(path)
         self.name = str(self.path)

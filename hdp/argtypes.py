@@ -202,7 +202,7 @@ def input_file_or_dir(text: str) -> Path:
 def model(text: str) -> str:
     """A model preset's name, or a transformers ``config.json`` (or its directory), whose
     architecture :func:`hdp.model_spec` reads."""
-    from .specs import model_spec
+    from .models import model_spec
 
     try:
         model_spec(text)

@@ -115,7 +115,7 @@ class CostModel:
             :mod:`hdp.exchange`); :meth:`evaluate` prices each plan's own.
         tensor_parallel: GPUs of a tensor-parallel group, one rank of the plan; ``model`` is
             then one GPU's shard and ``cluster`` counts groups (:meth:`StepPricing.build
-            <planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
+            <hdp.planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
             split over the group (sequence parallelism).
         dkv_bytes: bytes per element of the dK/dV partials the P2P exchanges (``rank``,
             ``node``) send back to a block's owner: 4 for hdp's ``dist_attn``, which sums them

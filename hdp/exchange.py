@@ -14,7 +14,7 @@ partials of the block to the relay, which adds them to its own and sends one mes
 Pieces between ranks of one node travel directly, as in ``rank`` exchange.
 
 ``ulysses`` marks a plan whose split sequences attend head-parallel, by all-to-alls
-(:mod:`hdp.ulysses` prices them, :mod:`attention.ulysses` runs them); it has no P2P rounds.
+(:mod:`hdp.ulysses` prices them, :mod:`hdp.attention.ulysses` runs them); it has no P2P rounds.
 
 Note [Node exchange rounds]: the messages run in rounds in which each rank sends at most one
 message and receives at most one (:mod:`hdp.rounds`). Each relay's fetches are numbered

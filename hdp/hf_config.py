@@ -31,9 +31,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from .specs import ModelSpec, RoPE
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -75,46 +77,6 @@ _LARGEST = 1 << 31
 
 class ConfigError(ValueError):
     """A config hdp cannot train: one line naming the file and the field."""
-
-
-@dataclass(frozen=True)
-class RoPE:
-    """Rotary position embeddings: base ``theta`` and a scaling ``type`` with its parameters, all
-    resolved (Note [Two spellings of RoPE]). ``attention_factor`` multiplies cos and sin (yarn)."""
-
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    original_max_positions: int | None = None  # llama3, yarn
-    low_freq_factor: float | None = None  # llama3
-    high_freq_factor: float | None = None  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float = 1.0  # yarn
-    truncate: bool = True  # yarn: round the correction range to whole dimensions
-
-    def to_hf(self) -> dict[str, Any]:
-        """The 5.x ``rope_parameters`` dict, every value explicit (nothing left to derive)."""
-        out: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
-        if self.type in ("linear", "llama3", "yarn"):
-            out["factor"] = self.factor
-        if self.type in ("llama3", "yarn"):
-            out["original_max_position_embeddings"] = self.original_max_positions
-        if self.type == "llama3":
-            out["low_freq_factor"] = self.low_freq_factor
-            out["high_freq_factor"] = self.high_freq_factor
-        if self.type == "yarn":
-            out["attention_factor"] = self.attention_factor
-            if self.beta_fast != 32.0 or self.beta_slow != 1.0:
-                out["beta_fast"], out["beta_slow"] = self.beta_fast, self.beta_slow
-            if not self.truncate:
-                out["truncate"] = False
-        return out
-
-    def describe(self) -> str:
-        """One phrase for logs: ``theta 500000, llama3 x8``."""
-        scaled = "" if self.type == "default" else f", {self.type} x{self.factor:g}"
-        return f"theta {self.theta:g}{scaled}"
 
 
 def _number(value: Any, field: str, where: str, *, positive: bool = True) -> float:
@@ -321,8 +283,6 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def spec_from_config(config: dict[str, Any], *, name: str, where: str = "config.json"):
     """The :class:`hdp.ModelSpec` of a transformers config dict, or :class:`ConfigError` naming
     ``where`` and the first field hdp's decoder cannot compute."""
-    from .specs import ModelSpec
-
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -429,6 +389,16 @@ def spec_from_path(path: str | Path):
     file = path / "config.json" if path.is_dir() and path.name != "config.json" else path
     name = file.resolve().parent.name or "model"
     return spec_from_config(read_config(file), name=name, where=str(file))
+
+
+def spec_of(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
+    """The spec of a transformers ``config.json``: a dict (named after its ``model_type``), the
+    file, or its directory (named after the directory); ``name`` renames it. Raises
+    :class:`ConfigError` naming the field it cannot represent."""
+    if isinstance(config, dict):
+        return spec_from_config(config, name=name or str(config.get("model_type")))
+    spec = spec_from_path(config)
+    return replace(spec, name=name) if name else spec
 
 
 def with_rope_overrides(

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-# The attention kernels, in the order training's ``auto`` prefers them (``attention.kernels``);
+# The attention kernels, in the order training's ``auto`` prefers them (``hdp.attention.kernels``);
 # a profile's attention rows are named by the backend that was measured.
 BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
 # Names profiles written by an older hdp-calibrate gave their kernels.

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from .hf_config import RoPE, spec_from_config, spec_from_path
 from .profile import FORMAT, KernelTables, ProfileError, backend_name, read_profile_json
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -67,6 +66,46 @@ def format_size(n: float) -> str:
 
 
 @dataclass(frozen=True)
+class RoPE:
+    """Rotary position embeddings: base ``theta`` and a scaling ``type`` with its parameters, all
+    resolved (Note [Two spellings of RoPE]). ``attention_factor`` multiplies cos and sin (yarn)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_positions: int | None = None  # llama3, yarn
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+
+    def to_hf(self) -> dict[str, Any]:
+        """The 5.x ``rope_parameters`` dict, every value explicit (nothing left to derive)."""
+        out: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
+        if self.type in ("linear", "llama3", "yarn"):
+            out["factor"] = self.factor
+        if self.type in ("llama3", "yarn"):
+            out["original_max_position_embeddings"] = self.original_max_positions
+        if self.type == "llama3":
+            out["low_freq_factor"] = self.low_freq_factor
+            out["high_freq_factor"] = self.high_freq_factor
+        if self.type == "yarn":
+            out["attention_factor"] = self.attention_factor
+            if self.beta_fast != 32.0 or self.beta_slow != 1.0:
+                out["beta_fast"], out["beta_slow"] = self.beta_fast, self.beta_slow
+            if not self.truncate:
+                out["truncate"] = False
+        return out
+
+    def describe(self) -> str:
+        """One phrase for logs: ``theta 500000, llama3 x8``."""
+        scaled = "" if self.type == "default" else f", {self.type} x{self.factor:g}"
+        return f"theta {self.theta:g}{scaled}"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
 
@@ -75,7 +114,7 @@ class ModelSpec:
     the decoder computes and exports as (``llama``, ``mistral``, ``qwen2``, ``qwen3``); the fields
     after it are what those differ in: RMSNorm epsilon, RoPE, biases, Qwen3's per-head q/k norm,
     and the embedding row that gets no gradient (transformers' ``pad_token_id``).
-    :meth:`from_hf_config` reads them from a ``config.json``.
+    :func:`hdp.hf_config.spec_of` reads them from a ``config.json``.
     """
 
     name: str
@@ -96,15 +135,6 @@ class ModelSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     padding_idx: int | None = None
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any] | str | Path, name: str | None = None):
-        """The spec of a transformers ``config.json``: a dict, the file, or its directory.
-        Raises :class:`hdp.hf_config.ConfigError` naming the field it cannot represent."""
-        if isinstance(config, dict):
-            return spec_from_config(config, name=name or str(config.get("model_type")))
-        spec = spec_from_path(config)
-        return replace(spec, name=name) if name else spec
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -172,175 +202,6 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V of one token in one layer: ``2 * kv_heads * head_dim * dtype_bytes``."""
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
-
-
-# Llama 3.1's RoPE (Llama 3.2 1B's has factor 32).
-_LLAMA31_ROPE = RoPE(
-    theta=500000.0,
-    type="llama3",
-    factor=8.0,
-    original_max_positions=8192,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-)
-
-# Real shapes: Llama 3.2 1B, Llama 2 7B/13B, LLaMA 30B (32.5B), Llama 2 70B, Llama 3 8B/70B,
-# Llama 3.1 8B, Mistral 7B v0.3, Qwen2.5 7B/72B, Qwen3 8B.
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in [
-        ModelSpec(
-            "tiny",
-            layers=2,
-            hidden=64,
-            heads=4,
-            kv_heads=2,
-            head_dim=16,
-            ffn=176,
-            vocab=512,
-            dtype_bytes=4,
-        ),
-        ModelSpec(
-            "llama-1b",
-            layers=16,
-            hidden=2048,
-            heads=32,
-            kv_heads=8,
-            head_dim=64,
-            ffn=8192,
-            vocab=128256,
-            tied_embeddings=True,
-            rope=replace(_LLAMA31_ROPE, factor=32.0),
-        ),
-        ModelSpec(
-            "llama-7b",
-            layers=32,
-            hidden=4096,
-            heads=32,
-            kv_heads=32,
-            head_dim=128,
-            ffn=11008,
-            vocab=32000,
-        ),
-        ModelSpec(
-            "llama-13b",
-            layers=40,
-            hidden=5120,
-            heads=40,
-            kv_heads=40,
-            head_dim=128,
-            ffn=13824,
-            vocab=32000,
-        ),
-        ModelSpec(
-            "llama-30b",
-            layers=60,
-            hidden=6656,
-            heads=52,
-            kv_heads=52,
-            head_dim=128,
-            ffn=17920,
-            vocab=32000,
-        ),
-        ModelSpec(
-            "llama-70b",
-            layers=80,
-            hidden=8192,
-            heads=64,
-            kv_heads=8,
-            head_dim=128,
-            ffn=28672,
-            vocab=32000,
-        ),
-        ModelSpec(
-            "llama3-8b",
-            layers=32,
-            hidden=4096,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            ffn=14336,
-            vocab=128256,
-            rope=RoPE(theta=500000.0),
-        ),
-        ModelSpec(
-            "llama3.1-8b",
-            layers=32,
-            hidden=4096,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            ffn=14336,
-            vocab=128256,
-            rope=_LLAMA31_ROPE,
-        ),
-        ModelSpec(
-            "llama3-70b",
-            layers=80,
-            hidden=8192,
-            heads=64,
-            kv_heads=8,
-            head_dim=128,
-            ffn=28672,
-            vocab=128256,
-            rope=RoPE(theta=500000.0),
-        ),
-        ModelSpec(
-            "mistral-7b",
-            layers=32,
-            hidden=4096,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            ffn=14336,
-            vocab=32768,
-            architecture="mistral",
-            rope=RoPE(theta=1e6),
-        ),
-        ModelSpec(
-            "qwen2.5-7b",
-            layers=28,
-            hidden=3584,
-            heads=28,
-            kv_heads=4,
-            head_dim=128,
-            ffn=18944,
-            vocab=152064,
-            architecture="qwen2",
-            norm_eps=1e-6,
-            rope=RoPE(theta=1e6),
-            qkv_bias=True,
-        ),
-        ModelSpec(
-            "qwen2.5-72b",
-            layers=80,
-            hidden=8192,
-            heads=64,
-            kv_heads=8,
-            head_dim=128,
-            ffn=29568,
-            vocab=152064,
-            architecture="qwen2",
-            norm_eps=1e-6,
-            rope=RoPE(theta=1e6),
-            qkv_bias=True,
-        ),
-        ModelSpec(
-            "qwen3-8b",
-            layers=36,
-            hidden=4096,
-            heads=32,
-            kv_heads=8,
-            head_dim=128,
-            ffn=12288,
-            vocab=151936,
-            architecture="qwen3",
-            norm_eps=1e-6,
-            rope=RoPE(theta=1e6),
-            qk_norm=True,
-        ),
-    ]
-}
 
 
 @dataclass(frozen=True)
@@ -505,7 +366,7 @@ class ClusterSpec:
         )
 
 
-def _lookup(kind: str, name: str, table: dict):
+def lookup_preset(kind: str, name: str, table: dict):
     try:
         return table[name]
     except KeyError:
@@ -514,14 +375,9 @@ def _lookup(kind: str, name: str, table: dict):
         ) from None
 
 
-def model_preset(name: str) -> ModelSpec:
-    """The named model preset; ``ValueError`` listing the valid names otherwise."""
-    return _lookup("model preset", name, MODEL_PRESETS)
-
-
 def gpu_preset(name: str) -> GPUProfile:
     """The named GPU profile; ``ValueError`` listing the valid names otherwise."""
-    return _lookup("GPU preset", name, GPU_PRESETS)
+    return lookup_preset("GPU preset", name, GPU_PRESETS)
 
 
 def gpu_profile(name_or_path: str | Path) -> GPUProfile:
@@ -533,19 +389,4 @@ def gpu_profile(name_or_path: str | Path) -> GPUProfile:
     raise ValueError(
         f"unknown GPU profile {str(name_or_path)!r}: give a profile JSON file or one of "
         f"{', '.join(sorted(GPU_PRESETS))}"
-    )
-
-
-def model_spec(name_or_path: str | Path) -> ModelSpec:
-    """A preset by name, or the architecture of a transformers ``config.json`` (the file or its
-    directory; ``--model``). ``ValueError`` (a :class:`hdp.hf_config.ConfigError` for a config
-    hdp cannot train) says what is wrong."""
-    if str(name_or_path) in MODEL_PRESETS:
-        return MODEL_PRESETS[str(name_or_path)]
-    path = Path(name_or_path)
-    if path.suffix == ".json" or path.is_dir() or path.exists():
-        return ModelSpec.from_hf_config(path)
-    raise ValueError(
-        f"unknown model {str(name_or_path)!r}: give a transformers config.json (or its "
-        f"directory) or one of {', '.join(MODEL_PRESETS)}"
     )

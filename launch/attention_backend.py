@@ -1,6 +1,6 @@
 """The attention kernels a training run uses and prices: the backend ``--attention-backend``
 forces or the fastest one here, checked once against the reference before the run trains on it
-(:mod:`attention.first_use`), and the profile rows that price it."""
+(:mod:`hdp.attention.first_use`), and the profile rows that price it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from attention import BackendUnavailable, resolve_backend
-from attention.first_use import verified_backend
 from hdp import GPUProfile, ModelSpec
+from hdp.attention import BackendUnavailable, resolve_backend
+from hdp.attention.first_use import verified_backend
 
 
 def training_dtype(device: torch.device) -> torch.dtype:

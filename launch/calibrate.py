@@ -2,10 +2,10 @@
 
 ``measure`` times, on the local device and with the kernels the runtime calls, the tables the cost
 model prices compute from (attention calls, GEMMs, memory-bound ops, the optimizer step,
-collectives; :mod:`launch.calibrate_tables`, :mod:`launch.calibrate_comm`) and the scalars around
-them (peak FLOP/s, memory, memory bandwidth, a decoder layer's fixed cost), and copies the links
-from a base preset. ``check`` (:mod:`planner.calibration`) prices a table of measured kernel times
-with a profile and reports the errors.
+collectives; :mod:`hdp.launch.calibrate_tables`, :mod:`hdp.launch.calibrate_comm`) and the scalars
+around them (peak FLOP/s, memory, memory bandwidth, a decoder layer's fixed cost), and copies the
+links from a base preset. ``check`` (:mod:`hdp.planner.calibration`) prices a table of measured
+kernel times with a profile and reports the errors.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from attention.kernels import select_backend
 from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_profile, model_preset
 from hdp.argtypes import command, integer
+from hdp.attention.kernels import select_backend
 from hdp.profile import FORMAT, TABLE_COLUMNS
 
 from . import calibrate_tables as tables
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_check(args: argparse.Namespace, argv: list[str]) -> int:
-    from planner.calibration import check_main  # hdp-calibrate check
+    from hdp.planner.calibration import check_main  # hdp-calibrate check
 
     return check_main(args)
 

@@ -107,7 +107,7 @@ def _entry(rank: int, backend: str, port: int, sizes, repeats: int, out_path: st
         _align(device)  # leave together (a rank gone early breaks its peer's last call)
     finally:
         dist.destroy_process_group()
-    exit_without_teardown(0)  # why: launch.runtime.exit_without_teardown's docstring
+    exit_without_teardown(0)  # why: hdp.launch.runtime.exit_without_teardown's docstring
 
 
 def collective_rows(

@@ -7,12 +7,12 @@ events; on CPU with ``time.perf_counter``.
 
 Rows (columns as in ``hdp.profile/1``):
 
-* attention: ``backend.forward`` then ``backend.backward`` of :mod:`attention.kernels` on one
+* attention: ``backend.forward`` then ``backend.backward`` of :mod:`hdp.attention.kernels` on one
   varlen call: ``b`` causal documents of ``a`` tokens, or ``a`` queries against ``b`` keys with no
   mask (one segment).
 * gemm: ``F.linear(x [tokens, in], w [out, in])`` and both backward products.
-* memory_bound: ``rmsnorm`` (:class:`launch.model.RMSNorm`), ``swiglu`` (``F.silu(g) * u``),
-  ``residual_add`` (``x + y``), ``rope`` (:class:`launch.rope.Rotary` on ``[tokens,
+* memory_bound: ``rmsnorm`` (:class:`hdp.launch.model.RMSNorm`), ``swiglu`` (``F.silu(g) * u``),
+  ``residual_add`` (``x + y``), ``rope`` (:class:`hdp.launch.rope.Rotary` on ``[tokens,
   width / head_dim, head_dim]``) and ``cast`` (fp32 to the run dtype; on CPU, where the run
   dtype is fp32, a cast to bf16 and back), each on ``[tokens, width]``.
 * optimizer: one AdamW step over ``params`` fp32 parameters (tensors of at most 16M elements,
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attention.kernels import AttentionBackend
 from hdp import ModelSpec, Plan, RoPE
+from hdp.attention.kernels import AttentionBackend
 
 from .model import AttentionContext, DecoderLayer, RMSNorm
 from .rope import Rotary
@@ -283,7 +283,7 @@ def attention_rows(bench: Bench, backend: AttentionBackend, shapes) -> list[list
 
 
 def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """``(in, out)`` of every linear layer of :mod:`launch.model`: q, k/v and o projections,
+    """``(in, out)`` of every linear layer of :mod:`hdp.launch.model`: q, k/v and o projections,
     gate/up and down projections, the LM head."""
     h, q_out, kv_out = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     return [(h, q_out), (h, kv_out), (q_out, h), (h, spec.ffn), (spec.ffn, h), (h, spec.vocab)]
@@ -403,7 +403,7 @@ def optimizer_rows(bench: Bench) -> list[list]:
 
 
 def layer_overhead(bench: Bench, spec: ModelSpec) -> float:
-    """Seconds of one :class:`launch.model.DecoderLayer` forward + backward that do not scale
+    """Seconds of one :class:`hdp.launch.model.DecoderLayer` forward + backward that do not scale
     with tokens: the intercept of a least-squares line through a few small token counts (one
     rank, one sequence, ``dist_attn`` without a process group), at least 0."""
     bench = replace(bench, grids=replace(bench.grids, min_repeats=10, max_repeats=20))

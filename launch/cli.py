@@ -1,7 +1,7 @@
 """The training command: ``launch/pretrain.py`` under torchrun, or ``hdp-train`` once installed.
 
-:func:`main` parses the flags into a :class:`launch.config.RunConfig`, joins torchrun's process
-group and runs :func:`launch.train.train`.
+:func:`main` parses the flags into a :class:`hdp.launch.config.RunConfig`
+(:func:`parse_config`), joins torchrun's process group and runs :func:`hdp.launch.train.train`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,62 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .config import parse_config
+from hdp import GPUProfile
+from hdp.planner import STRATEGIES, get_strategy
+from hdp.profile import ProfileError
+
+from .config import RunConfig, checked
+from .config_file import ConfigFileError, config_argv
+from .flags import build_parser, from_namespace
+from .loggers import missing_package
+from .model_source import model_source
 from .runtime import exit_without_teardown
+from .stopping import kill_point
 from .train import train
+
+
+def parse_config(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> RunConfig:
+    """The run's config from its flags (``sys.argv[1:]`` by default): a ``--config`` file's flags
+    first, those given replacing them, then every rule between flags (:func:`checked`) and
+    against the planner and this machine (:func:`check_environment`). A bad flag or combination
+    exits with argparse's usage error (status 2), one line saying what to change."""
+    p = build_parser(prog)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    given, _ = p.parse_known_args(argv)  # --config first: its flags go before the others
+    if given.config is not None:
+        try:
+            argv = config_argv(given.config, p, argv) + argv
+        except ConfigFileError as e:
+            p.error(str(e))
+    try:
+        config = checked(from_namespace(p.parse_args(argv), p))
+        check_environment(config)
+    except ValueError as e:
+        p.error(str(e))
+    return config
+
+
+def check_environment(config: RunConfig) -> None:
+    """The rules a config must meet beyond its own flags: the planner's strategy takes its
+    ``--kv-exchange``, the loggers' packages are installed, the model and the GPU profile can be
+    read, ``HDP_KILL_AT`` parses. Raises ValueError naming the flag otherwise."""
+    planning = config.planning
+    if planning.kv_exchange != "auto" and not get_strategy(planning.strategy).takes_kv_exchange:
+        takers = [name for name in STRATEGIES if get_strategy(name).takes_kv_exchange]
+        raise ValueError(
+            f"--kv-exchange {planning.kv_exchange} applies to --strategy {' or '.join(takers)}: "
+            "the baselines exchange K/V as their own systems do"
+        )
+    for flag in ("tensorboard", "wandb"):
+        if getattr(config.output, flag) and (why := missing_package(flag)):
+            raise ValueError(why)
+    kill_point()
+    model_source(config.model, config.data.tokenizer)
+    if planning.gpu_profile:
+        try:
+            GPUProfile.load(planning.gpu_profile)
+        except ProfileError as e:
+            raise ValueError(str(e)) from None
 
 
 def init_distributed(
@@ -60,8 +113,8 @@ def main(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> int:
 
 def run() -> NoReturn:
     """``hdp-train``: :func:`main` under the name it was called by, then exit without the
-    interpreter's teardown (:func:`launch.runtime.exit_without_teardown`)."""
+    interpreter's teardown (:func:`hdp.launch.runtime.exit_without_teardown`)."""
     exit_without_teardown(main(prog=Path(sys.argv[0]).name or "hdp-train"))
 
 
-__all__ = ["init_distributed", "main", "run"]
+__all__ = ["check_environment", "init_distributed", "main", "parse_config", "run"]

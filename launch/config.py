@@ -1,131 +1,185 @@
-"""A training run's configuration: frozen sections, parsed and validated once.
+"""A training run's configuration: frozen sections of typed fields, each with its default.
 
-``parse_config(argv)`` reads ``pretrain.py``'s flags (and a ``--config`` TOML file) into a
-:class:`RunConfig`, applies every rule between flags, and returns a value nothing changes
-afterwards. Where training resolves an ``auto`` (the attention backend that passed its check,
-activation checkpointing where memory needs it), it makes a new config with
-:meth:`RunConfig.resolved`.
+A leaf: it imports nothing from :mod:`hdp.launch`, so a :class:`RunConfig` can be built in a
+test without argparse (``RunConfig(planning=PlanningConfig(sync="wave"))``), and every other
+module of the launcher may read it. :func:`hdp.launch.cli.parse_config` reads ``pretrain.py``'s
+flags (and a ``--config`` TOML file) into one, applies :func:`checked` and the checks against
+the environment, and returns a value nothing changes afterwards. Where training resolves an
+``auto`` (the attention backend that passed its check, activation checkpointing where memory
+needs it), it makes a new config with :meth:`RunConfig.resolved`.
 
-Each section is the argument group of the same name in :mod:`launch.flags`; a field is the flag
-of the same name unless its ``dest`` metadata names another. Fields marked ``defines_run`` make up
-the resume fingerprint (:meth:`RunConfig.fingerprint`): the setup a checkpoint continues.
+Each section is the argument group of the same name in :mod:`hdp.launch.flags`; a field is the
+flag of the same name unless its ``dest`` metadata names another. A field typed as a ``Literal``
+takes only its values, checked when a section is built (:func:`choices`): the flags take their
+choices from here. Fields marked ``defines_run`` make up the resume fingerprint
+(:meth:`RunConfig.fingerprint`): the setup a checkpoint continues.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import signal
-import sys
+import types
+import typing
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from hdp import GPUProfile, format_size
-from hdp.profile import ProfileError
-from planner import STRATEGIES, get_strategy
-
-from .config_file import ConfigFileError, config_argv
-from .flags import build_parser, section_dests
-from .loggers import missing_package
-from .model_source import model_source
-from .stopping import kill_point
+from hdp import format_size
 
 # Without --tokens-per-step a step holds this many tokens, or one --max-seq sequence if longer.
 DEFAULT_TOKENS_PER_STEP = 64 << 10
 
+# The values of the string settings. Strategy and AttentionBackend repeat the names of
+# hdp.planner.STRATEGIES and hdp.BACKEND_NAMES, which tests/test_run_config.py holds equal: the
+# config reads no planner or kernel module.
+Strategy = Literal["static", "ulysses", "hybridcp", "bytescale", "flexsp", "hdp"]
+Sync = Literal["wave", "peer"]
+KVExchange = Literal["auto", "rank", "node", "ulysses"]
+NanPolicy = Literal["stop", "skip"]
+AttentionBackend = Literal["auto", "flash_attn", "torch_flash", "cudnn", "reference"]
+Device = Literal["auto", "cuda", "cpu"]
 
-def _flag(dest: str | None = None, *, defines_run: bool = False) -> Any:
+
+def _flag(default: Any, dest: str | None = None, *, defines_run: bool = False) -> Any:
     """A field whose value comes from the flag ``dest`` (default: the field's name)."""
     meta: dict[str, Any] = {"defines_run": defines_run}
     if dest is not None:
         meta["dest"] = dest
-    return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flag_name(f) -> str:
+    """The command-line flag of a section's field: ``--kv-exchange``."""
+    return "--" + f.metadata.get("dest", f.name).replace("_", "-")
+
+
+@functools.cache
+def _literal_fields(cls: type) -> dict[str, tuple[Any, ...]]:
+    """{field: its allowed values} for the fields of ``cls`` typed ``Literal[...]`` (or
+    ``Literal[...] | None``, where ``None`` is allowed too)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        allowed = ()
+        for part in typing.get_args(hint) if _is_union(hint) else (hint,):
+            if typing.get_origin(part) is Literal:
+                allowed += typing.get_args(part)
+            elif part is type(None):
+                allowed += (None,)
+        if any(v is not None for v in allowed):
+            out[name] = allowed
+    return out
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def choices(cls: type, name: str) -> tuple[str, ...]:
+    """The values the field ``name`` of section ``cls`` takes (``None`` left out): the flag's
+    ``choices``."""
+    return tuple(v for v in _literal_fields(cls)[name] if v is not None)
+
+
+class _Section:
+    """A config section: its ``Literal`` fields are checked when it is built, here and nowhere
+    else, with a ValueError naming the flag and the values it takes."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            allowed = _literal_fields(type(self)).get(f.name)
+            value = getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                names = ", ".join(str(v) for v in allowed if v is not None)
+                raise ValueError(f"{flag_name(f)}: {value!r} is not one of {names}")
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """What is trained: a preset or a transformers config, a checkpoint to start from, RoPE."""
 
-    name_or_config: str | None = _flag("model")  # a preset's name or a config.json path
-    init_from: Path | None = _flag()
-    rope_theta: float | None = _flag()
-    rope_scaling: dict | None = _flag()
+    name_or_config: str | None = _flag(None, "model")  # a preset's name or a config.json path
+    init_from: Path | None = _flag(None)
+    rope_theta: float | None = _flag(None)
+    rope_scaling: dict | None = _flag(None)
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Section):
     """Where the tokens come from and how they form global batches."""
 
-    paths: tuple[str, ...] = _flag("data")  # empty: a synthetic corpus
-    workload: str | None = _flag()
-    weights: tuple[float, ...] | None = _flag("data_weights", defines_run=True)
-    tokenizer: Path | None = _flag()
-    synthetic_docs: int = _flag()
-    max_seq: int = _flag(defines_run=True)
-    tokens_per_step: int = _flag(defines_run=True)
-    truncate: bool = _flag(defines_run=True)
-    skip_bad_records: bool = _flag()
-    seed: int = _flag(defines_run=True)  # the data order's, and the initial weights'
+    paths: tuple[str, ...] = _flag((), "data")  # empty: a synthetic corpus
+    workload: str | None = _flag(None)
+    weights: tuple[float, ...] | None = _flag(None, "data_weights", defines_run=True)
+    tokenizer: Path | None = _flag(None)
+    synthetic_docs: int = _flag(20000)
+    max_seq: int = _flag(16 << 10, defines_run=True)
+    tokens_per_step: int | None = _flag(None, defines_run=True)  # None until checked
+    truncate: bool = _flag(False, defines_run=True)
+    skip_bad_records: bool = _flag(False)
+    seed: int = _flag(0, defines_run=True)  # the data order's, and the initial weights'
 
 
 @dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(_Section):
     """How steps run: how many, on what device and kernels, and what stops them."""
 
-    steps: int = _flag()
-    nan_policy: str = _flag()
-    exit_signals: tuple[signal.Signals, ...] = _flag("exit_signal")
-    compile: bool = _flag()
-    attention_backend: str = _flag()  # "auto" until training resolves it
-    device: str = _flag()
+    steps: int = _flag(20)
+    nan_policy: NanPolicy = _flag("stop")
+    exit_signals: tuple[signal.Signals, ...] = _flag(
+        (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1), "exit_signal"
+    )
+    compile: bool = _flag(False)
+    attention_backend: AttentionBackend = _flag("auto")  # "auto" until training resolves it
+    device: Device = _flag("auto")
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     """AdamW and its learning-rate schedule (Note [Warm-up, decay and extended runs])."""
 
-    lr: float = _flag(defines_run=True)
-    warmup: int = _flag(defines_run=True)
-    lr_decay_steps: int | None = _flag()  # saved as the schedule instead: a run may extend it
-    weight_decay: float = _flag(defines_run=True)
-    grad_clip: float = _flag(defines_run=True)
+    lr: float = _flag(3e-4, defines_run=True)
+    warmup: int = _flag(10, defines_run=True)
+    lr_decay_steps: int | None = _flag(None)  # saved as the schedule instead: a run may extend it
+    weight_decay: float = _flag(0.1, defines_run=True)
+    grad_clip: float = _flag(1.0, defines_run=True)
 
 
 @dataclass(frozen=True)
-class PlanningConfig:
+class PlanningConfig(_Section):
     """What the planner optimises for: its strategy, the machine it prices, the memory it plans."""
 
-    strategy: str = _flag(defines_run=True)
-    sync: str | None = _flag(defines_run=True)
-    kv_exchange: str = _flag(defines_run=True)
-    gpus_per_node: int | None = _flag(defines_run=True)  # as given: None follows torchrun
-    capacity: int | None = _flag(defines_run=True)
-    activation_checkpointing: bool | None = _flag(defines_run=True)  # None until resolved
-    keep_attention: bool = _flag()
-    gpu: str | None = _flag()
-    gpu_profile: str | None = _flag()
-    plan_ahead: int = _flag()
+    strategy: Strategy = _flag("hdp", defines_run=True)
+    sync: Sync | None = _flag(None, defines_run=True)  # None: peer where memory allows
+    kv_exchange: KVExchange = _flag("auto", defines_run=True)
+    gpus_per_node: int | None = _flag(None, defines_run=True)  # as given: None follows torchrun
+    capacity: int | None = _flag(None, defines_run=True)
+    activation_checkpointing: bool | None = _flag(None, defines_run=True)  # None until resolved
+    keep_attention: bool = _flag(False)
+    gpu: str | None = _flag(None)
+    gpu_profile: str | None = _flag(None)
+    plan_ahead: int = _flag(2)
 
 
 @dataclass(frozen=True)
-class CheckpointingConfig:
+class CheckpointingConfig(_Section):
     """Where checkpoints go, how often, and which one a run continues."""
 
-    dir: Path | None = _flag("checkpoint_dir")
-    save_every: int = _flag()
-    resume: bool = _flag()  # also set by --resume-step
-    resume_step: int | None = _flag()
-    allow_changed_setup: bool = _flag()
+    dir: Path | None = _flag(None, "checkpoint_dir")
+    save_every: int = _flag(0)
+    resume: bool = _flag(False)  # also set by --resume-step
+    resume_step: int | None = _flag(None)
+    allow_changed_setup: bool = _flag(False)
 
 
 @dataclass(frozen=True)
-class OutputConfig:
+class OutputConfig(_Section):
     """What a run writes besides checkpoints: metrics rows, their loggers, progress lines."""
 
-    metrics: Path | None = _flag()
-    tensorboard: Path | None = _flag()
-    wandb: str | None = _flag()
-    log_every: int = _flag()
+    metrics: Path | None = _flag(None)
+    tensorboard: Path | None = _flag(None)
+    wandb: str | None = _flag(None)
+    log_every: int = _flag(1)
 
 
 SECTIONS = {
@@ -143,13 +197,13 @@ SECTIONS = {
 class RunConfig:
     """Every setting of a training run, one frozen section per argument group."""
 
-    model: ModelConfig
-    data: DataConfig
-    training: TrainingConfig
-    optimizer: OptimizerConfig
-    planning: PlanningConfig
-    checkpointing: CheckpointingConfig
-    output: OutputConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
 
     def resolved(self, **sections: dict[str, Any]) -> RunConfig:
         """A copy with some fields of some sections replaced, e.g.
@@ -162,7 +216,7 @@ class RunConfig:
     def fingerprint(self) -> dict[str, dict[str, Any]]:
         """{section: {field: value}} of the fields that define the run (tuples as lists, as a
         checkpoint's metadata keeps them): the flags part of the resume fingerprint
-        (:func:`launch.resume.fingerprint` adds the model and the sources)."""
+        (:func:`hdp.launch.resume.fingerprint` adds the model and the sources)."""
         out: dict[str, dict[str, Any]] = {}
         for name in SECTIONS:
             section = getattr(self, name)
@@ -180,42 +234,10 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
-    """The sections of parsed flags, as given (no rule between flags applied)."""
-    dests = section_dests(parser)
-    values: dict[str, Any] = {}
-    for name, cls in SECTIONS.items():
-        wanted = {f.name: f.metadata.get("dest", f.name) for f in fields(cls)}
-        if sorted(wanted.values()) != sorted(dests[name]):
-            raise RuntimeError(  # a flag added to a group without its field, or the reverse
-                f"section {name}: fields for {sorted(wanted.values())}, flags {sorted(dests[name])}"
-            )
-        values[name] = cls(**{f: getattr(ns, dest) for f, dest in wanted.items()})
-    return RunConfig(**values)
-
-
-def parse_config(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> RunConfig:
-    """The run's config from its flags (``sys.argv[1:]`` by default): a ``--config`` file's flags
-    first, those given replacing them, then every rule between flags. A bad flag or combination
-    exits with argparse's usage error (status 2), one line saying what to change."""
-    p = build_parser(prog)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    given, _ = p.parse_known_args(argv)  # --config first: its flags go before the others
-    if given.config is not None:
-        try:
-            argv = config_argv(given.config, p, argv) + argv
-        except ConfigFileError as e:
-            p.error(str(e))
-    config = from_namespace(p.parse_args(argv), p)
-    try:
-        return checked(config)
-    except ValueError as e:
-        p.error(str(e))
-
-
 def checked(config: RunConfig) -> RunConfig:
     """``config`` with the defaults that depend on other flags filled in, once every rule between
-    flags and against the environment holds; raises ValueError naming the flags otherwise."""
+    its flags holds; raises ValueError naming the flags otherwise. (The rules that need the
+    planner or the machine are :func:`hdp.launch.cli.check_environment`'s.)"""
     data, planning, ck = config.data, config.planning, config.checkpointing
     resume = ck.resume or ck.resume_step is not None
     if resume and ck.dir is None:
@@ -226,12 +248,6 @@ def checked(config: RunConfig) -> RunConfig:
         raise ValueError("--keep-attention applies with --activation-checkpointing")
     if ck.allow_changed_setup and not resume:
         raise ValueError("--allow-changed-setup only applies with --resume")
-    if planning.kv_exchange != "auto" and not get_strategy(planning.strategy).takes_kv_exchange:
-        takers = [name for name in STRATEGIES if get_strategy(name).takes_kv_exchange]
-        raise ValueError(
-            f"--kv-exchange {planning.kv_exchange} applies to --strategy {' or '.join(takers)}: "
-            "the baselines exchange K/V as their own systems do"
-        )
     tokens = data.tokens_per_step
     if tokens is None:
         tokens = max(DEFAULT_TOKENS_PER_STEP, data.max_seq)
@@ -247,16 +263,6 @@ def checked(config: RunConfig) -> RunConfig:
             f"--data-weights has {len(data.weights)} weights for {len(paths)} --data sources: "
             "give one per --data"
         )
-    for flag in ("tensorboard", "wandb"):
-        if getattr(config.output, flag) and (why := missing_package(flag)):
-            raise ValueError(why)
-    kill_point()
-    model_source(config.model, config.data.tokenizer)
-    if planning.gpu_profile:
-        try:
-            GPUProfile.load(planning.gpu_profile)
-        except ProfileError as e:
-            raise ValueError(str(e)) from None
     weights = tuple(data.weights) if data.weights is not None else None
     checkpointing = True if planning.keep_attention else planning.activation_checkpointing
     return config.resolved(
@@ -277,7 +283,13 @@ __all__ = [
     "PlanningConfig",
     "RunConfig",
     "TrainingConfig",
+    "AttentionBackend",
+    "Device",
+    "KVExchange",
+    "NanPolicy",
+    "Strategy",
+    "Sync",
     "checked",
-    "from_namespace",
-    "parse_config",
+    "choices",
+    "flag_name",
 ]

@@ -1,15 +1,17 @@
 """The flags of ``pretrain.py`` / ``hdp-train``, one argument group per section of
-:class:`launch.config.RunConfig` (a group's title is its section's name).
+:class:`hdp.launch.config.RunConfig` (a group's title is its section's name).
 
-Each flag checks its own value here (:mod:`hdp.argtypes`); rules between flags live in
-:func:`launch.config.parse_config`.
+Each flag checks its own value here (:mod:`hdp.argtypes`); a flag of a ``Literal`` field takes
+its choices from the config (:func:`hdp.launch.config.choices`); rules between flags live in
+:func:`hdp.launch.config.checked`. :func:`from_namespace` turns parsed flags into the config.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from typing import Any
 
-from attention import BACKEND_NAMES
 from hdp import GPU_PRESETS, MODEL_PRESETS
 from hdp.argtypes import (
     MAX_DOCUMENTS,
@@ -28,10 +30,10 @@ from hdp.argtypes import (
     size,
 )
 from hdp.workloads import workload_names
-from planner import STRATEGIES
 
+from .config import SECTIONS, PlanningConfig, RunConfig, TrainingConfig, choices
 from .model_source import DEFAULT_MODEL
-from .stopping import DEFAULT_SIGNALS, parse_signals
+from .stopping import parse_signals
 
 USAGE = """Pretrain a Llama-style model with hybrid data parallelism.
 
@@ -189,7 +191,7 @@ def _training_flags(g) -> None:
     g.add_argument("--steps", type=integer(1), default=20, help="train until this step")
     g.add_argument(
         "--nan-policy",
-        choices=("stop", "skip"),
+        choices=choices(TrainingConfig, "nan_policy"),
         default="stop",
         help="a step whose loss or gradient norm is not finite never updates the weights: stop "
         "the run there (default; exit status 3) or skip its update and go on, counting it in "
@@ -198,7 +200,7 @@ def _training_flags(g) -> None:
     g.add_argument(
         "--exit-signal",
         type=exit_signals,
-        default=",".join(DEFAULT_SIGNALS),
+        default=",".join(s.name for s in TrainingConfig.exit_signals),
         metavar="SIGNALS",
         help="on any of these signals (comma-separated, or none) every rank finishes the step in "
         "hand, saves a checkpoint and exits 0; a second signal stops at once (default: "
@@ -207,15 +209,15 @@ def _training_flags(g) -> None:
     g.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
     g.add_argument(
         "--attention-backend",
-        type=choice(["auto", *BACKEND_NAMES], "attention backend"),
+        type=choice(choices(TrainingConfig, "attention_backend"), "attention backend"),
         default="auto",
         help="attention kernels of dist_attn: auto (default: flash_attn, else torch_flash, else "
         "cudnn on Hopper and later; reference on CPU), or force one of "
-        f"{', '.join(BACKEND_NAMES)}",
+        f"{', '.join(choices(TrainingConfig, 'attention_backend')[1:])}",
     )
     g.add_argument(
         "--device",
-        choices=("auto", "cuda", "cpu"),
+        choices=choices(TrainingConfig, "device"),
         default="auto",
         help="auto: one CUDA GPU per local rank where there are enough, else CPU (gloo)",
     )
@@ -246,16 +248,19 @@ def _optimizer_flags(g) -> None:
 def _planning_flags(g) -> None:
     g.add_argument(
         "--strategy",
-        type=choice(list(STRATEGIES), "strategy"),
+        type=choice(choices(PlanningConfig, "strategy"), "strategy"),
         default="hdp",
-        help=f"planning strategy: {', '.join(STRATEGIES)} (default hdp)",
+        help=f"planning strategy: {', '.join(choices(PlanningConfig, 'strategy'))} (default hdp)",
     )
     g.add_argument(
-        "--sync", choices=("wave", "peer"), default=None, help="default: peer where memory allows"
+        "--sync",
+        choices=choices(PlanningConfig, "sync"),
+        default=None,
+        help="default: peer where memory allows",
     )
     g.add_argument(
         "--kv-exchange",
-        choices=("auto", "rank", "node", "ulysses"),
+        choices=choices(PlanningConfig, "kv_exchange"),
         default="auto",
         help="how hdp plans move K/V between the ranks of a split sequence: rank (each rank "
         "fetches what it lacks), node (once per node, forwarded inside it), ulysses (all-to-alls "
@@ -386,4 +391,18 @@ def section_dests(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     }
 
 
-__all__ = ["SECTION_FLAGS", "USAGE", "build_parser", "section_dests"]
+def from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> RunConfig:
+    """The sections of parsed flags, as given (no rule between flags applied)."""
+    dests = section_dests(parser)
+    values: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        wanted = {f.name: f.metadata.get("dest", f.name) for f in fields(cls)}
+        if sorted(wanted.values()) != sorted(dests[name]):
+            raise RuntimeError(  # a flag added to a group without its field, or the reverse
+                f"section {name}: fields for {sorted(wanted.values())}, flags {sorted(dests[name])}"
+            )
+        values[name] = cls(**{f: getattr(ns, dest) for f, dest in wanted.items()})
+    return RunConfig(**values)
+
+
+__all__ = ["SECTION_FLAGS", "USAGE", "build_parser", "from_namespace", "section_dests"]

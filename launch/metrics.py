@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from attention import COMM
-from dataloader.loader import StepData
 from hdp import CostModel, plural
+from hdp.attention import COMM
+from hdp.dataloader.loader import StepData
 
 from .memory import PeakMemory
 from .runtime import StepResult

@@ -1,11 +1,11 @@
-"""A Llama-style decoder whose attention is :func:`attention.dist_attn`.
+"""A Llama-style decoder whose attention is :func:`hdp.attention.dist_attn`.
 
 RMSNorm, rotary position embeddings computed from ``position_ids`` (positions inside each
-sequence, so RoPE is exact wherever a sequence's tokens live; scaled as :mod:`launch.rope` says),
-SwiGLU MLP, grouped-query attention, tied or untied embeddings, and what Mistral, Qwen2 and Qwen3
-add (biases, per-head q/k RMSNorm); shapes from a :class:`hdp.ModelSpec`, which can come from a
-Hugging Face ``config.json`` (:mod:`launch.hf_weights` loads its weights). A forward pass takes
-one rank's packed tokens of one wave (``[T]``) and the plan that says where the rest of each
+sequence, so RoPE is exact wherever a sequence's tokens live; scaled as :mod:`hdp.launch.rope`
+says), SwiGLU MLP, grouped-query attention, tied or untied embeddings, and what Mistral, Qwen2 and
+Qwen3 add (biases, per-head q/k RMSNorm); shapes from a :class:`hdp.ModelSpec`, which can come from
+a Hugging Face ``config.json`` (:mod:`hdp.launch.hf_weights` loads its weights). A forward pass
+takes one rank's packed tokens of one wave (``[T]``) and the plan that says where the rest of each
 sequence is.
 
 Note [Selective activation checkpointing]
@@ -31,9 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from attention import dist_attn
-from dataloader import IGNORE_INDEX
 from hdp import ModelSpec, Plan
+from hdp.attention import dist_attn
+from hdp.dataloader import IGNORE_INDEX
 
 from .rope import Rotary
 
@@ -63,8 +63,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention through :func:`attention.dist_attn`; ``backend`` names its
-    kernels (``None``: the fastest for the device and dtype, :func:`attention.select_backend`)."""
+    """Grouped-query self-attention through :func:`hdp.attention.dist_attn`; ``backend`` names its
+    kernels (``None``: the fastest for the device and dtype,
+    :func:`hdp.attention.select_backend`)."""
 
     def __init__(
         self, spec: ModelSpec, rotary: Rotary | None = None, backend: str | None = None
@@ -158,7 +159,7 @@ class Llama(nn.Module):
     and cross-entropy are recomputed in backward (with a 128K vocabulary, 32K tokens of fp32 logits
     alone are 16 GiB). The cost model's memory estimate assumes the same chunk
     (``CostModel.loss_chunk_tokens``). ``attention_backend`` forces the attention kernels
-    (:data:`attention.BACKEND_NAMES`; ``None``: chosen per device and dtype). With
+    (:data:`hdp.attention.BACKEND_NAMES`; ``None``: chosen per device and dtype). With
     ``activation_checkpointing``, ``keep_attention`` recomputes everything but attention (Note
     [Selective activation checkpointing]).
     """

@@ -41,14 +41,14 @@ class Resume:
     trained_tokens: int
     truncated_tokens: int
     skipped_updates: int = 0
-    schedule: dict | None = None  # the learning-rate schedule saved (launch.schedule.Schedule)
+    schedule: dict | None = None  # the learning-rate schedule saved (hdp.launch.schedule.Schedule)
 
 
 def fingerprint(config: RunConfig, sources: list, *, vocab: int, model: dict) -> dict:
     """The setup a checkpoint continues: ``model`` (:meth:`ModelSource.fingerprint
-    <launch.model_source.ModelSource.fingerprint>`), then the config's fields that define the run
-    (:meth:`RunConfig.fingerprint <launch.config.RunConfig.fingerprint>`: ``data``, ``planning``,
-    ``optimizer``), the data section with the sources read and the vocabulary."""
+    <hdp.launch.model_source.ModelSource.fingerprint>`), then the config's fields that define the
+    run (:meth:`RunConfig.fingerprint <hdp.launch.config.RunConfig.fingerprint>`: ``data``,
+    ``planning``, ``optimizer``), the data section with the sources read and the vocabulary."""
     flags = config.fingerprint()
     data = {
         "sources": [s.fingerprint() for s in sources],

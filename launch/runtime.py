@@ -30,7 +30,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from dataloader.loader import StepData
+from hdp.dataloader.loader import StepData
 
 from .model import AttentionContext, Llama
 

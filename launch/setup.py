@@ -1,6 +1,6 @@
 """A training run's set-up, one function per part: the ``auto`` flags resolved, the pricing (the
 one cost model), the data and its loader, the model with its techniques, and the optimizer.
-:func:`launch.train.train` calls them in that order."""
+:func:`hdp.launch.train.train` calls them in that order."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from dataloader import (
+from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
+from hdp.dataloader import (
     BatchStream,
     DataError,
     HDPDataLoader,
@@ -22,8 +23,7 @@ from dataloader import (
     load_tokenizer,
     open_source,
 )
-from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
-from planner import PlanningError, StepPricing, get_strategy
+from hdp.planner import PlanningError, StepPricing, get_strategy
 
 from .attention_backend import (
     forced_attention_backend,
@@ -180,7 +180,7 @@ def build_model(
     weights (the same on every rank), or, with ``--init-from``, built on the meta device, sharded,
     and filled from the checkpoint's files (Note [Loading a checkpoint into shards] in
     launch/hf_weights.py; not read when a checkpoint of the run is resumed instead). Raises
-    :class:`launch.hf_weights.WeightsError` naming the file and tensor when the checkpoint does
+    :class:`hdp.launch.hf_weights.WeightsError` naming the file and tensor when the checkpoint does
     not fit."""
     checkpoint = source.checkpoint if source is not None else None
     torch.manual_seed(config.data.seed)  # identical initial weights on every rank, sharded below
@@ -241,8 +241,8 @@ def apply_optimizer_flags(
     """Make this run's flags, not the checkpoint's, set the learning rate and weight decay.
 
     A checkpoint restores the optimizer's and schedule's saved ``lr``, ``initial_lr`` and
-    ``weight_decay``; :func:`launch.resume.check_setup` refused any change the user did not allow,
-    so what is applied here is either the same values or the ones allowed."""
+    ``weight_decay``; :func:`hdp.launch.resume.check_setup` refused any change the user did not
+    allow, so what is applied here is either the same values or the ones allowed."""
     factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
     for group in optimizer.param_groups:
         group["initial_lr"] = flags.lr

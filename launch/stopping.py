@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 REPEAT_S = 1.0  # a signal within this long of the first is the first one, forwarded
 
 
@@ -154,4 +153,4 @@ def kill_point() -> tuple[int, int]:
     return kill_rank, kill_step
 
 
-__all__ = ["DEFAULT_SIGNALS", "StopOnSignal", "Stopped", "kill_point", "parse_signals"]
+__all__ = ["StopOnSignal", "Stopped", "kill_point", "parse_signals"]

@@ -1,9 +1,9 @@
 """The training loop, read top to bottom in :func:`train`.
 
-Set-up is one function per part (:mod:`launch.setup`): the pricing (the one cost model), the
+Set-up is one function per part (:mod:`hdp.launch.setup`): the pricing (the one cost model), the
 data, the loader, the model with its techniques, the optimizer; then the restore of a checkpoint
 (:func:`restore`).
-Each step runs :func:`train_step` and gathers what the ranks measured (:mod:`launch.metrics`).
+Each step runs :func:`train_step` and gathers what the ranks measured (:mod:`hdp.launch.metrics`).
 Then it writes one metrics record and checkpoints when due.
 """
 
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from attention import COMM
-from dataloader import (
+from hdp import CostModel
+from hdp.attention import COMM
+from hdp.dataloader import (
     DataError,
     HDPDataLoader,
 )
-from dataloader.loader import StepData
-from hdp import CostModel
-from planner import PlanningError, get_strategy
+from hdp.dataloader.loader import StepData
+from hdp.planner import PlanningError, get_strategy
 
 from . import checkpoint
 from .checkpoint import CheckpointError

@@ -1,8 +1,8 @@
 """Planning one training step: which ranks hold which tokens of which sequence, in which wave.
 
 ``plan_step(seq_lens, pricing, strategy="hdp", **opts) -> hdp.Plan`` runs one strategy
-(:data:`STRATEGIES`, :mod:`planner.strategies`) and fills ``plan.predicted`` from the
-:class:`StepPricing`'s one cost model (:mod:`planner.pricing`):
+(:data:`STRATEGIES`, :mod:`hdp.planner.strategies`) and fills ``plan.predicted`` from the
+:class:`StepPricing`'s one cost model (:mod:`hdp.planner.pricing`):
 
 =============  ===========================================================================
 ``static``     DP x CP mesh, one power-of-two CP size, zigzag (Megatron / TransformerEngine)
@@ -23,8 +23,8 @@ K/V as their own systems do). With a :class:`StepPricing` those belong to it.
 
 Options of both forms (all keyword): ``max_seq`` (default: the longest sequence),
 ``tokens_per_step`` (default: the batch's tokens), ``seed``, ``validate`` (default True),
-``options`` (the strategy's ``Options``: :class:`planner.dynamic.DynamicOptions` for ``hdp``,
-:class:`planner.strategies.HybridCPOptions` for ``hybridcp``), and as shorthands for its knobs
+``options`` (the strategy's ``Options``: :class:`hdp.planner.dynamic.DynamicOptions` for ``hdp``,
+:class:`hdp.planner.strategies.HybridCPOptions` for ``hybridcp``), and as shorthands for its knobs
 ``form`` (``hdp``: ``free``, ``whole`` or ``megatron``), ``hdp_options`` (``hdp``: a
 ``DynamicOptions``) and ``hybridcp_impl`` (``hybridcp``: ``auto``/``megatron``/``ours``; ignored by
 the others).

@@ -275,7 +275,7 @@ class PlanBuilder:
 
 def option_flag(default: str, *, flag: str, choices: tuple[str, ...], help: str) -> Any:
     """A strategy option that is also a command-line flag of ``hdp-sim`` and ``hdp-plan``
-    (:func:`planner.strategies.add_option_flags`)."""
+    (:func:`hdp.planner.strategies.add_option_flags`)."""
     return field(default=default, metadata={"flag": flag, "choices": choices, "help": help})
 
 

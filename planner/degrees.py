@@ -7,20 +7,20 @@ busy time ``T(d)``, the cost model's ``peer`` rule. In ``peer`` sync it covers a
 covers at least its members' compute: a wave lasts as long as its slowest rank anyway, and whole
 sequences may share a member's cell.
 
-:func:`planner.splits.split_times` is the closed form of what :meth:`hdp.CostModel.evaluate`
+:func:`hdp.planner.splits.split_times` is the closed form of what :meth:`hdp.CostModel.evaluate`
 computes for such a plan (``tests/test_planner_hdp.py`` checks the two agree). Take member ``i`` of
 ``d``, with head ``h_i`` and tail ``t_i`` tokens. The tail chunks of members ``j > i`` lie before
 member ``i``'s, so it receives every other head and the tails of ``j > i``; it sends its head to
 all ``d - 1`` others and its tail to the ``i`` members ``j < i``. The closed form is vectorised
 over all members of all (length, degree) pairs: one call prices a whole degree menu
-(:mod:`planner.menus`).
+(:mod:`hdp.planner.menus`).
 
 :func:`relaxation_bound` is the planner's own lower bound: choose one degree per sequence so
 that ``max(M, area / ranks)`` is smallest, where ``M`` is the tallest job. The rectangles may be
 cut (the area is divisible) but every job keeps its height. The sweep over every height in the
 menus is exact over ``M``, so the bound is at least the LP relaxation of the malleable-job MILP
-(:mod:`planner.dynamic.milp`) and at most any plan built from such jobs. Degrees the menu skips are
-covered by the smaller height and smaller area of the two menu degrees around them.
+(:mod:`hdp.planner.dynamic.milp`) and at most any plan built from such jobs. Degrees the menu skips
+are covered by the smaller height and smaller area of the two menu degrees around them.
 :func:`step_bound` adds the parameter collectives and, in ``wave`` sync, takes the higher of it
 and :func:`shelf_bound`, which accounts for the token room of the longest sequences' waves.
 

@@ -267,7 +267,7 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
     )
     if implementation == "megatron" and not megatron_available():
         raise PlanningError(
-            "hybridcp: megatron-core is not installed (pip install 'hdp[megatron]')"
+            "hybridcp: megatron-core is not installed (pip install 'hdp-llm[megatron]')"
         )
     nz = np.flatnonzero(lens > 0)
     if use_megatron:

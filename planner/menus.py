@@ -1,10 +1,10 @@
 """Degree menus: how long one sequence length takes on each of its useful degrees.
 
 :func:`length_menu` prices a length's degrees once per cost model, with
-:func:`planner.splits.split_times`: a coarse pass finds where the height stops falling, and a fine
-menu, with the node multiples around it, ends a little beyond. Each entry has hdp's own figures
+:func:`hdp.planner.splits.split_times`: a coarse pass finds where the height stops falling, and a
+fine menu, with the node multiples around it, ends a little beyond. Each entry has hdp's own figures
 (128-token blocks, latency counted) and the bound's (the faster of either split, by bytes alone).
-The relaxation and the bounds of :mod:`planner.degrees` sweep these menus.
+The relaxation and the bounds of :mod:`hdp.planner.degrees` sweep these menus.
 
 Note [Bounds price bytes, not messages]: the closed form counts a member's messages as its
 ``d - 1`` partners plus one per K/V block it receives, while a plan's exchange
@@ -15,14 +15,14 @@ price the K/V traffic by its bytes alone, which every zigzag split of the sequen
 while hdp's own entries keep the latency that decides between its degrees.
 
 Note [Menus end at the floor]: every relaxation value is at least the least work of the batch
-spread over the slots (:func:`menu_floor` of :func:`planner.degrees.least_time`), so below that
+spread over the slots (:func:`menu_floor` of :func:`hdp.planner.degrees.least_time`), so below that
 height a job's height no longer matters, only its area. A menu thus ends at the coarse degree where
 the height first drops below the floor, and bounds give the degrees past it one option: that height
 and the least area of the coarse degrees past it, walked until the area grows (the degrees between
 them are covered as the menus' own gaps are). On the GPU profiles the area grows at once, but on
 the CPU profile more members save more work (Note [Splits that save work] in
-:mod:`planner.degrees`) and it may fall. In ``node`` exchange the heights of a long sequence fall
-up to the whole cluster; without this end its menu would price every degree up to it. (``rank``
+:mod:`hdp.planner.degrees`) and it may fall. In ``node`` exchange the heights of a long sequence
+fall up to the whole cluster; without this end its menu would price every degree up to it. (``rank``
 menus end where their heights stop falling, well before.)
 """
 
@@ -184,7 +184,7 @@ def _priced(
     """The menu of ``length`` at degrees ``deg`` (every one, infeasible ones too);
     ``with_bounds`` False leaves the bound's entries unpriced (they repeat hdp's and bound
     nothing). Megatron (``pow2``) splits into
-    exact shares; hdp by :func:`planner.common.use_blocks`, priced here in blocks first and
+    exact shares; hdp by :func:`hdp.planner.common.use_blocks`, priced here in blocks first and
     exactly where the blocks leave a member over the offload capacity."""
     times, _, in_blocks = menu_pricing(cost, pow2)
     k, lengths = deg.size, np.full(deg.size, length)

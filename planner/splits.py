@@ -1,8 +1,8 @@
 """The closed form of one sequence split over ``d`` ranks in zigzag shares: each member's busy
 time, the job's area and the most tokens a member holds, for many (length, degree) pairs at once,
 by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two agree). The degree
-menus of :mod:`planner.menus`, the bounds of :mod:`planner.degrees` and the FlexSP baseline price
-splits with it.
+menus of :mod:`hdp.planner.menus`, the bounds of :mod:`hdp.planner.degrees` and the FlexSP baseline
+price splits with it.
 :func:`head_split_times` is the same for head-parallel (Ulysses) groups, as hdp's ``ulysses``
 menus price them, and :func:`ulysses_options` as bounds price them."""
 
@@ -219,7 +219,7 @@ def head_split_times(
 def menu_pricing(cost: CostModel, pow2: bool) -> tuple[Callable, int, bool]:
     """How hdp's degree menus price a split, the most ranks it may take and whether its shares
     may be whole blocks: in ``ulysses`` exchange head-parallel groups of at most one rank a
-    head in exact shares (:meth:`planner.common.Context.split`), else zigzag P2P (``pow2``, the
+    head in exact shares (:meth:`hdp.planner.common.Context.split`), else zigzag P2P (``pow2``, the
     Megatron form, always: exact shares)."""
     if cost.kv_exchange == "ulysses" and not pow2:
         return head_split_times, ulysses.most_members(cost.model, cost.cluster.num_ranks), False
@@ -228,7 +228,7 @@ def menu_pricing(cost: CostModel, pow2: bool) -> tuple[Callable, int, bool]:
 
 def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of the sequence on every head-parallel (Ulysses) group a plan may give
-    it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`planner.degrees`)."""
+    it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`hdp.planner.degrees`)."""
     m, n = cost.model, cost.cluster.num_ranks
     off_cap = cost.offload_capacity(sync)
     least = max(2, -(-length // max(off_cap, 1)))

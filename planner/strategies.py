@@ -1,6 +1,6 @@
 """The planning strategies, as objects in one registry (:data:`STRATEGIES`).
 
-A strategy tells :func:`planner.plan_step` everything it needs besides the plan itself: the sync
+A strategy tells :func:`hdp.planner.plan_step` everything it needs besides the plan itself: the sync
 mode its system runs in, whether its ranks may offload activations to host memory, which K/V
 exchanges its plans may be priced in, and its knobs (a frozen ``Options`` dataclass whose
 defaults are what ``plan_step`` plans with). A knob with ``flag`` metadata is also a flag of

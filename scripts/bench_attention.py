@@ -33,14 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 
 def _plan(ranks: int, tokens: int, seed: int):
     """A wlb-128k-like batch of ``tokens`` tokens planned by hdp for ``ranks`` CPU ranks."""
     from hdp import ClusterSpec, model_preset
+    from hdp.planner import plan_step
     from hdp.workloads import get_workload
-    from planner import plan_step
 
     w = get_workload("wlb-128k")
     lens = w.sample_batch(np.random.default_rng(seed), tokens, tokens // 2)
@@ -60,8 +58,8 @@ def _time_rank(
 ) -> None:
     import torch.distributed as dist
 
-    from attention import COMM, dist_attn
     from hdp import Plan
+    from hdp.attention import COMM, dist_attn
 
     torch.set_num_threads(1)
     plan = Plan.from_json(plan_json)
@@ -88,10 +86,9 @@ def _time_rank(
 
 
 def cpu_overhead(ranks: int, tokens: int, H: int, Hk: int, d: int, reps: int) -> None:
-    from distributed import run_ranks
-
-    from attention import dist_attn
     from hdp import Plan
+    from hdp.attention import dist_attn
+    from hdp.testing.ranks import run_ranks
 
     plan = _plan(ranks, tokens, 0)
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_attention_{os.getpid()}.txt"
@@ -136,8 +133,8 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
     """K/V tokens moved per layer (forward): ours (exact prefixes) against ring attention over each
     multi-rank sequence's ranks (every rank's share visits every other rank)."""
     from hdp import ClusterSpec, model_preset
+    from hdp.planner import STRATEGIES, PlanningError, StepPricing, plan_and_evaluate
     from hdp.workloads import get_workload
-    from planner import STRATEGIES, PlanningError, StepPricing, plan_and_evaluate
 
     model = model_preset("llama-7b")
     print("K/V tokens moved per layer, forward: our P2P vs ring attention over the same placement")
@@ -169,7 +166,7 @@ def p2p_vs_ring(workloads: list[tuple[str, int]]) -> None:
 
 def gpu_blocks(block_sizes: list[int], tokens: int, H: int, Hk: int, d: int) -> None:
     """One rank's 2M-context blocks: sharded varlen calls against one monolithic call."""
-    from attention import select_backend
+    from hdp.attention import select_backend
 
     be = select_backend(torch.device("cuda"), torch.bfloat16)
     print(
@@ -279,7 +276,7 @@ def compare_backends(
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:
     """Each available backend's forward and backward TFLOP/s on the shard shapes, side by side."""
-    from attention import BackendUnavailable, get_backend
+    from hdp.attention import BackendUnavailable, get_backend
 
     backends = []
     for name in names:
@@ -289,7 +286,7 @@ def compare_backends(
             print(f"  {name}: {e}")
     if any(be.name == "cudnn" for be in backends):
         # The loop over segments that grouping equal (bucketed) shapes is measured against.
-        from attention.cudnn import CudnnBackend
+        from hdp.attention.cudnn import CudnnBackend
 
         loop = CudnnBackend(grouping=False)
         loop.name = "cudnn_loop"
@@ -395,7 +392,7 @@ def _time_reference(be, shape: tuple[int, int, int, int], reps: int) -> tuple[fl
 def cpu_blocks(shapes: list[tuple[int, int, int, int]], reps: int) -> None:
     """Reference attention, forward + backward of one causal document per ``(tokens, heads,
     kv_heads, head_dim)``, in fp32 on one thread: GPU-sized blocks, then the CPU's."""
-    from attention import kernels
+    from hdp.attention import kernels
 
     torch.set_num_threads(1)
     be = kernels.ReferenceBackend()

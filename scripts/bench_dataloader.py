@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloader import BatchStream, HDPDataLoader, JsonlSource, MegatronSource, SyntheticSource
 from hdp import ClusterSpec, model_preset, parse_size
-from planner import plan_step
+from hdp.dataloader import BatchStream, HDPDataLoader, JsonlSource, MegatronSource, SyntheticSource
+from hdp.planner import plan_step
 
 
 def write_corpus(folder: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from hdp import ClusterSpec, model_preset
+from hdp.planner import StepPricing, plan_and_evaluate
 from hdp.workloads import get_workload
-from planner import StepPricing, plan_and_evaluate
 
 
 def main() -> int:

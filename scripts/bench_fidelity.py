@@ -8,7 +8,7 @@ profile's ``activation_memory_scale``).
 
 ``attention``: plans real batches with hdp (``--gpus`` ranks), takes ranks with long shards,
 short shards and whole documents, runs each rank's attention calls with the project's kernels
-(``attention.kernels``: one causal varlen call over the rank's shards, one full call per shard
+(``hdp.attention.kernels``: one causal varlen call over the rank's shards, one full call per shard
 against the keys before it, forward + backward) on every backend asked for, and prints measured
 over what the cost model prices for those calls.
 
@@ -40,11 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hdp import ClusterSpec, Plan, gpu_profile, model_preset, parse_size  # noqa: E402
-from hdp.workloads import get_workload  # noqa: E402
-from planner import StepPricing, plan_step  # noqa: E402
+from hdp import ClusterSpec, Plan, gpu_profile, model_preset, parse_size
+from hdp.planner import StepPricing, plan_step
+from hdp.workloads import get_workload
 
 
 def metrics_report(path: Path, skip: int) -> dict:
@@ -151,7 +149,7 @@ def time_rank(plan: Plan, rank: int, wave: int, model, backend, device, dtype) -
 def attention_report(args) -> None:
     import torch
 
-    from attention.kernels import get_backend
+    from hdp.attention.kernels import get_backend
 
     model = model_preset(args.model)
     gpu = gpu_profile(args.profile)
@@ -185,7 +183,7 @@ def cpu_train_report(skip: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     with tempfile.TemporaryDirectory(prefix="hdp-fidelity-") as tmp:
         profile = Path(tmp) / "cpu.json"
-        measure = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu"]
+        measure = [sys.executable, "-m", "hdp.launch.calibrate", "measure", "--device", "cpu"]
         subprocess.run([*measure, "--quick", "--out", str(profile)], cwd=root, env=env, check=True)
         for checkpointing in ("--no-activation-checkpointing", "--activation-checkpointing"):
             metrics = Path(tmp) / f"metrics{checkpointing}.jsonl"

@@ -3,7 +3,7 @@ r"""Loading a Hugging Face checkpoint: ``--init-from`` on N gloo ranks beside tr
 script writes itself (5 GB safetensors shards with an index, as the Hub stores them).
 
 Each load runs in a fresh process (transformers) or a fresh torchrun job (hdp: build on the meta
-device, FSDP2, fill each rank's shards with :meth:`launch.hf_weights.HFCheckpoint.load_into`),
+device, FSDP2, fill each rank's shards with :meth:`hdp.launch.hf_weights.HFCheckpoint.load_into`),
 which prints its load time, its resident memory before loading and its peak resident memory
 (Linux's VmHWM, file-backed pages included). transformers maps the files and reads a weight's
 pages when it is first used, so its peak is taken after every weight has been read once (as a
@@ -26,13 +26,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from hdp import model_preset  # noqa: E402
-from hdp.hf_config import export_config  # noqa: E402
+from hdp import model_preset
+from hdp.hf_config import export_config
 
 SHARD_BYTES = 5 * 10**9
 
@@ -50,8 +47,8 @@ def write_checkpoint(directory: Path, layers: int) -> None:
     """A random llama-7b-shaped bf16 checkpoint (``layers`` decoder layers) in 5 GB shards."""
     from safetensors.torch import save_file
 
-    from launch.hf_weights import hf_parameters
-    from launch.model import Llama
+    from hdp.launch.hf_weights import hf_parameters
+    from hdp.launch.model import Llama
 
     spec = replace(model_preset("llama-7b"), layers=layers)
     with torch.device("meta"):
@@ -112,9 +109,9 @@ def load_hdp(directory: Path) -> None:
     JSON line."""
     import torch.distributed as dist
 
-    from launch.hf_weights import open_checkpoint
-    from launch.model import Llama
-    from launch.runtime import exit_without_teardown, shard_model
+    from hdp.launch.hf_weights import open_checkpoint
+    from hdp.launch.model import Llama
+    from hdp.launch.runtime import exit_without_teardown, shard_model
 
     dist.init_process_group("gloo")
     before = status_bytes("VmRSS")

@@ -1,4 +1,4 @@
-"""Our Megatron scheduler (``dataloader.megatron.HDPScheduler``) against megatron-core's own
+"""Our Megatron scheduler (``hdp.dataloader.megatron.HDPScheduler``) against megatron-core's own
 ``BalancedCPScheduler``, side by side on the same global batches.
 
 For each standard workload and cluster size: both schedules priced by the one cost model as
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloader.megatron import HDPScheduler, megatron_plan
 from hdp import ClusterSpec, gpu_preset, model_preset
+from hdp.dataloader.megatron import HDPScheduler, megatron_plan
+from hdp.planner import StepPricing
+from hdp.planner.degrees import step_bound
+from hdp.planner.hybridcp import GroupOfSize
 from hdp.workloads import get_workload, workload_names
-from planner import StepPricing
-from planner.degrees import step_bound
-from planner.hybridcp import GroupOfSize
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from hdp import ClusterSpec, model_preset
+from hdp.planner import StepPricing, plan_and_evaluate
 from hdp.workloads import get_workload, workload_names
-from planner import StepPricing, plan_and_evaluate
 
 BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
 

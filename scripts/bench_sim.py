@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from hdp import ClusterSpec, gpu_preset, model_preset
+from hdp.planner import STRATEGIES, StepPricing
+from hdp.planner.sim import simulate
 from hdp.workloads import get_workload, workload_names
-from planner import STRATEGIES, StepPricing
-from planner.sim import simulate
 
 
 def _progress(strategy: str, result: dict) -> str:
@@ -88,7 +88,7 @@ def longest_sequence_time(w, cluster: ClusterSpec, model, steps: int, seed: int)
     zigzag splits can finish sooner, whatever the lower bound says."""
     import numpy as np
 
-    from planner.splits import split_times
+    from hdp.planner.splits import split_times
 
     cost = StepPricing.build(model, cluster).cost
     cap = cost.capacity("peer")

@@ -18,22 +18,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
-
 
 def _rank(rank: int, world: int, argv: list[str]) -> None:
     import torch
 
-    from launch.config import parse_config
-    from launch.train import train
+    from hdp.launch.cli import parse_config
+    from hdp.launch.train import train
 
     torch.set_num_threads(1)
     train(parse_config(argv), rank=rank, world=world, per_node=world, device=torch.device("cpu"))
 
 
 def main() -> int:
-    from distributed import run_ranks
+    from hdp.testing.ranks import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)

@@ -3,8 +3,8 @@
 For each tag: the tag's ``parse_args`` / ``validate_args`` read every flag line of docs/megatron.md
 exactly as written (``--flags-only``: only this); then, on gloo CPU ranks, they read a hybrid-CP
 flag line like the documented one, the tag's ``parallel_state`` builds the groups, hdp's wrapper
-(with the layout ``dataloader.megatron.versions`` picks for the tag's megatron-core version) feeds
-the tag's ``hybrid_context_parallel_forward_backward``, which calls the tag's
+(with the layout ``hdp.dataloader.megatron.versions`` picks for the tag's megatron-core version)
+feeds the tag's ``hybrid_context_parallel_forward_backward``, which calls the tag's
 ``pretrain_gpt.forward_step`` and so its ``get_batch``. The model is a recorder: it keeps what
 ``forward_step`` hands it. The parent process then compares every record with an expectation
 computed here from the batch alone (which document each sub-sample is, its CP size and partners from
@@ -117,7 +117,7 @@ def flags_main(case: dict, out: str) -> None:
     """One documented flag line through the tag's own ``parse_args`` and ``validate_args``."""
     os.environ.update(RANK="0", WORLD_SIZE=str(case["world"]), LOCAL_RANK="0")
     os.environ.update(CUDA_DEVICE_MAX_CONNECTIONS="1")
-    sys.path[:0] = [case["tree"], case["extra"], str(REPO)]
+    sys.path[:0] = [case["tree"], case["extra"]]  # the tag's Megatron-LM sources
     warnings.simplefilter("ignore")
     _shim_imports()
     _cuda_on_cpu()
@@ -323,7 +323,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, out: str) -> None:
         OMP_NUM_THREADS="1",
         CUDA_DEVICE_MAX_CONNECTIONS="1",  # what validate_args asks for under TP or CP on H100
     )
-    sys.path[:0] = [case["tree"], case["extra"], str(REPO)]
+    sys.path[:0] = [case["tree"], case["extra"]]  # the tag's Megatron-LM sources
     warnings.simplefilter("ignore")
     _shim_imports()
     _cuda_on_cpu()
@@ -335,7 +335,7 @@ def rank_main(rank: int, world: int, port: int, case: dict, out: str) -> None:
         config = _init_megatron(case["tp"], case["cp"])
         from megatron.core import parallel_state as ps
 
-        from dataloader.megatron import HDPDataLoaderWrapper, installed_version
+        from hdp.dataloader.megatron import HDPDataLoaderWrapper, installed_version
 
         hdp = ps.get_data_parallel_group(with_context_parallel=True)
         result.update(

@@ -1,5 +1,5 @@
 """hdp's first ``--init-from`` step against transformers': the loss and every gradient, for each
-architecture of ``tests/hf_models.py`` on 1, 2 and 4 gloo ranks, with the relative errors the
+architecture of :mod:`hdp.testing.hf_models` on 1, 2 and 4 gloo ranks, with the relative errors the
 tests bound (1e-5 for the loss, 1e-4 for each gradient) printed as measured.
 
     python scripts/hf_parity.py
@@ -7,18 +7,21 @@ tests bound (1e-5 for the loss, 1e-4 for each gradient) printed as measured.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import test_hf_models as cases  # noqa: E402
-from distributed import run_ranks  # noqa: E402
-from hf_models import KINDS, hf_name_of, reference, write_checkpoints, write_corpus  # noqa: E402
+from hdp.testing.hf_models import (
+    CAPACITY,
+    KINDS,
+    first_steps,
+    hf_name_of,
+    reference,
+    write_checkpoints,
+    write_corpus,
+)
+from hdp.testing.ranks import run_ranks
 
 
 def main() -> None:
@@ -32,10 +35,8 @@ def main() -> None:
     )
     for world in (1, 2, 4):
         out = root / f"ranks{world}.pt"
-        run_ranks(
-            cases._train_kinds, world, dirs, root / "corpus.jsonl", cases.CAPACITY[world], str(out)
-        )
-        results = torch.load(out)
+        run_ranks(first_steps, world, dirs, root / "corpus.jsonl", CAPACITY[world], str(out))
+        results = torch.load(out, weights_only=True)
         for kind in KINDS:
             ref_loss, ref_grads = refs[kind]
             got = results[kind]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A plain packed-sequence training loop on one device: the baseline of hdp's step efficiency.
 
-The model is hdp's (``launch.model.Llama``, same presets, same chunked loss and activation
+The model is hdp's (``hdp.launch.model.Llama``, same presets, same chunked loss and activation
 checkpointing), with its attention swapped for one varlen call per layer over the packed
 sequences: no plan, no ``dist_attn``, no FSDP. Training runs in bf16 autocast on CUDA (fp32
 parameters, fused AdamW), fp32 on CPU, on the global batches ``launch/pretrain.py`` forms from
@@ -21,22 +21,19 @@ import json
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from attention import BACKEND_NAMES, BackendUnavailable, resolve_backend  # noqa: E402
-from dataloader import IGNORE_INDEX, BatchStream, SyntheticSource  # noqa: E402
-from hdp import MODEL_PRESETS, ClusterSpec, gpu_preset, model_preset  # noqa: E402
-from hdp.argtypes import choice, input_file, integer, number, size  # noqa: E402
-from hdp.workloads import workload_names  # noqa: E402
-from launch.model import Attention, Llama  # noqa: E402
-from launch.setup import detect_gpu  # noqa: E402
-from planner import StepPricing  # noqa: E402
+from hdp import MODEL_PRESETS, ClusterSpec, gpu_preset, model_preset
+from hdp.argtypes import choice, input_file, integer, number, size
+from hdp.attention import BACKEND_NAMES, BackendUnavailable, resolve_backend
+from hdp.dataloader import IGNORE_INDEX, BatchStream, SyntheticSource
+from hdp.launch.model import Attention, Llama
+from hdp.launch.setup import detect_gpu
+from hdp.planner import StepPricing
+from hdp.workloads import workload_names
 
 WARMUP_STEPS = 2  # steps left out of the summary (allocator and kernel warm-up)
 

@@ -21,8 +21,8 @@ import numpy as np
 from bench_planner import bench_strategy
 
 from hdp import ClusterSpec, Plan, model_preset
+from hdp.planner import StepPricing, plan_step
 from hdp.workloads import get_workload, workload_names
-from planner import StepPricing, plan_step
 
 STRATEGIES = ("static", "hybridcp", "bytescale", "hdp", "hdp-megatron")
 

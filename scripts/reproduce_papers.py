@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from hdp import ClusterSpec, GPUProfile, ModelSpec, gpu_preset, model_preset
+from hdp.planner import PlanningError, StepPricing
+from hdp.planner.sim import simulate
 from hdp.workloads import get_workload
-from planner import PlanningError, StepPricing
-from planner.sim import simulate
 
 TOLERANCE = 0.15  # the goal: every modelled row within 15% of the paper
 SAMPLED_STEPS = 12  # seeded global batches per row where the paper's own are not known

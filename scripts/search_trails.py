@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from hdp import ClusterSpec, model_preset
-from planner import STRATEGIES, PlanningError, StepPricing, plan_step
+from hdp.planner import STRATEGIES, PlanningError, StepPricing, plan_step
 
 MODELS = {"cpu": "tiny", "h100": "llama-7b", "a100-80g": "llama-7b"}
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install hdp with its test extras into ./.venv (CPU PyTorch), check style with ruff, run the tests.
+# Install hdp with its test extras into ./.venv (CPU PyTorch), check style with ruff, check the
+# built wheel in a fresh venv (scripts/check_wheel.sh), run the tests.
 # This is the README's test command and what CI runs (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh dev,megatron
 .venv/bin/ruff format --check --diff .
 .venv/bin/ruff check .
+PYTHON=.venv/bin/python bash scripts/check_wheel.sh
 set +e
 # Two workers, one test file each at a time: most tests wait on process start-up and gloo, so
 # two cores do nearly twice the work; files keep their module fixtures on one worker.

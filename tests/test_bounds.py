@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hdp import ClusterSpec, model_preset
-from planner import HEAD_GAP, STRATEGIES, PlanningError, StepPricing, plan_step
-from planner.dynamic import DynamicOptions
-from planner.dynamic.search import FLEXSP_RIVAL_SOLVES
+from hdp.planner import HEAD_GAP, STRATEGIES, PlanningError, StepPricing, plan_step
+from hdp.planner.dynamic import DynamicOptions
+from hdp.planner.dynamic.search import FLEXSP_RIVAL_SOLVES
 
 PROFILES = {"cpu": "tiny", "h100": "llama-7b", "a100-80g": "llama-7b"}
 

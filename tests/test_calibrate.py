@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import patient
 
 import hdp
-from launch import calibrate
+from hdp.launch import calibrate
+from hdp.testing.ranks import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALARS = (
@@ -36,7 +36,7 @@ SCALARS = (
 def quick_run(tmp_path_factory):
     """One ``measure --device cpu --quick`` run: (completed process, profile path)."""
     out = tmp_path_factory.mktemp("calibrate") / "profile.json"
-    cmd = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu", "--quick"]
+    cmd = [sys.executable, "-m", "hdp.launch.calibrate", "measure", "--device", "cpu", "--quick"]
     done = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=patient(300)
     )

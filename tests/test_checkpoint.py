@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from launch import checkpoint
-from launch.checkpoint import CheckpointError
-from launch.config import CheckpointingConfig
-from launch.resume import check_setup, find_resume, open_metrics
+from hdp.launch import checkpoint
+from hdp.launch.checkpoint import CheckpointError
+from hdp.launch.config import CheckpointingConfig
+from hdp.launch.resume import check_setup, find_resume, open_metrics
 
 # DCP's note that it saves and loads in one process, as these tests mean it to.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
-from distributed import patient
 
 from hdp import Plan
-from planner.cli import plan_main, sim_main
+from hdp.planner.cli import plan_main, sim_main
+from hdp.testing.ranks import patient
 
 
 def run_cli(*args, timeout=120):
@@ -16,7 +16,7 @@ def run_cli(*args, timeout=120):
         [
             sys.executable,
             "-c",
-            "import sys; from planner.cli import sim_main, plan_main; "
+            "import sys; from hdp.planner.cli import sim_main, plan_main; "
             f"sys.exit({args[0]}(sys.argv[1:]))",
             *args[1:],
         ],
@@ -249,7 +249,7 @@ def test_plan_hdp_forms(tmp_path):
 
 def test_a_reader_that_goes_away_ends_the_command_quietly():
     # hdp-data stats X | head: the pipe closes before the command has written everything.
-    code = "import sys; from dataloader.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from hdp.dataloader.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "stats", "synthetic:wlb-128k"],
         stdout=subprocess.PIPE,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset, parse_size
-from hdp.specs import GPU_PRESETS, MODEL_PRESETS, GPUProfile, gpu_preset
+from hdp.models import MODEL_PRESETS
+from hdp.specs import GPU_PRESETS, GPUProfile, gpu_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

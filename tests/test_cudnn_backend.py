@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import BackendUnavailable, dist_attn, get_backend, kernels, resolve_backend
-from attention import cudnn as cudnn_mod
-from attention.cudnn import CudnnBackend, Rows, bucket, check_schema, group_segments
 from hdp import Plan
+from hdp.attention import BackendUnavailable, dist_attn, get_backend, kernels, resolve_backend
+from hdp.attention import cudnn as cudnn_mod
+from hdp.attention.cudnn import CudnnBackend, Rows, bucket, check_schema, group_segments
 
 _SEED = torch.zeros((), dtype=torch.int64)
 
@@ -454,7 +454,7 @@ def test_the_model_runs_the_backend_it_is_given(monkeypatch):
     import numpy as np
 
     from hdp import model_preset
-    from launch.model import AttentionContext, Llama
+    from hdp.launch.model import AttentionContext, Llama
 
     monkeypatch.setattr(kernels, "_BACKENDS", {"cudnn": CudnnBackend(fake_fwd, fake_bwd)})
     lens = [40, 40, 24]
@@ -475,7 +475,7 @@ def test_the_model_runs_the_backend_it_is_given(monkeypatch):
 
 def test_training_refuses_a_forced_backend_that_cannot_run():
     from hdp import model_preset
-    from launch.attention_backend import forced_attention_backend, verify_attention_backend
+    from hdp.launch.attention_backend import forced_attention_backend, verify_attention_backend
 
     def verify(name):
         return verify_attention_backend(name, spec=tiny, device=torch.device("cpu"), log=print)
@@ -490,7 +490,7 @@ def test_training_refuses_a_forced_backend_that_cannot_run():
 
 def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
     from hdp import gpu_preset
-    from launch.attention_backend import priced_attention_backend
+    from hdp.launch.attention_backend import priced_attention_backend
 
     cpu, h100 = torch.device("cpu"), gpu_preset("h100")
     assert priced_attention_backend("auto", cpu, gpu_preset("cpu")) == "reference"
@@ -503,8 +503,7 @@ def test_the_cost_model_prices_the_backend_that_will_run(monkeypatch):
 
 
 def test_pretrain_flag(capsys):
-    from launch.cli import main
-    from launch.config import parse_config
+    from hdp.launch.cli import main, parse_config
 
     assert parse_config([]).training.attention_backend == "auto"
     chosen = parse_config(["--attention-backend", "reference"]).training.attention_backend

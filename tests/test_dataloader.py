@@ -5,10 +5,10 @@ import time
 
 import numpy as np
 import pytest
-from distributed import run_ranks
 
-from dataloader import IGNORE_INDEX, BatchStream, HDPDataLoader, JsonlSource, SyntheticSource
 from hdp import ClusterSpec, model_preset
+from hdp.dataloader import IGNORE_INDEX, BatchStream, HDPDataLoader, JsonlSource, SyntheticSource
+from hdp.testing.ranks import run_ranks
 
 
 def corpus(seed=0, n=300):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_ranks
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import STRATEGIES, PlanningError, plan_step
+from hdp.planner import STRATEGIES, PlanningError, plan_step
+from hdp.testing.ranks import run_ranks
 
 
 def random_plan(
@@ -113,7 +113,7 @@ def local(plan: Plan, rank: int, wave: int, per_seq: list[torch.Tensor]) -> torc
 def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) -> None:
     """For each case: run every wave through dist_attn; compare this rank's rows with the
     reference."""
-    from attention import COMM, dist_attn
+    from hdp.attention import COMM, dist_attn
 
     dtype = getattr(torch, dtype_name)
     for idx, (plan_json, H, Hk, d, seed, scale) in enumerate(cases):
@@ -154,7 +154,7 @@ def check_rank(rank: int, world: int, cases: list, dtype_name: str, tol: float) 
 
 def check_p2p_bytes(plan: Plan, w: int, rank: int, Hk: int, d: int, dtype) -> None:
     """Exactly the K/V the plan says this rank sends; backward sends it again plus fp32 dK/dV."""
-    from attention import COMM
+    from hdp.attention import COMM
 
     kvb = 2 * Hk * d * torch.finfo(dtype).bits // 8
     sent_tokens = int(plan.kv_tokens_sent(w)[rank])
@@ -168,7 +168,7 @@ def check_ulysses_bytes(plan: Plan, w: int, rank: int, H: int, Hk: int, d: int, 
     """Head-parallel groups: to each other member of each sequence, forward this rank's tokens
     at the member's heads (Q, and the K/V heads they read) and, back, the member's tokens at
     this rank's heads (the output); backward the same with dO out and fp32 dQ/dK/dV back."""
-    from attention import COMM
+    from hdp.attention import COMM
 
     item, acc = torch.finfo(dtype).bits // 8, 8 if dtype == torch.float64 else 4
     fwd = bwd = 0
@@ -299,7 +299,7 @@ def test_plans_from_every_strategy():
 
 
 def deterministic_rank(rank: int, world: int, plan_json: dict, path: str) -> None:
-    from attention import dist_attn
+    from hdp.attention import dist_attn
 
     plan = Plan.from_json(plan_json)
     seqs = global_tensors(plan, 4, 2, 8, torch.float32, 3)
@@ -322,7 +322,7 @@ def test_repeated_runs_are_bitwise_identical(tmp_path):
 
 @pytest.mark.parametrize("exchange", ["rank", "ulysses"])
 def test_single_process_without_distributed(exchange):
-    from attention import dist_attn
+    from hdp.attention import dist_attn
 
     cells = [[[(1, 0, 9), (0, 0, 25), (0, 25, 40)]]]
     plan = Plan.from_shards([40, 9], 1, cells, kv_exchange=exchange)
@@ -340,7 +340,7 @@ def test_single_process_without_distributed(exchange):
 def test_host_reading_backends_get_host_lengths():
     # A backend that reads the lengths on the host (cuDNN's grouping, the reference) gets them
     # from the host: on a GPU, lengths fetched back from the device would wait for the stream.
-    from attention.layout import Segments
+    from hdp.attention.layout import Segments
 
     seg = Segments.build([([range(0, 3)], [range(0, 3)]), ([range(3, 8)], [range(3, 5)])])
     moved = seg.to(torch.device("meta"))
@@ -352,8 +352,8 @@ def test_host_reading_backends_get_host_lengths():
 
 
 def test_bad_inputs_are_clear():
-    from attention import dist_attn
-    from attention.ulysses import ulysses_layout
+    from hdp.attention import dist_attn
+    from hdp.attention.ulysses import ulysses_layout
 
     plan = Plan.from_shards([10], 1, [[[(0, 0, 10)]]])
     with pytest.raises(ValueError, match="holds 10 tokens in wave 0 of the plan, but q has 9 rows"):
@@ -378,7 +378,7 @@ def test_bad_inputs_are_clear():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("exchange", ["rank", "ulysses"])
 def test_bf16_on_cuda_single_rank(exchange):
-    from attention import dist_attn
+    from hdp.attention import dist_attn
 
     plan = Plan.from_shards(
         [3000, 129, 1],

@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+
+from hdp.testing.ranks import run_ranks
 
 
 def _rank0_waits_for_a_message_never_sent(rank: int, world: int) -> None:

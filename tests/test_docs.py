@@ -10,19 +10,20 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from distributed import patient
+
+from hdp.testing.ranks import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/user_guide.md", "docs/reliability.md")
 # How each documented program runs here, by the first words of its commands: a console script's
 # entry point (module:function, then subcommand words), or a file of the repository.
 HELP = {
-    "hdp-sim": ["planner.cli:sim_main"],
-    "hdp-plan": ["planner.cli:plan_main"],
-    "hdp-data stats": ["dataloader.cli:main", "stats"],
-    "hdp-calibrate measure": ["launch.calibrate:main", "measure"],
-    "hdp-calibrate check": ["launch.calibrate:main", "check"],
-    "hdp-export": ["launch.export:main"],
+    "hdp-sim": ["hdp.planner.cli:sim_main"],
+    "hdp-plan": ["hdp.planner.cli:plan_main"],
+    "hdp-data stats": ["hdp.dataloader.cli:main", "stats"],
+    "hdp-calibrate measure": ["hdp.launch.calibrate:main", "measure"],
+    "hdp-calibrate check": ["hdp.launch.calibrate:main", "check"],
+    "hdp-export": ["hdp.launch.export:main"],
     "launch/pretrain.py": ["launch/pretrain.py"],
     "scripts/plot_metrics.py": ["scripts/plot_metrics.py"],
 }

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import patient
+
+from hdp.testing.ranks import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -25,7 +26,15 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 @pytest.fixture(scope="module")
 def cpu_profile(tmp_path_factory) -> Path:
     profile = tmp_path_factory.mktemp("profile") / "cpu.json"
-    measure = [sys.executable, "-m", "launch.calibrate", "measure", "--device", "cpu", "--quick"]
+    measure = [
+        sys.executable,
+        "-m",
+        "hdp.launch.calibrate",
+        "measure",
+        "--device",
+        "cpu",
+        "--quick",
+    ]
     done = subprocess.run(
         [*measure, "--out", str(profile)], cwd=ROOT, env=ENV, capture_output=True, text=True
     )

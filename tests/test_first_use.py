@@ -4,8 +4,8 @@ never trained on unless forced, on CPU with fake backends standing in for the GP
 import pytest
 import torch
 
-from attention import first_use, kernels
-from attention.kernels import ReferenceBackend
+from hdp.attention import first_use, kernels
+from hdp.attention.kernels import ReferenceBackend
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 16}
@@ -89,8 +89,8 @@ def test_a_forced_backend_is_kept_with_a_warning(fakes, monkeypatch):
 
 
 def test_training_runs_on_the_backend_that_passed(fakes, tmp_path, capsys):
-    from launch.config import parse_config
-    from launch.train import train
+    from hdp.launch.cli import parse_config
+    from hdp.launch.train import train
 
     fakes.update(flash_attn=WrongGradients("flash_attn"), cudnn=Named("cudnn"))
     args = parse_config(

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import patient
+
+from hdp.launch.cli import parse_config
+from hdp.testing.hf_models import run_export, train_in_process, write_checkpoint, write_corpus
+from hdp.testing.ranks import patient
 
 pytest.importorskip("transformers")
-
-from hf_models import run_export, train_in_process, write_checkpoint, write_corpus  # noqa: E402
-
-from launch.config import parse_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,7 +267,8 @@ def test_a_model_trained_from_a_preset_exports_as_its_architecture(tmp_path):
     """From scratch (``--model tiny``, one process): the export's config is built from the preset
     and transformers computes the loss hdp trains on next."""
     import transformers
-    from hf_models import reference
+
+    from hdp.testing.hf_models import reference
 
     ck, metrics = str(tmp_path / "ck"), tmp_path / "m.jsonl"
     run = ["--steps", "2", "--save-every", "1", "--lr", "1e-2", "--checkpoint-dir", ck]

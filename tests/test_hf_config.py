@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from hdp import ConfigError, ModelSpec, model_preset
-from hdp.hf_config import shape_differences
+from hdp import ConfigError, model_preset
+from hdp.hf_config import shape_differences, spec_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,7 +120,7 @@ QWEN3_8B = {
     ],
 )
 def test_real_configs_read_as_the_presets(config, preset):
-    spec, expected = ModelSpec.from_hf_config(config), model_preset(preset)
+    spec, expected = spec_of(config), model_preset(preset)
     assert shape_differences(spec, expected) == []
     assert (spec.rope, spec.norm_eps) == (expected.rope, expected.norm_eps)
     # transformers' own count of the parameters
@@ -137,11 +137,11 @@ def test_both_rope_spellings_read_alike(tmp_path):
     new["rope_parameters"] = {"rope_theta": 500000.0, **old["rope_scaling"]}
     spelled_type = copy.deepcopy(old)
     spelled_type["rope_scaling"]["type"] = spelled_type["rope_scaling"].pop("rope_type")
-    specs = [ModelSpec.from_hf_config(c) for c in (old, new, spelled_type)]
+    specs = [spec_of(c) for c in (old, new, spelled_type)]
     assert specs[0] == specs[1] == specs[2]
     (tmp_path / "config.json").write_text(json.dumps(new))
-    assert ModelSpec.from_hf_config(tmp_path).rope == specs[0].rope  # a directory
-    assert ModelSpec.from_hf_config(tmp_path / "config.json").name == tmp_path.name
+    assert spec_of(tmp_path).rope == specs[0].rope  # a directory
+    assert spec_of(tmp_path / "config.json").name == tmp_path.name
 
 
 ROPES = [
@@ -187,14 +187,14 @@ ROPES = [
 def test_rope_frequencies_equal_transformers(rope, head_dim):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from launch.rope import rope_frequencies
+    from hdp.launch.rope import rope_frequencies
 
     fields = {**LLAMA31_8B, "head_dim": head_dim, "max_position_embeddings": 32768}
     fields.pop("rope_scaling")
     fields.pop("rope_theta")
     config = transformers.LlamaConfig(**fields, rope_parameters=dict(rope))
     theirs = LlamaRotaryEmbedding(config)
-    spec = ModelSpec.from_hf_config({**fields, "rope_parameters": dict(rope)})
+    spec = spec_of({**fields, "rope_parameters": dict(rope)})
     inv_freq, scale = rope_frequencies(spec.rope, head_dim)
     assert torch.equal(inv_freq, theirs.inv_freq)
     assert scale == pytest.approx(theirs.attention_scaling, rel=1e-15)
@@ -202,7 +202,7 @@ def test_rope_frequencies_equal_transformers(rope, head_dim):
 
 def _refused(config, *fields):
     with pytest.raises(ConfigError) as e:
-        ModelSpec.from_hf_config(config)
+        spec_of(config)
     message = str(e.value)
     assert "\n" not in message
     for field in fields:
@@ -267,30 +267,30 @@ def test_sliding_windows_are_refused_where_set():
     _refused(mistral, "sliding_window 4096")  # transformers' default for mistral
     _refused({**QWEN25_7B, "use_sliding_window": True}, "use_sliding_window")
     _refused({**QWEN3_8B, "layer_types": ["sliding_attention"] * 36}, "layer_types")
-    assert ModelSpec.from_hf_config(QWEN25_7B).architecture == "qwen2"  # window set, not used
+    assert spec_of(QWEN25_7B).architecture == "qwen2"  # window set, not used
 
 
 def test_missing_fields_are_named_and_defaults_are_transformers():
     _refused({k: v for k, v in LLAMA31_8B.items() if k != "hidden_size"}, "lacks hidden_size")
     qwen3 = {k: v for k, v in QWEN3_8B.items() if k not in ("head_dim", "rms_norm_eps")}
-    spec = ModelSpec.from_hf_config(qwen3)
+    spec = spec_of(qwen3)
     assert (spec.head_dim, spec.norm_eps) == (128, 1e-6)
 
 
 def test_a_config_file_that_is_not_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not JSON"):
-        ModelSpec.from_hf_config(tmp_path)
+        spec_of(tmp_path)
     with pytest.raises(ConfigError, match="no such file"):
-        ModelSpec.from_hf_config(tmp_path / "missing")
+        spec_of(tmp_path / "missing")
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").mkdir()
     with pytest.raises(ConfigError, match="config.json: not a regular file"):
-        ModelSpec.from_hf_config(tmp_path / "config.json")
+        spec_of(tmp_path / "config.json")
 
 
 def test_sim_and_plan_take_a_config_json(tmp_path, capsys):
-    from planner.cli import plan_main, sim_main
+    from hdp.planner.cli import plan_main, sim_main
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
     (tmp_path / "lengths.txt").write_text("100000\n30000\n5000\n")

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import patient, run_ranks
 
-pytest.importorskip("transformers")
-
-from hf_models import (  # noqa: E402
-    CORPUS_TOKENS,
+from hdp.testing.hf_models import (
+    CAPACITY,
+    STEP,
+    first_steps,
     hf_name_of,
     reference,
     run_export,
@@ -24,12 +23,11 @@ from hf_models import (  # noqa: E402
     write_corpus,
     write_tokenizer,
 )
+from hdp.testing.ranks import patient, run_ranks
+
+pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-# One global batch is the whole corpus, every step: the step's documents are known exactly.
-STEP = ["--tokens-per-step", str(CORPUS_TOKENS), "--max-seq", "128", "--grad-clip", "0"]
-# Per world size, a capacity that splits the longest documents across ranks.
-CAPACITY = {1: None, 2: "64", 4: "32"}
 
 
 @pytest.fixture(scope="module")
@@ -41,59 +39,6 @@ def models(tmp_path_factory):
     return dirs, root / "corpus.jsonl", docs
 
 
-def _train_kinds(rank, world, dirs, corpus, capacity, out):
-    """Step 1 of ``--init-from`` training of every checkpoint: rank 0 saves the loss, the widest
-    split of a document, and the full gradients (taken just before the optimizer steps)."""
-    import launch.train as lt
-    from launch.config import parse_config
-
-    orig_optimizer, orig_step = lt.build_optimizer, lt.train_step
-    seen = {}
-
-    def build_optimizer(args, *, model, schedule):
-        optimizer, scheduler = orig_optimizer(args, model=model, schedule=schedule)
-
-        def keep(opt, a, k):
-            for name, p in model.named_parameters():
-                g = p.grad
-                seen["grads"][name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
-
-        optimizer.register_step_pre_hook(keep)
-        return optimizer, scheduler
-
-    def train_step(data, **kw):
-        seen["split"] = _widest_split(data.plan)
-        return orig_step(data, **kw)
-
-    lt.build_optimizer, lt.train_step = build_optimizer, train_step
-    results = {}
-    for kind, directory in dirs.items():
-        argv = ["--init-from", str(directory), "--data", str(corpus), "--steps", "1", *STEP]
-        argv += ["--metrics", f"{out}.{kind}.jsonl"]
-        if capacity:
-            argv += ["--capacity", capacity]
-        seen["grads"] = {}
-        args = parse_config(argv)
-        assert (
-            lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 0
-        )
-        if rank == 0:
-            row = json.loads(Path(f"{out}.{kind}.jsonl").read_text().splitlines()[0])
-            results[kind] = {"loss": row["loss"], "split": seen["split"], "grads": seen["grads"]}
-    if rank == 0:
-        torch.save(results, out)
-
-
-def _widest_split(plan) -> int:
-    """The most ranks any one document of the plan is spread over."""
-    ranks = {}
-    for w in range(plan.num_waves):
-        for r in range(plan.num_ranks):
-            for shard in plan.shards(r, w):
-                ranks.setdefault(shard.seq, set()).add(r)
-    return max(len(v) for v in ranks.values())
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_init_from_computes_transformers_loss_and_gradients(models, tmp_path, world):
     """Step 1 of every architecture, on ``world`` ranks under plans that split documents: the
@@ -101,7 +46,7 @@ def test_init_from_computes_transformers_loss_and_gradients(models, tmp_path, wo
     documents."""
     dirs, corpus, docs = models
     out = tmp_path / "results.pt"
-    run_ranks(_train_kinds, world, dirs, corpus, CAPACITY[world], str(out))
+    run_ranks(first_steps, world, dirs, corpus, CAPACITY[world], str(out))
     results = torch.load(out)
     for kind, directory in dirs.items():
         ref_loss, ref_grads = reference(directory, docs, grads=True)
@@ -247,8 +192,8 @@ def test_resuming_an_init_from_run_continues_it(models, tmp_path, capsys):
         for n in ("straight", "split")
     )
     assert split == straight
-    import launch.train as lt
-    from launch.config import parse_config
+    import hdp.launch.train as lt
+    from hdp.launch.cli import parse_config
 
     args = parse_config([*base, *ck, "--steps", "4", "--resume", "--rope-theta", "2e6"])
     assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 2
@@ -264,8 +209,8 @@ def test_weights_load_in_pieces_converted_to_the_model_dtype(models, monkeypatch
     parameters where the dtypes agree)."""
     from safetensors.torch import load_file
 
-    import launch.hf_weights as hw
-    from launch.model import Llama
+    import hdp.launch.hf_weights as hw
+    from hdp.launch.model import Llama
 
     dirs, _, _ = models
     monkeypatch.setattr(hw, "_READ_BYTES", 300)

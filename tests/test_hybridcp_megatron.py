@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from hdp.planner.hybridcp import BalancedCPSchedule, megatron_available, megatron_groups
 from hdp.workloads import get_workload
-from planner.hybridcp import BalancedCPSchedule, megatron_available, megatron_groups
 
 pytestmark = pytest.mark.skipif(
-    not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp-llm[megatron]')"
 )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention import BackendUnavailable, PartialAttention, get_backend, kernels, select_backend
+from hdp.attention import BackendUnavailable, PartialAttention, get_backend, kernels, select_backend
 
 
 def sdpa_segments(q, k, v, cu_q, cu_k, causal, scale):

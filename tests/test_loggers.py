@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
-from launch import loggers
-from launch.config import parse_config
-from launch.train import train
+from hdp.launch import loggers
+from hdp.launch.cli import parse_config
+from hdp.launch.train import train
 
 RUN = ["--model", "tiny", "--tokens-per-step", "2K", "--max-seq", "1K", "--steps", "2"]
 

@@ -1,4 +1,4 @@
-"""Megatron-LM integration (``dataloader.megatron``) against the real megatron-core (0.16.1).
+"""Megatron-LM integration (``hdp.dataloader.megatron``) against the real megatron-core (0.16.1).
 
 Schedules are checked by an independent reading of Megatron's execution rules (lock-step CP
 partners inside a group, aligned power-of-two CP groups, a sub-sample on every rank in the last
@@ -14,15 +14,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import PlanningError
-from planner.hybridcp import GroupOfSize, megatron_available
+from hdp.planner import PlanningError
+from hdp.planner.hybridcp import GroupOfSize, megatron_available
+from hdp.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(
-    not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp-llm[megatron]')"
 )
 
 
@@ -72,7 +72,7 @@ def check_megatron_can_run(
 @settings(max_examples=60, deadline=None)
 @given(n=st.sampled_from([2, 4, 6, 8, 10, 12, 16]), cap=st.integers(256, 4096), data=st.data())
 def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
-    from dataloader.megatron import HDPScheduler
+    from hdp.dataloader.megatron import HDPScheduler
 
     count = data.draw(st.integers(n, 4 * n))
     lens = data.draw(st.lists(st.integers(1, cap * n), min_size=count, max_size=count))
@@ -85,7 +85,7 @@ def test_megatron_scheduler_schedules_run_in_megatron(n, cap, data):
 
 
 def test_megatron_scheduler_falls_back_instead_of_raising():
-    from dataloader.megatron import HDPScheduler
+    from hdp.dataloader.megatron import HDPScheduler
 
     # Two short sub-samples on 8 ranks: each is split over a CP group, so every rank runs one
     # (the cost model prices the split as cheaper than ranks waiting with nothing to run).
@@ -121,7 +121,7 @@ def test_megatron_group_sizes_are_the_groups_megatron_builds(monkeypatch):
     """Megatron's own group construction, with its process-group factory recording the ranks."""
     import megatron.core.parallel_state as ps
 
-    from planner.dynamic.megatron import megatron_cp_groups, megatron_group_sizes
+    from hdp.planner.dynamic.megatron import megatron_cp_groups, megatron_group_sizes
 
     built: list[list[int]] = []
     monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: built.append(list(ranks)))
@@ -145,7 +145,7 @@ def test_megatron_scheduler_never_raises_where_megatron_succeeds():
         warnings.simplefilter("ignore")
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    from dataloader.megatron import HDPScheduler
+    from hdp.dataloader.megatron import HDPScheduler
 
     rng = np.random.default_rng(19)
     theirs_ok = 0
@@ -184,7 +184,7 @@ def test_megatron_scheduler_beats_balanced_cp_scheduler(workload, ranks, cap):
         warnings.simplefilter("ignore")
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
-    from dataloader.megatron import HDPScheduler, megatron_plan
+    from hdp.dataloader.megatron import HDPScheduler, megatron_plan
     from hdp.workloads import get_workload
 
     w = get_workload(workload)
@@ -255,7 +255,7 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
     warnings.simplefilter("ignore")
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from dataloader.megatron import HDPDataLoaderWrapper, add_cu_seqlens
+    from hdp.dataloader.megatron import HDPDataLoaderWrapper, add_cu_seqlens
 
     dp = world // cp
     # Megatron's rank order with TP = 1: cp fastest, then dp.
@@ -324,7 +324,7 @@ def _wrapper_ranks(rank, world, prefix, cp, out_dir):
         next(iter(samples.values()))
     )
     if rank == 0:
-        from dataloader.megatron import megatron_plan
+        from hdp.dataloader.megatron import megatron_plan
 
         items = list(lengths.items())
         cost = ours.cp_balancing_scheduler.cost
@@ -349,9 +349,9 @@ def test_megatron_wrapper_on_gloo(tmp_path, world, cp):
 def test_megatron_packed_batch_iterator(tmp_path):
     """The external-dataloader path: whole sequences per DP replica, THD PackedSeqParams whose
     cu_seqlens cut the micro-batch into the documents, each padded to a multiple of 2 * cp."""
-    from dataloader import BatchStream, HDPDataLoader, SyntheticSource
-    from dataloader.megatron import PackedBatchIterator
     from hdp import ClusterSpec, model_preset
+    from hdp.dataloader import BatchStream, HDPDataLoader, SyntheticSource
+    from hdp.dataloader.megatron import PackedBatchIterator
 
     src = SyntheticSource("wlb-128k", 200, 2048, 0)
     stream = BatchStream([src.lengths], 8192, 2048)
@@ -401,7 +401,7 @@ def test_megatron_install_replaces_the_wrapper(monkeypatch):
     """After install(), the name Megatron's training loop calls builds our wrapper."""
     import megatron.core.datasets.data_schedule as data_schedule
 
-    from dataloader.megatron import HDPDataLoaderWrapper, install
+    from hdp.dataloader.megatron import HDPDataLoaderWrapper, install
 
     monkeypatch.setattr(
         data_schedule, "HybridCPDataLoaderWrapper", data_schedule.HybridCPDataLoaderWrapper

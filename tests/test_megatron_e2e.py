@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from distributed import patient, run_ranks
 
-from planner.hybridcp import megatron_available
+from hdp.planner.hybridcp import megatron_available
+from hdp.testing.ranks import patient, run_ranks
 
 NEWEST = "0.19.2"  # the newest megatron-core release (cp312 wheels only)
 # Set in the subprocess of test_newest_release_forward_backward (and so in its rank processes):
@@ -66,7 +66,7 @@ if os.environ.get(ON_PATH):
     _stand_in_for_triton_kernels()
 
 pytestmark = pytest.mark.skipif(
-    not megatron_available(), reason="megatron-core not installed (pip install 'hdp[megatron]')"
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp-llm[megatron]')"
 )
 
 CAP = 256  # max_seqlen_per_dp_cp_rank
@@ -174,7 +174,7 @@ def _ranks(rank, world, contract, cp, seed, out):
     from megatron.core.pipeline_parallel import hybrid_cp_schedule
     from megatron_contracts import GET_BATCH
 
-    from dataloader.megatron import HDPDataLoaderWrapper, installed_version
+    from hdp.dataloader.megatron import HDPDataLoaderWrapper, installed_version
 
     if os.environ.get(ON_PATH):  # the newest release from its wheel, and its own contract
         import megatron.core

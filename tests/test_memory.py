@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hdp import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, ClusterSpec, CostModel, model_preset
+from hdp.launch.memory import host_memory_bytes, rank_profile
 from hdp.specs import GPUProfile, gpu_preset
-from launch.memory import host_memory_bytes, rank_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fidelity", ROOT / "scripts" / "bench_fidelity.py")
@@ -85,7 +85,7 @@ def test_cpu_peak_memory_counts_what_a_step_allocates():
     # In a fresh process, as a training rank is.
     code = (
         "import torch\n"
-        "from launch.memory import PeakMemory\n"
+        "from hdp.launch.memory import PeakMemory\n"
         "memory = PeakMemory(torch.device('cpu'))\n"
         "memory.start_step()\n"
         "block = torch.ones(256 << 20, dtype=torch.uint8)\n"  # 256 MiB, touched

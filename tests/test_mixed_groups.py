@@ -1,4 +1,4 @@
-"""hdp's plans on groups of mixed power-of-two sizes (``planner.dynamic.mixed``)."""
+"""hdp's plans on groups of mixed power-of-two sizes (``hdp.planner.dynamic.mixed``)."""
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, model_preset
-from planner.common import Context
-from planner.dynamic import mixed
+from hdp.planner.common import Context
+from hdp.planner.dynamic import mixed
 
 INF = np.inf
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
-from hf_models import VOCAB, train_in_process, write_checkpoint, write_corpus
 
-import launch.train as lt
-from launch.config import parse_config
+import hdp.launch.train as lt
+from hdp.launch.cli import parse_config
+from hdp.testing.hf_models import VOCAB, train_in_process, write_checkpoint, write_corpus
+from hdp.testing.ranks import run_ranks
 
 # --lr 1e6 makes tiny's loss overflow within a few steps.
 DIVERGE = ["--model", "tiny", "--tokens-per-step", "608", "--max-seq", "128", "--lr", "1e6"]

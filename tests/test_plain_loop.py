@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hdp import Plan, model_preset
-from launch.model import AttentionContext, Llama
+from hdp.launch.model import AttentionContext, Llama
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("plain_loop", ROOT / "scripts" / "plain_loop.py")
@@ -21,7 +21,7 @@ _spec.loader.exec_module(plain_loop)
 
 def test_the_plain_model_is_hdps_model():
     """Same weights, same batch: the plain loop's model gives hdp's loss and gradients."""
-    from attention import get_backend
+    from hdp.attention import get_backend
 
     lens = [37, 64, 5]
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)

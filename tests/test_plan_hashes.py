@@ -13,11 +13,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))  # plan_hashes imports its sibling bench_planner
 RECORDED = json.loads((ROOT / "tests" / "data" / "plan_hashes.json").read_text())
-_spec = importlib.util.spec_from_file_location("plan_hashes", ROOT / "scripts" / "plan_hashes.py")
-plan_hashes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plan_hashes)
+
+
+def _script(name: str):
+    """``scripts/NAME.py`` as the module ``name`` (plan_hashes imports its sibling bench_planner,
+    as it does when run from scripts/)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_script("bench_planner")
+plan_hashes = _script("plan_hashes")
 
 CASES = sorted({tuple(key.split("/")[:2]) for key in RECORDED})
 

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, solver
-from planner.common import Context, zigzag_arrays
-from planner.degrees import relaxation_bound, step_bound, work_area
-from planner.dynamic import DynamicOptions, candidate_heights, milp
-from planner.dynamic.candidates import num_waves_for
-from planner.dynamic.place import place
-from planner.dynamic.shelves import shelf_candidates
-from planner.splits import head_split_times, split_times
+from hdp.planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, solver
+from hdp.planner.common import Context, zigzag_arrays
+from hdp.planner.degrees import relaxation_bound, step_bound, work_area
+from hdp.planner.dynamic import DynamicOptions, candidate_heights, milp
+from hdp.planner.dynamic.candidates import num_waves_for
+from hdp.planner.dynamic.place import place
+from hdp.planner.dynamic.shelves import shelf_candidates
+from hdp.planner.splits import head_split_times, split_times
 
 
 @pytest.mark.parametrize("model,rpn", [("llama-7b", 8), ("llama-70b", 4), ("tiny", 2)])
@@ -564,7 +564,7 @@ def test_equal_group_plans_fill_every_member_before_a_new_wave():
     members then offload in the first waves) and 15 whole ones: each whole sequence takes the
     least-filled member of the first wave with room, so the plan needs no more waves than its
     tokens over the ranks' capacity (it once put every whole sequence on member 0: 11 waves)."""
-    from planner.dynamic.groups import group_plan
+    from hdp.planner.dynamic.groups import group_plan
 
     lens = np.array([1978, 5522, 6273, 289, 445, 270, 997, 182, 919, 817, 864, 119, 402, 643])
     lens = np.concatenate([lens, [505, 682, 693]])

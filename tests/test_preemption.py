@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import patient
 
-from launch import checkpoint
+from hdp.launch import checkpoint
+from hdp.testing.ranks import patient
 
 ROOT = Path(__file__).resolve().parents[1]
 # torchrun gives its ranks this long to finish a step and save after a signal (30 s by default).
@@ -117,7 +117,7 @@ def test_a_signal_saves_the_step_in_hand_and_the_resume_is_bit_identical(tmp_pat
 
 SECOND_SIGNAL = """
 import os, signal, sys, time, torch
-from launch.stopping import StopOnSignal
+from hdp.launch.stopping import StopOnSignal
 with StopOnSignal((signal.SIGTERM, signal.SIGUSR1), rank=0, device=torch.device("cpu")) as stop:
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)  # at once: the same signal forwarded, not a second one

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from hdp import ClusterSpec, CostModel, gpu_preset, model_preset
-from launch.metrics import Heartbeat, clock, data_line, first_step_line, step_line
-from planner import plan_step
+from hdp.launch.metrics import Heartbeat, clock, data_line, first_step_line, step_line
+from hdp.planner import plan_step
 
 
 def test_clock_is_hours_minutes_seconds():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hdp import ClusterSpec
+from hdp.planner import StepPricing
+from hdp.planner.sim import simulate
 from hdp.workloads import get_workload
-from planner import StepPricing
-from planner.sim import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -119,8 +119,8 @@ def test_a_head_parallel_plan_keeps_its_own_capacity():
     fills ranks past the P2P capacity to the Ulysses one, and was once checked against the P2P
     one."""
     from hdp import model_preset
+    from hdp.planner import plan_step
     from hdp.specs import gpu_preset
-    from planner import plan_step
 
     row = papers.ROWS[8]
     model = row.model if not isinstance(row.model, str) else model_preset(row.model)

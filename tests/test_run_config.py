@@ -7,8 +7,16 @@ import importlib.metadata
 
 import pytest
 
-from launch.config import SECTIONS, RunConfig, parse_config
-from launch.flags import build_parser
+from hdp.launch.cli import parse_config
+from hdp.launch.config import (
+    SECTIONS,
+    PlanningConfig,
+    RunConfig,
+    TrainingConfig,
+    checked,
+    choices,
+)
+from hdp.launch.flags import build_parser
 
 
 def test_every_flag_is_one_field_of_one_section():
@@ -64,15 +72,58 @@ def test_rules_between_flags_fill_defaults_without_changing_what_was_given(tmp_p
 
 
 def test_hdp_train_is_the_installed_command():
-    from launch.cli import run
+    from hdp.launch.cli import run
 
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name="hdp-train")
     assert entry.load() is run
 
 
 def test_hdp_train_errors_name_the_command(capsys):
-    from launch.cli import main
+    from hdp.launch.cli import main
 
     with pytest.raises(SystemExit):
         main(["--max-seq", "2M", "--tokens-per-step", "1M"], prog="hdp-train")
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("hdp-train: error: ")
+
+
+def test_a_config_is_built_without_argparse_with_the_flags_defaults():
+    from hdp.launch.flags import from_namespace
+
+    parser = build_parser()
+    assert checked(RunConfig()) == checked(from_namespace(parser.parse_args([]), parser))
+    config = RunConfig(planning=PlanningConfig(sync="wave", kv_exchange="node"))
+    assert config.planning.sync == "wave" and config.training.nan_policy == "stop"
+
+
+def test_the_string_settings_take_the_names_of_what_they_choose():
+    from hdp import BACKEND_NAMES, KV_EXCHANGES
+    from hdp.planner import STRATEGIES
+
+    assert choices(PlanningConfig, "strategy") == tuple(STRATEGIES)
+    assert choices(TrainingConfig, "attention_backend") == ("auto", *BACKEND_NAMES)
+    assert choices(PlanningConfig, "kv_exchange") == ("auto", *KV_EXCHANGES)
+    assert choices(PlanningConfig, "sync") == ("wave", "peer")
+
+
+@pytest.mark.parametrize(
+    "section,field,flag",
+    [
+        (PlanningConfig, "sync", "--sync"),
+        (PlanningConfig, "kv_exchange", "--kv-exchange"),
+        (PlanningConfig, "strategy", "--strategy"),
+        (TrainingConfig, "nan_policy", "--nan-policy"),
+        (TrainingConfig, "attention_backend", "--attention-backend"),
+        (TrainingConfig, "device", "--device"),
+    ],
+)
+def test_a_string_setting_outside_its_values_is_refused_where_it_is_built(section, field, flag):
+    with pytest.raises(ValueError, match=f"^{flag}: 'nope' is not one of "):
+        section(**{field: "nope"})
+    assert section(**{field: choices(section, field)[-1]})  # every value it lists is taken
+
+
+def test_the_flags_offer_the_configs_values():
+    parser = build_parser()
+    for section, field in [(PlanningConfig, "sync"), (TrainingConfig, "device")]:
+        (action,) = [a for a in parser._actions if a.dest == field]
+        assert tuple(action.choices) == choices(section, field)

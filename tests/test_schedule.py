@@ -3,8 +3,8 @@ and a resumed run that keeps its saved schedule unless told otherwise."""
 
 import pytest
 
-from launch.config import OptimizerConfig
-from launch.schedule import Schedule, run_schedule
+from hdp.launch.config import OptimizerConfig
+from hdp.launch.schedule import Schedule, run_schedule
 
 
 def flags(steps=20, warmup=10, lr_decay_steps=None):

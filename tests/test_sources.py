@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from dataloader import DataError, JsonlSource, MegatronSource, SyntheticSource, open_source
-from dataloader.cli import main as data_main
+from hdp.dataloader import DataError, JsonlSource, MegatronSource, SyntheticSource, open_source
+from hdp.dataloader.cli import main as data_main
 
 DOCS = [[5, 6, 7], list(range(100, 140)), [1], list(range(200, 203)) * 50]
 
@@ -49,7 +49,7 @@ def test_jsonl_text_with_hf_tokenizer(tmp_path):
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    from dataloader import load_tokenizer
+    from hdp.dataloader import load_tokenizer
 
     p = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello world hello"}, {"text": "what"}])
     src = JsonlSource(p, load_tokenizer(tmp_path / "tokenizer.json"))

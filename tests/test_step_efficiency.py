@@ -4,11 +4,11 @@ the optimizer's fused kernel, and selective activation checkpointing."""
 import torch
 
 from hdp import model_preset
-from launch.config import OptimizerConfig
-from launch.model import Llama
-from launch.runtime import to_device
-from launch.schedule import Schedule
-from launch.setup import build_optimizer
+from hdp.launch.config import OptimizerConfig
+from hdp.launch.model import Llama
+from hdp.launch.runtime import to_device
+from hdp.launch.schedule import Schedule
+from hdp.launch.setup import build_optimizer
 
 
 def test_batch_copies_and_the_optimizer_keep_cpu_runs_as_they_were():
@@ -27,9 +27,9 @@ def test_selective_checkpointing_keeps_the_gradients_and_skips_attentions_recomp
 ):
     import numpy as np
 
-    from attention import kernels
     from hdp import Plan
-    from launch.model import AttentionContext
+    from hdp.attention import kernels
+    from hdp.launch.model import AttentionContext
 
     calls = []
 

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hdp import ClusterSpec, model_preset
+from hdp.planner import STRATEGIES, PlanningError, plan_step
+from hdp.planner.common import next_pow2
 from hdp.workloads import get_workload
-from planner import STRATEGIES, PlanningError, plan_step
-from planner.common import next_pow2
 
 OFFLOADING = [s.name for s in STRATEGIES.values() if s.offloads(s.options())]
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from hdp import ClusterSpec, model_preset
-from planner import PlanningError, StepPricing, plan_step
-from planner.cli import sim_main
+from hdp.planner import PlanningError, StepPricing, plan_step
+from hdp.planner.cli import sim_main
 
 H, FFN, VOCAB, LAYERS = 4096, 11008, 32000, 32  # llama-7b
 

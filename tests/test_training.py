@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed import patient, run_ranks
+
+from hdp.testing.ranks import patient, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +43,8 @@ def _train(rank, world, argv, out):
     weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    import launch.train as lt
-    from launch.config import parse_config
+    import hdp.launch.train as lt
+    from hdp.launch.cli import parse_config
 
     args = parse_config(argv)
     captured = {}
@@ -64,9 +65,9 @@ def _train(rank, world, argv, out):
 
 def run_single(argv, out, tmp_path):
     """The same run on one process, no process group, no FSDP."""
-    from launch.config import parse_config
-    from launch.model import Llama
-    from launch.train import train
+    from hdp.launch.cli import parse_config
+    from hdp.launch.model import Llama
+    from hdp.launch.train import train
 
     args = parse_config(argv)
     captured = {}
@@ -113,7 +114,7 @@ def test_four_ranks_equal_one_process(tmp_path, strategy, sync):
 
 def test_a_sequence_spread_over_all_ranks(tmp_path):
     # One global batch holding a 3K-token document on 4 ranks of capacity 1K: it spans >= 3 ranks.
-    from dataloader import BatchStream, SyntheticSource
+    from hdp.dataloader import BatchStream, SyntheticSource
 
     argv = [
         "--model",
@@ -264,8 +265,8 @@ def test_kill_a_rank_and_resume(tmp_path):
 
 def train_here(argv, capsys) -> tuple[int, str]:
     """A run in this process (one rank, no process group): (exit code, what it printed)."""
-    from launch.config import parse_config
-    from launch.train import train
+    from hdp.launch.cli import parse_config
+    from hdp.launch.train import train
 
     rc = train(parse_config(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
     return rc, capsys.readouterr().out
@@ -279,7 +280,7 @@ def rows(path):
 def test_accounting_continues_across_a_resume(tmp_path, capsys):
     """Trained and truncated tokens continue from the checkpoint; the truncated tokens are what
     the trained documents lost, the same per step in the metrics and in total on the last line."""
-    from dataloader import BatchStream, SyntheticSource
+    from hdp.dataloader import BatchStream, SyntheticSource
 
     argv = COMMON + ["--max-seq", "512", "--truncate", "--steps", "4"]
     ck, run = ["--checkpoint-dir", str(tmp_path / "ck")], ["--metrics", str(tmp_path / "run.jsonl")]
@@ -352,10 +353,10 @@ def test_bad_flags(argv, message):
 
 def test_selective_offload_keeps_the_math(tmp_path):
     """A plan that offloads half the layers' activations trains exactly as one that does not."""
-    from dataloader import BatchStream, HDPDataLoader, SyntheticSource
     from hdp import ClusterSpec, Plan, model_preset
-    from launch.model import Llama
-    from launch.runtime import run_waves
+    from hdp.dataloader import BatchStream, HDPDataLoader, SyntheticSource
+    from hdp.launch.model import Llama
+    from hdp.launch.runtime import run_waves
 
     src = SyntheticSource("wlb-128k", 30, 512, 0)
     loader = HDPDataLoader(
@@ -393,7 +394,7 @@ def test_chunked_loss_matches_full_logits():
     import torch.nn.functional as F
 
     from hdp import Plan, model_preset
-    from launch.model import AttentionContext, Llama
+    from hdp.launch.model import AttentionContext, Llama
 
     T = 300
     plan = Plan(
@@ -451,9 +452,9 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     """A profile whose own attention rows (``torch_flash``, 10x slower) are not those of the backend
     that runs on a CPU (``reference``): the plan's prediction must come from the training's cost
     model, which prices the reference rows, not from the profile's default."""
-    from launch.config import parse_config
-    from launch.model_source import model_source
-    from launch.setup import build_data, build_loader, build_pricing, resolve_auto
+    from hdp.launch.cli import parse_config
+    from hdp.launch.model_source import model_source
+    from hdp.launch.setup import build_data, build_loader, build_pricing, resolve_auto
 
     profile = json.loads((ROOT / "hdp" / "data" / "profiles" / "cpu.json").read_text())
     rows = profile["tables"]["attention"]["rows"]

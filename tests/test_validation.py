@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dataloader.cli import main as data_main
 from hdp import model_preset, parse_size
-from launch.config import parse_config
-from planner.cli import plan_main, sim_main
+from hdp.dataloader.cli import main as data_main
+from hdp.launch.cli import parse_config
+from hdp.planner.cli import plan_main, sim_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +93,9 @@ def test_the_headline_command_fits_one_sequence_per_step():
     turned on for it, within the host's memory shared by both."""
     import torch
 
-    from launch.memory import host_memory_bytes
-    from launch.setup import build_pricing, checkpointing_needed
-    from planner import get_strategy
+    from hdp.launch.memory import host_memory_bytes
+    from hdp.launch.setup import build_pricing, checkpointing_needed
+    from hdp.planner import get_strategy
 
     cpu = torch.device("cpu")
     args = parse_config(["--max-seq", "2M"])
@@ -125,7 +125,7 @@ def test_activation_checkpointing_flags():
 
 
 def test_pretrain_help_lists_every_strategy(capsys):
-    from planner import STRATEGIES
+    from hdp.planner import STRATEGIES
 
     with pytest.raises(SystemExit):
         parse_config(["--help"])
@@ -223,7 +223,7 @@ def test_bad_synthetic_sources_are_one_line(capsys, path, message):
 
 @pytest.mark.parametrize("threads", ["0", "-2", "x", "99999999999", "1e20"])
 def test_calibrate_threads(capsys, threads):
-    from launch.calibrate import main as calibrate_main
+    from hdp.launch.calibrate import main as calibrate_main
 
     line = _usage_error(
         calibrate_main, ["measure", "--out", "p.json", "--threads", threads], capsys
@@ -234,7 +234,7 @@ def test_calibrate_threads(capsys, threads):
 @pytest.mark.parametrize("sync", ["wave", "peer"])
 def test_a_model_that_cannot_fit_suggests_only_what_would_change(sync):
     from hdp import GPU_PRESETS, MODEL_PRESETS, ClusterSpec
-    from planner import PlanningError, StepPricing, get_strategy
+    from hdp.planner import PlanningError, StepPricing, get_strategy
 
     cluster = ClusterSpec(num_ranks=1, ranks_per_node=1, gpu=GPU_PRESETS["h100"])
     pricing = StepPricing.build(MODEL_PRESETS["llama-70b"], cluster, sync=sync)

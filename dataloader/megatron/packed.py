@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from planner import PlanningError
+from hdp.planner import PlanningError
 
 from ..loader import IGNORE_INDEX
 
@@ -17,7 +17,7 @@ class PackedBatchIterator:
     """Megatron batches for ``--dataloader-type external`` (and Megatron versions without hybrid
     CP): each ``next()`` is one micro-batch of this DP replica, packed in THD form.
 
-    ``loader`` is an :class:`dataloader.HDPDataLoader` over the **data-parallel** group: one
+    ``loader`` is an :class:`hdp.dataloader.HDPDataLoader` over the **data-parallel** group: one
     loader rank per DP replica, its ``ClusterSpec`` one rank per replica, its capacity the tokens
     a replica holds at once. It plans with ``plan_options={"form": "whole"}``. Megatron's static
     CP splits every document of a micro-batch over the replica's CP group itself, so sequences

@@ -4,7 +4,7 @@
 with ``groups[g][r]`` the sub-sample lengths and ``sample_id_groups[g][r]`` the sub-sample ids
 rank ``r`` of the DPxCP group runs in group ``g`` (in order, one micro-batch each). A sample
 listed by several ranks of a group runs zigzag-split over them, always one of the CP groups
-Megatron builds (:func:`planner.dynamic.megatron.megatron_group_sizes`).
+Megatron builds (:func:`hdp.planner.dynamic.megatron.megatron_group_sizes`).
 
 A training run must not stop because one batch is hard to schedule: where hdp's plan cannot be
 made into a schedule Megatron runs, the scheduler falls back to Megatron's own schedule (where it
@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 
 from hdp import ClusterSpec, CostModel, Plan, gpu_preset, model_preset
-from planner import PlanningError, StepPricing, get_strategy
-from planner.common import Context
-from planner.dynamic.megatron import (
+from hdp.planner import PlanningError, StepPricing, get_strategy
+from hdp.planner.common import Context
+from hdp.planner.dynamic.megatron import (
     megatron_cp_groups,
     megatron_group_sizes,
     padded_length,
     plan_megatron_form,
 )
-from planner.hybridcp import BalancedCPSchedule, plan_from_sample_id_groups
+from hdp.planner.hybridcp import BalancedCPSchedule, plan_from_sample_id_groups
 
 
 @dataclass
@@ -249,7 +249,7 @@ def megatron_plan(
     """The plan Megatron executes for a schedule (ours or ``BalancedCPScheduler``'s), priced by
     ``cost``: ``plan.predicted["step_time_s"]`` is its step time. Sequence ``k`` of the plan is
     the ``k``-th entry of ``sample_id_seqlens``, at the padded length Megatron runs it at
-    (:func:`planner.dynamic.megatron.padded_length`); ``predicted["padding_tokens"]`` counts
+    (:func:`hdp.planner.dynamic.megatron.padded_length`); ``predicted["padding_tokens"]`` counts
     them."""
     ids = [int(i) for i, _ in sample_id_seqlens]
     lens = np.array([int(L) for _, L in sample_id_seqlens], dtype=np.int64)

@@ -60,7 +60,7 @@ def contract_for(text: str) -> str:
         raise ImportError(
             f"megatron-core {text} has no hybrid context parallelism: HDPDataLoaderWrapper needs "
             ">= 0.16 (pip install -U 'megatron-core>=0.16'); with older versions use "
-            "dataloader.megatron.PackedBatchIterator"
+            "hdp.dataloader.megatron.PackedBatchIterator"
         )
     return KNOWN_MINORS.get(minor, "packed")
 
@@ -74,7 +74,7 @@ def require_megatron():
             import megatron.core as mcore
     except ImportError as e:
         raise ImportError(
-            "dataloader.megatron needs megatron-core >= 0.16: pip install 'hdp[megatron]' "
+            "hdp.dataloader.megatron needs megatron-core >= 0.16: pip install 'hdp-llm[megatron]' "
             f"(or megatron-core>=0.16) ({e})"
         ) from e
     contract_for(mcore.__version__)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner.dynamic.megatron import padded_length
+from hdp.planner.dynamic.megatron import padded_length
 
 from .scheduler import HDPScheduler
 from .versions import CONTRACTS, installed_version, require_megatron

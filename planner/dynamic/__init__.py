@@ -2,9 +2,9 @@
 
 Read in this order:
 
-1. :mod:`planner.menus` prices a menu of degrees for every long sequence (compute at the
+1. :mod:`hdp.planner.menus` prices a menu of degrees for every long sequence (compute at the
    kernel efficiency of its blocks, exposed K/V traffic over NVLink and the NIC, host offload
-   where its members hold more than the capacity); :mod:`planner.degrees` solves the
+   where its members hold more than the capacity); :mod:`hdp.planner.degrees` solves the
    relaxation: the height ``M`` minimising ``max(M, area / ranks)`` and, for each sequence, the
    smallest-area degree no taller than ``M``. Short sequences stay whole.
 2. :mod:`.search` turns the relaxation into candidates (Note [The candidate families]), places
@@ -12,7 +12,7 @@ Read in this order:
 3. :mod:`.place` places one candidate: :mod:`.wave` in ``wave`` sync (a step is the sum of its
    waves' slowest cells), :mod:`.peer` in ``peer`` sync (ranks wait only for their partners).
    Multi-rank jobs take the least-loaded ranks of one node where they fit in one, in zigzag
-   head/tail shares of whole 128-token blocks (:func:`planner.common.use_blocks`).
+   head/tail shares of whole 128-token blocks (:func:`hdp.planner.common.use_blocks`).
 4. :mod:`.megatron` is the form Megatron's hybrid context parallelism executes.
 """
 

@@ -51,7 +51,7 @@ def group_splits(ctx: Context, g: int) -> list[tuple[np.ndarray, bool]]:
     """Which sequences a group of ``g`` ranks splits, and whether in exact shares, one per
     variant to try: head-parallel, every sequence of at least ``g`` tokens, exactly; P2P, that
     too (for the profiles where splits save work), and only those a rank cannot hold, in hdp's
-    usual shares (:meth:`~planner.common.Context.split`)."""
+    usual shares (:meth:`~hdp.planner.common.Context.split`)."""
     lens = ctx.seq_lens
     if ctx.cost.kv_exchange == "ulysses":
         return [(lens >= g, True)]

@@ -1,7 +1,7 @@
 """The malleable-job MILP of DESIGN.md, with pulp: one degree per long sequence.
 
 Sequences of equal length form a bucket ``b`` (``c_b`` sequences) with the priced menu of
-:func:`planner.menus.length_menu` (degree ``k``: height ``h_bk`` s, area ``a_bk`` rank-s)::
+:func:`hdp.planner.menus.length_menu` (degree ``k``: height ``h_bk`` s, area ``a_bk`` rank-s)::
 
     minimise    M + eps * (sum_bk a_bk n_bk) / slots
     subject to  sum_k n_bk = c_b                     every sequence gets one degree
@@ -12,7 +12,7 @@ Sequences of equal length form a bucket ``b`` (``c_b`` sequences) with the price
                 n_bk integer >= 0, y_bk binary
 
 ``slots`` is the ranks (``peer``) or ranks x waves (``wave``). The sweep of
-:func:`planner.degrees.relaxation_bound` solves this exactly when every bucket holds one
+:func:`hdp.planner.degrees.relaxation_bound` solves this exactly when every bucket holds one
 sequence; the MILP also handles buckets of many equal lengths (synthetic and bucketed corpora)
 and verifies the sweep. Its LP relaxation (``lp_bound_s``) is weaker than the sweep's bound, which
 stays the reported one.

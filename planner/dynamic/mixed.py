@@ -30,7 +30,7 @@ short ones 5 groups of one: 13 ranks. The 3 spare become groups of one (a group 
 fits): the long ones run in 2 s, the short ones in 1.25 s on each of 8 ranks.
 
 In ``wave`` sync every wave lasts as long as its slowest group, so the batch is first dealt into
-the fewest micro-batches that hold it (as FlexSP does: :func:`planner.common.micro_batches`),
+the fewest micro-batches that hold it (as FlexSP does: :func:`hdp.planner.common.micro_batches`),
 each laid out on all ranks in turn.
 """
 

@@ -11,7 +11,7 @@ from ..common import option_flag
 
 @dataclass(frozen=True)
 class DynamicOptions:
-    """What :func:`planner.dynamic.plan_dynamic` tries; the defaults are what ``plan_step``
+    """What :func:`hdp.planner.dynamic.plan_dynamic` tries; the defaults are what ``plan_step``
     plans with.
 
     Heights are relative to the relaxation's ``M``; shares are of the offload capacity (tokens
@@ -24,7 +24,7 @@ class DynamicOptions:
         flag="--hdp-form",
         choices=("free", "whole", "megatron"),
         help="what hdp plans may do: free, whole (every sequence on one rank) or megatron "
-        "(aligned power-of-two CP groups, what dataloader.megatron.HDPScheduler runs)",
+        "(aligned power-of-two CP groups, what hdp.dataloader.megatron.HDPScheduler runs)",
     )
 
     # Relaxation heights placed in ``peer`` sync, and per wave in ``wave`` sync.

@@ -11,7 +11,7 @@ this order:
    tallest job can be up to ``M``.
 2. *Per wave* (``wave`` sync, several waves): the relaxation over ranks x waves, as if the area
    spread evenly over the waves.
-3. *The MILP* (:mod:`planner.dynamic.milp`) where it fits the time budget, warm-started from 1.
+3. *The MILP* (:mod:`hdp.planner.dynamic.milp`) where it fits the time budget, warm-started from 1.
 4. At the best height (``wave`` sync): *token-capped* degrees, so more sequences split and every
    cell gets a mix; and *two tiers*, in which the cheapest whole sequences per token get waves
    of their own, so the dense waves keep token room (a wave costs only its collectives' tail
@@ -55,14 +55,14 @@ their own), and the faster of the two counts.
 Note [Skipping by work]
 -----------------------
 In ``wave`` sync the candidates of 1-3 go least work first. A candidate's work
-(:func:`planner.degrees.work_area`) spread over the ranks is a lower bound of its step, so one
+(:func:`hdp.planner.degrees.work_area`) spread over the ranks is a lower bound of its step, so one
 whose work is not below the best step so far cannot win and is not placed. A height candidate
 is compared only with the best height candidate, so the best height, where 4 starts, is the one
 all heights placed would give.
 
 In ``peer`` sync a rank's work runs back to back, so the step is at least the busy time of every
 multi-rank job's slowest member. The bound's entries of the job's menu (Note [Bounds price bytes,
-not messages] in :mod:`planner.menus`) bound that from below, so a candidate whose tallest job's
+not messages] in :mod:`hdp.planner.menus`) bound that from below, so a candidate whose tallest job's
 entry is not below the best step so far is not placed either. At 1024 ranks the tallest height
 candidate is often such a one: its jobs alone take longer than the best plan. Not in ``ulysses``
 exchange: there the entries are the P2P splits', and a head-parallel job may run 3x faster.
@@ -245,7 +245,7 @@ def check_fits(ctx: Context) -> None:
 
 def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     """Plan with the candidate families of Note [The candidate families]; the fastest by the
-    cost model reports its gap to the bound (:func:`planner.degrees.step_bound`) in
+    cost model reports its gap to the bound (:func:`hdp.planner.degrees.step_bound`) in
     ``predicted["bound_s"]``, in the form ``options.form`` asks."""
     options = options or DynamicOptions()
     form = options.form
@@ -312,7 +312,7 @@ def cheap_flexsp(ctx: Context) -> bool:
     ranks, where :func:`few_sequences` holds, or for at most ``RIVAL_SEQUENCES`` sequences
     where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES`` times (once, and in ``wave`` sync
     where its plan has more waves than the fewest micro-batches once more for each of those:
-    :mod:`planner.flexsp`, Note [FlexSP's micro-batches]). Its MILP grows with the sequences,
+    :mod:`hdp.planner.flexsp`, Note [FlexSP's micro-batches]). Its MILP grows with the sequences,
     not the ranks: its group sizes are the powers of two."""
     n = ctx.num_ranks
     if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import torch
-from distributed import patient
+
+from .ranks import patient
 
 VOCAB = 101  # not a multiple of 2 or 4: FSDP2 shards the embedding unevenly
 # Large enough that a wrong RoPE, norm or bias changes the loss (at 0.02 every model scores
@@ -28,6 +29,10 @@ SMALL = {
 }
 DOC_LENGTHS = [97, 64, 120, 45, 88, 71, 33, 90]  # 608 tokens, none past --max-seq 128
 CORPUS_TOKENS = sum(DOC_LENGTHS)
+# One global batch is the whole corpus, every step: the step's documents are known exactly.
+STEP = ["--tokens-per-step", str(CORPUS_TOKENS), "--max-seq", "128", "--grad-clip", "0"]
+# Per world size, a capacity that splits the longest documents across ranks.
+CAPACITY = {1: None, 2: "64", 4: "32"}
 
 # The architectures of the tests: transformers' config class, its arguments, and whether the
 # config.json is rewritten in the transformers 4.x spelling (rope_theta + rope_scaling).
@@ -186,14 +191,67 @@ def write_tokenizer(directory: Path) -> None:
 def run_export(argv: list[str]) -> subprocess.CompletedProcess:
     """``hdp-export`` in a fresh process."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "launch.export", *argv]
+    cmd = [sys.executable, "-m", "hdp.launch.export", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=patient(300))
 
 
 def train_in_process(argv: list[str]) -> None:
     """``pretrain.py`` with ``argv`` as one rank without a process group."""
-    import launch.train as lt
-    from launch.config import parse_config
+    import hdp.launch.train as lt
+    from hdp.launch.cli import parse_config
 
     args = parse_config(argv)
     assert lt.train(args, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 0
+
+
+def first_steps(rank, world, dirs, corpus, capacity, out):
+    """Step 1 of ``--init-from`` training of every checkpoint: rank 0 saves the loss, the widest
+    split of a document, and the full gradients (taken just before the optimizer steps)."""
+    import hdp.launch.train as lt
+    from hdp.launch.cli import parse_config
+
+    orig_optimizer, orig_step = lt.build_optimizer, lt.train_step
+    seen = {}
+
+    def build_optimizer(args, *, model, schedule):
+        optimizer, scheduler = orig_optimizer(args, model=model, schedule=schedule)
+
+        def keep(opt, a, k):
+            for name, p in model.named_parameters():
+                g = p.grad
+                seen["grads"][name] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
+
+        optimizer.register_step_pre_hook(keep)
+        return optimizer, scheduler
+
+    def train_step(data, **kw):
+        seen["split"] = widest_split(data.plan)
+        return orig_step(data, **kw)
+
+    lt.build_optimizer, lt.train_step = build_optimizer, train_step
+    results = {}
+    for kind, directory in dirs.items():
+        argv = ["--init-from", str(directory), "--data", str(corpus), "--steps", "1", *STEP]
+        argv += ["--metrics", f"{out}.{kind}.jsonl"]
+        if capacity:
+            argv += ["--capacity", capacity]
+        seen["grads"] = {}
+        args = parse_config(argv)
+        assert (
+            lt.train(args, rank=rank, world=world, per_node=world, device=torch.device("cpu")) == 0
+        )
+        if rank == 0:
+            row = json.loads(Path(f"{out}.{kind}.jsonl").read_text().splitlines()[0])
+            results[kind] = {"loss": row["loss"], "split": seen["split"], "grads": seen["grads"]}
+    if rank == 0:
+        torch.save(results, out)
+
+
+def widest_split(plan) -> int:
+    """The most ranks any one document of the plan is spread over."""
+    ranks = {}
+    for w in range(plan.num_waves):
+        for r in range(plan.num_ranks):
+            for shard in plan.shards(r, w):
+                ranks.setdefault(shard.seq, set()).add(r)
+    return max(len(v) for v in ranks.values())

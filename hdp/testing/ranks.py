@@ -54,7 +54,7 @@ def _entry(rank: int, fn, world: int, rendezvous: str, stacks: str, args: tuple)
     # A file, not a TCP port, for the rendezvous: a port picked free by the parent may be taken
     # by another test worker before rank 0 binds it.
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    from launch.runtime import exit_without_teardown
+    from hdp.launch.runtime import exit_without_teardown
 
     try:
         fn(rank, world, *args)
