@@ -189,10 +189,10 @@ def write_tokenizer(directory: Path) -> None:
 
 
 def run_export(argv: list[str]) -> subprocess.CompletedProcess:
-    """``hdp-export`` in a fresh process."""
-    root = Path(__file__).resolve().parents[1]
+    """``hdp-export`` in a fresh process, in this one's directory (``python -m`` puts it first on
+    the path: inside the hdp folder, hdp/profile.py would shadow the standard library's)."""
     cmd = [sys.executable, "-m", "hdp.launch.export", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=patient(300))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=patient(300))
 
 
 def train_in_process(argv: list[str]) -> None:
