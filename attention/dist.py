@@ -24,12 +24,26 @@ or NCCL. Every rank of ``group`` must call with the same plan and wave, includin
 tokens in it.
 
 A plan in ``ulysses`` exchange runs head-parallel instead (:mod:`hdp.attention.ulysses`).
+
+Note [One block per query row]
+------------------------------
+The diagonal blocks (each shard against itself, causal) hold every local row once, in order, so
+their kernel call reads q, k and v as they are and its ``(out, lse)`` covers every row. Where that
+is all a rank computes in a wave (:attr:`WaveLayout.local_only`: no earlier local shard of the
+same sequence, nothing sent or received), it is the answer: one kernel call forward and one
+backward, outputs and gradients in the compute dtype, no merge, no accumulator. That is every
+rank of a one-rank run and every rank whose wave holds whole sequences. Otherwise the diagonal
+call starts the fp32 accumulators (out and lse forward; dq, dk, dv backward) instead of merging
+into zeros, and the other blocks merge or add into them. For example, a rank holding whole
+sequences of 300 and 200 tokens makes one varlen call with ``cu = [0, 300, 500]``; a rank holding
+tokens 0-299 of one sequence and 300-499 of another sequence's second half makes that call, then
+merges the keys of the second sequence's first half when they arrive.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -46,15 +60,19 @@ from .ulysses import UlyssesAttn, ulysses_layout
 class _DistAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: WaveLayout, group, scale: float, backend: AttentionBackend):
+        ctx.layout, ctx.group, ctx.scale, ctx.backend = layout, group, scale, backend
+        if layout.local_only:  # Note [One block per query row]
+            cu_q, cu_k = layout.diag.cu(host=backend.host_lengths, device=q.device)
+            out, lse = backend.forward(
+                q, k, v, cu_q, cu_k, layout.diag.max_q, layout.diag.max_k, True, scale
+            )
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         device = q.device
-        T, H, d = q.shape
-        acc = PartialAttention(T, H, d, q.dtype, device)
         comm = _Messenger(group, backward=False)
         rounds, slots = layout.rounds, {}
         pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
-        for seg, causal in ((layout.diag, True), (layout.local_full, False)):
-            if seg is not None:
-                _attend(acc, backend, q, k, v, seg.to(device), causal, scale)
+        acc = _local_attention(backend, q, k, v, layout, scale)
         for r, io in enumerate(rounds):
             recv, reqs = pending
             wait_all(reqs)
@@ -69,24 +87,29 @@ class _DistAttn(torch.autograd.Function):
             _drop_forwarded(slots, layout, r)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.layout, ctx.group, ctx.scale, ctx.backend = layout, group, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group, scale, backend = ctx.layout, ctx.group, ctx.scale, ctx.backend
+        dout = dout.contiguous()
+        if layout.local_only:
+            grads = _grad(backend, dout, q, k, v, out, lse, layout.diag, True, scale, False)
+            return (*grads, None, None, None, None)
         device = q.device
         ad = acc_dtype(q.dtype)
-        grads = _Grads(q, k, ad)
-        dout = dout.contiguous()
-        for seg, causal in ((layout.diag, True), (layout.local_full, False)):
-            if seg is not None:
-                seg = seg.to(device)
-                gq, gk, gv = _grad(backend, dout, q, k, v, out, lse, seg, causal, scale)
-                grads.dq.index_add_(0, seg.q_rows, gq.to(ad))
-                grads.dk.index_add_(0, seg.k_rows, gk.to(ad))
-                grads.dv.index_add_(0, seg.k_rows, gv.to(ad))
+        if layout.diag is None:  # no tokens in this wave
+            grads = _Grads(*(torch.zeros(t.shape, dtype=ad, device=device) for t in (q, k, k)))
+        else:  # the diagonal blocks cover every row in order: their gradients start the sums
+            gq, gk, gv = _grad(backend, dout, q, k, v, out, lse, layout.diag, True, scale, False)
+            grads = _Grads(gq.to(ad), gk.to(ad), gv.to(ad))
+        if layout.local_full is not None:
+            seg = layout.local_full.to(device)
+            gq, gk, gv = _grad(backend, dout, q, k, v, out, lse, seg, False, scale)
+            grads.dq.index_add_(0, seg.q_rows, gq.to(ad))
+            grads.dk.index_add_(0, seg.k_rows, gk.to(ad))
+            grads.dv.index_add_(0, seg.k_rows, gv.to(ad))
         comm = _Messenger(group, backward=True)
         rounds, slots = layout.rounds, {}
         pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
@@ -133,18 +156,13 @@ class _DistAttn(torch.autograd.Function):
 
 @dataclass
 class _Grads:
-    """fp32 gradient accumulators of one backward: local dq, dk, dv, and the relay slots' sums."""
+    """Gradient sums of one backward in the accumulation dtype: local dq, dk, dv, and the relay
+    slots' sums."""
 
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
-    sums: dict[int, torch.Tensor]
-
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, ad: torch.dtype) -> None:
-        self.dq = torch.zeros(q.shape, dtype=ad, device=q.device)
-        self.dk = torch.zeros(k.shape, dtype=ad, device=k.device)
-        self.dv = torch.zeros(k.shape, dtype=ad, device=k.device)
-        self.sums = {}
+    sums: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def add_local(self, rows: torch.Tensor, dkv: torch.Tensor) -> None:
         rows = rows.to(self.dk.device)
@@ -226,21 +244,49 @@ def _attend(
     acc.merge(seg.q_rows, out, lse)
 
 
+def _local_attention(
+    backend: AttentionBackend, q, k, v, layout: WaveLayout, scale: float
+) -> PartialAttention:
+    """The running result of the rank's local blocks: the diagonal blocks, which cover every
+    query row in order, start it (Note [One block per query row]); the full blocks of earlier
+    local shards merge into it."""
+    T, H, d = q.shape
+    diag = layout.diag
+    if diag is None:  # no tokens in this wave
+        acc = PartialAttention.empty(T, H, d, q.dtype, q.device)
+    else:
+        cu_q, cu_k = diag.cu(host=backend.host_lengths, device=q.device)
+        out, lse = backend.forward(q, k, v, cu_q, cu_k, diag.max_q, diag.max_k, True, scale)
+        acc = PartialAttention.start(out, lse)
+    if layout.local_full is not None:
+        _attend(acc, backend, q, k, v, layout.local_full.to(q.device), False, scale)
+    return acc
+
+
 def _grad(
-    backend: AttentionBackend, dout, q, k, v, out, lse, seg: Segments, causal: bool, scale: float
+    backend: AttentionBackend,
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seg: Segments,
+    causal: bool,
+    scale: float,
+    gather: bool = True,
 ):
-    """(dq of seg's query rows, dk and dv of seg's key rows) with the final out/lse."""
-    qp = q.index_select(0, seg.q_rows)
-    kp = k.index_select(0, seg.k_rows)
-    vp = v.index_select(0, seg.k_rows)
-    dop = dout.index_select(0, seg.q_rows)
-    op = out.index_select(0, seg.q_rows)
-    lp = lse.index_select(1, seg.q_rows)
+    """(dq of seg's query rows, dk and dv of seg's key rows) with the final out/lse; without
+    ``gather``, seg's rows are all rows in order (the diagonal blocks)."""
+    if gather:
+        q, dout, out = (t.index_select(0, seg.q_rows) for t in (q, dout, out))
+        k, v = k.index_select(0, seg.k_rows), v.index_select(0, seg.k_rows)
+        lse = lse.index_select(1, seg.q_rows)
     if backend.name != "reference":
-        lp = lp.float()
-    cu_q, cu_k = seg.cu(host=backend.host_lengths)
+        lse = lse.float()
+    cu_q, cu_k = seg.cu(host=backend.host_lengths, device=q.device)
     return backend.backward(
-        dop, qp, kp, vp, op, lp, cu_q, cu_k, seg.max_q, seg.max_k, causal, scale
+        dout, q, k, v, out, lse, cu_q, cu_k, seg.max_q, seg.max_k, causal, scale
     )
 
 

@@ -30,13 +30,14 @@ class Segments:
     max_q: int
     max_k: int
 
-    def cu(self, *, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cu_q, cu_k)`` on the host, or copied to the device of the rows (for backends that
-        read them there; a host-reading backend on a GPU would wait for the stream to fetch a
-        device copy back)."""
+    def cu(self, *, host: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_q, cu_k)`` on the host, or copied to ``device`` (default: the rows') for backends
+        that read them there (a host-reading backend on a GPU would wait for the stream to fetch
+        a device copy back)."""
         if host:
             return self.cu_q, self.cu_k
-        return to_device(self.cu_q, self.q_rows.device), to_device(self.cu_k, self.q_rows.device)
+        device = self.q_rows.device if device is None else device
+        return to_device(self.cu_q, device), to_device(self.cu_k, device)
 
     @classmethod
     def build(cls, pairs: list[tuple[list[range], list[range]]]) -> Segments | None:
@@ -107,9 +108,11 @@ class RoundIO:
 class WaveLayout:
     """Everything one rank needs to run ``dist_attn`` for one wave, derived from the plan alone.
 
-    ``returns_out[p]`` / ``returns_in[p]``: the relay sums this rank sends / receives in phase
-    ``p`` (after round ``p - 1``; ``len(rounds) + 1`` phases). ``slot_last_round``: the round
-    after which a relay slot's K/V is no longer forwarded.
+    ``diag`` holds every local row once, in order, as query and key rows (each shard's causal
+    block), so its kernel call needs no gather. ``returns_out[p]`` / ``returns_in[p]``: the relay
+    sums this rank sends / receives in phase ``p`` (after round ``p - 1``; ``len(rounds) + 1``
+    phases). ``slot_last_round``: the round after which a relay slot's K/V is no longer
+    forwarded.
     """
 
     tokens: int
@@ -119,6 +122,14 @@ class WaveLayout:
     returns_out: list[list[Return]]
     returns_in: list[list[Return]]
     slot_last_round: dict[int, int]
+
+    @property
+    def local_only(self) -> bool:
+        """Every query row's keys lie in its own shard and this rank sends and receives nothing
+        in the wave (Note [One block per query row] in :mod:`hdp.attention.dist`)."""
+        quiet = all(io.send_to is None and io.recv_from is None for io in self.rounds)
+        returns = any(self.returns_out) or any(self.returns_in)
+        return self.diag is not None and self.local_full is None and quiet and not returns
 
     @classmethod
     def build(cls, plan: Plan, wave: int, rank: int) -> WaveLayout:

@@ -19,15 +19,27 @@ from .kernels import acc_dtype
 class PartialAttention:
     """Running attention output of ``tokens`` query rows.
 
-    ``out`` is ``[T, H, d]``, ``lse`` ``[H, T]``.
+    ``out`` is ``[T, H, d]``, ``lse`` ``[H, T]``, both in the accumulation dtype.
     """
 
-    def __init__(
-        self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.out, self.lse = out, lse
+
+    @classmethod
+    def empty(
+        cls, tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> PartialAttention:
+        """No keys seen yet: ``out = 0``, ``lse = -inf``."""
         ad = acc_dtype(dtype)
-        self.out = torch.zeros(tokens, heads, head_dim, dtype=ad, device=device)
-        self.lse = torch.full((heads, tokens), -math.inf, dtype=ad, device=device)
+        out = torch.zeros(tokens, heads, head_dim, dtype=ad, device=device)
+        return cls(out, torch.full((heads, tokens), -math.inf, dtype=ad, device=device))
+
+    @classmethod
+    def start(cls, out: torch.Tensor, lse: torch.Tensor) -> PartialAttention:
+        """Begun by a first block that covers every query row, in order: merging it into an
+        empty result would only copy it."""
+        ad = acc_dtype(out.dtype)
+        return cls(out.to(ad), lse.to(ad))
 
     def merge(self, rows: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Fold in a partial result for query ``rows`` (distinct indices): ``out`` ``[n, H, d]``,

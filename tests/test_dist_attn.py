@@ -68,6 +68,18 @@ def empty_rank_plan(n: int) -> Plan:
     return Plan.from_shards([100, 33], n, cells)
 
 
+def whole_beside_split(n: int) -> Plan:
+    """The last rank holds whole sequences (one kernel call, no exchange) while the others split
+    a long one in the same wave."""
+    lens = [300, 50, 17, 1]
+    cells = [[[] for _ in range(n)]]
+    b = np.linspace(0, 300, n).astype(int)
+    for i in range(n - 1):
+        cells[0][i].append((0, int(b[i]), int(b[i + 1])))
+    cells[0][n - 1] = [(2, 0, 17), (1, 0, 50), (3, 0, 1)]
+    return Plan.from_shards(lens, n, cells)
+
+
 def global_tensors(plan: Plan, H: int, Hk: int, d: int, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -232,8 +244,9 @@ def make_cases(n: int, seed: int) -> list:
         random_plan(rng, n, 3, [1, 1, 200, 77, 0, 129, 5]),
         random_plan(rng, n, 1, [257, 3, 40]),
         random_plan(rng, n, 2, rng.integers(1, 90, size=8).tolist()),
+        whole_beside_split(n),
     ]
-    heads = [(4, 4, 8), (4, 2, 8), (6, 1, 4), (4, 2, 16), (2, 2, 8), (4, 1, 8)]
+    heads = [(4, 4, 8), (4, 2, 8), (6, 1, 4), (4, 2, 16), (2, 2, 8), (4, 1, 8), (4, 2, 8)]
     return [
         (p.to_json(), H, Hk, d, 100 + i, 0.37 if i % 2 else None)
         for i, (p, (H, Hk, d)) in enumerate(zip(plans, heads))
@@ -335,6 +348,46 @@ def test_single_process_without_distributed(exchange):
     (out * do).sum().backward()
     assert torch.allclose(out, local(plan, 0, 0, [r[0] for r in ref]), atol=1e-12)
     assert torch.allclose(k.grad, local(plan, 0, 0, [r[2] for r in ref]), atol=1e-12)
+
+
+def test_whole_sequences_take_one_kernel_call_per_pass(monkeypatch):
+    """Note [One block per query row]: a rank holding whole sequences calls the kernels once
+    forward and once backward, and its outputs and gradients equal float64 SDPA's."""
+    from hdp.attention import dist_attn
+    from hdp.attention.kernels import get_backend
+    from hdp.attention.layout import wave_layout
+
+    plan = Plan.from_shards([40, 9, 1], 1, [[[(1, 0, 9), (0, 0, 40), (2, 0, 1)]]])
+    assert wave_layout(plan, 0, 0).local_only
+    beside = whole_beside_split(3)  # the rank of whole sequences only, beside an exchange
+    assert wave_layout(beside, 0, 2).local_only and not wave_layout(beside, 0, 1).local_only
+    calls = []
+
+    class Counting:
+        name, host_lengths = "reference", True
+
+        def __init__(self):
+            self.inner = get_backend("reference")
+
+        def forward(self, *a):
+            calls.append("forward")
+            return self.inner.forward(*a)
+
+        def backward(self, *a):
+            calls.append("backward")
+            return self.inner.backward(*a)
+
+    seqs = global_tensors(plan, 4, 2, 8, torch.float64, 3)
+    ref = reference(seqs, 4, 2, 0.3)
+    q, k, v, do = (
+        local(plan, 0, 0, [s[i] for s in seqs]).clone().requires_grad_(i < 3) for i in range(4)
+    )
+    monkeypatch.setattr("hdp.attention.dist.get_backend", lambda name: Counting())
+    out = dist_attn(q, k, v, plan, 0, softmax_scale=0.3, backend="reference")
+    (out * do).sum().backward()
+    assert calls == ["forward", "backward"]
+    for got, i in ((out, 0), (q.grad, 1), (k.grad, 2), (v.grad, 3)):
+        assert torch.allclose(got, local(plan, 0, 0, [r[i] for r in ref]), atol=1e-12), i
 
 
 def test_host_reading_backends_get_host_lengths():
