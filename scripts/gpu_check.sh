@@ -6,9 +6,10 @@
 # not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate; --full
 # adds the CPU test suite under the CUDA torch (7-9 minutes on 16 cores). On an H200, tests,
 # train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2.
-# Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository is
-# put on PYTHONPATH; wheels in ./.whl, if any, are installed into a scratch folder first: for a
-# machine without internet, `pip download pulp highspy -d .whl` elsewhere).
+# Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository's
+# folders are laid out as the hdp namespace in a scratch folder of links and put on PYTHONPATH;
+# wheels in ./.whl, if any, are installed into a scratch folder first: for a machine without
+# internet, `pip download pulp highspy -d .whl` elsewhere).
 # OUT_DIR (default /tmp/hdp-gpu-check) receives the logs, the training metrics and summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,13 @@ elif has_cuda python3; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/hdp-site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/hdp-site
   fi
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # Installed, the folders are hdp.planner, hdp.attention, ... (pyproject.toml's package-dir);
+  # without installing, links lay them out the same way.
+  tree=/tmp/hdp-tree
+  rm -rf "$tree" && mkdir -p "$tree/hdp"
+  for f in hdp/*; do ln -s "$PWD/$f" "$tree/hdp/"; done
+  for d in attention planner dataloader launch; do ln -s "$PWD/$d" "$tree/hdp/$d"; done
+  export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
 else
   echo "no CUDA GPU visible to .venv/bin/python or python3: nothing to check"; exit 1
 fi
@@ -72,10 +79,11 @@ if wanted tests; then
   run 240 "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider \
     tests/test_kernels.py tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
 fi
-# One rank on CUDA: NCCL process group, FSDP2 with bf16 mixed precision, the auto-selected attention
-# backend in dist_attn (FlashAttention); then measured / predicted of every step (the target:
-# 0.85-1.15 after the first two); then the plain packed-sequence loop (torch varlen flash, fused
-# AdamW, full checkpointing) on the same batches, its tokens/s and MFU printed beside hdp's.
+# One rank on CUDA: NCCL process group, no FSDP (one rank has nothing to shard), bf16 autocast,
+# the auto-selected attention backend in dist_attn (FlashAttention); then measured / predicted of
+# every step (the target: 0.9-1.1 after the first two); then on the same batches, each with its
+# tokens/s and MFU printed beside hdp's: the plain packed-sequence loop (hdp's model, one varlen
+# call per layer) and the minimal loop (scripts/minimal_llama.py: torch alone, as a user writes it).
 train() {  # train SEQ TOKENS WORKLOAD STEPS
   local seq=$1 tokens=$2 workload=$3 steps=$4
   run 240 "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run \
@@ -84,9 +92,11 @@ train() {  # train SEQ TOKENS WORKLOAD STEPS
     --activation-checkpointing --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
   run 30 "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics \
     "$OUT_DIR/train_metrics_$seq.jsonl"
-  run 240 "plain loop at $seq beside hdp" $PY scripts/plain_loop.py --model llama-1b \
-    --workload "$workload" --max-seq "$seq" --tokens-per-step "$tokens" --steps "$steps" \
-    --compare "$OUT_DIR/train_metrics_$seq.jsonl"
+  for impl in hdp minimal; do
+    run 240 "plain loop ($impl model) at $seq beside hdp" $PY scripts/plain_loop.py \
+      --impl "$impl" --model llama-1b --workload "$workload" --max-seq "$seq" \
+      --tokens-per-step "$tokens" --steps "$steps" --compare "$OUT_DIR/train_metrics_$seq.jsonl"
+  done
 }
 wanted train32k && train 32K 64K wlb-128k 8
 # Each attention backend's forward and backward TFLOP/s on the shard shapes, side by side.

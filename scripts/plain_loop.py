@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """A plain packed-sequence training loop on one device: the baseline of hdp's step efficiency.
 
-The model is hdp's (``hdp.launch.model.Llama``, same presets, same chunked loss and activation
-checkpointing), with its attention swapped for one varlen call per layer over the packed
-sequences: no plan, no ``dist_attn``, no FSDP. Training runs in bf16 autocast on CUDA (fp32
+With ``--impl hdp`` (the default) the model is hdp's (``hdp.launch.model.Llama``, same presets,
+same chunked loss and activation checkpointing), with its attention swapped for one varlen call
+per layer over the packed sequences: no plan, no ``dist_attn``, no FSDP. With ``--impl minimal``
+it is ``scripts/minimal_llama.py``, a decoder of the preset's shape written in torch alone, as a
+user writes it first: the independent yardstick. Training runs in bf16 autocast on CUDA (fp32
 parameters, fused AdamW), fp32 on CPU, on the global batches ``launch/pretrain.py`` forms from
 the same synthetic corpus and seed (``--workload``, ``--max-seq``, ``--tokens-per-step``), and
 prints tokens/s and MFU with hdp's formula (``CostModel.model_flops`` over the GPU preset's peak).
@@ -11,7 +13,7 @@ prints tokens/s and MFU with hdp's formula (``CostModel.model_flops`` over the G
     python scripts/plain_loop.py --model llama-1b --workload wlb-128k --max-seq 32K \\
         --tokens-per-step 64K --steps 8 --compare /tmp/hdp-gpu-check/train_metrics_32K.jsonl
     python scripts/plain_loop.py --device cpu --model tiny --max-seq 512 --tokens-per-step 1K \\
-        --steps 2
+        --steps 2 --impl minimal
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ class VarlenAttention(nn.Module):
         self.spec, self.backend = attn.spec, backend
         self.attn = attn
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, ctx: Packed) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, ctx: Packed) -> torch.Tensor:
         T, s = x.shape[0], self.spec
-        q, k, v = self.attn.qkv(x, position_ids)
+        q, k, v = self.attn.qkv(x, rope)
         out = _Varlen.apply(q, k, v, ctx.cu, ctx.max_len, s.head_dim**-0.5, self.backend)
         return self.attn.o_proj(out.reshape(T, s.heads * s.head_dim))
 
@@ -88,6 +90,24 @@ def plain_model(spec, backend, loss_chunk_tokens: int, checkpointing: bool = Tru
     for layer in model.layers:
         layer.attn = VarlenAttention(layer.attn, backend)
     return model
+
+
+def minimal_model(spec) -> nn.Module:
+    """``scripts/minimal_llama.py``'s decoder of ``spec``'s shape (a sibling module: this script
+    runs from scripts/)."""
+    from minimal_llama import MinimalLlama
+
+    return MinimalLlama(
+        layers=spec.layers,
+        hidden=spec.hidden,
+        heads=spec.heads,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        ffn=spec.ffn,
+        vocab=spec.vocab,
+        theta=spec.rope.theta,
+        eps=spec.norm_eps,
+    )
 
 
 def packed_batch(source: SyntheticSource, seqs, device: torch.device):
@@ -113,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", type=choice(list(MODEL_PRESETS), "model"), default="llama-1b")
+    p.add_argument(
+        "--impl",
+        choices=("hdp", "minimal"),
+        default="hdp",
+        help="hdp's model with one varlen call per layer, or scripts/minimal_llama.py",
+    )
     p.add_argument("--workload", type=choice(workload_names(), "workload"), default="wlb-128k")
     p.add_argument("--synthetic-docs", type=integer(1), default=20000)
     p.add_argument("--max-seq", type=size(1), default=32 << 10)
@@ -149,7 +175,10 @@ def setup(args):
         spec = replace(spec, dtype_bytes=4)
     cost = StepPricing.build(spec, ClusterSpec(1, 1, gpu_preset(detect_gpu(device)))).cost
     torch.manual_seed(args.seed)
-    model = plain_model(spec, backend, cost.loss_chunk_tokens, not args.no_checkpointing)
+    if args.impl == "minimal":
+        model = minimal_model(spec)
+    else:
+        model = plain_model(spec, backend, cost.loss_chunk_tokens, not args.no_checkpointing)
     model = model.to(device)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda
@@ -164,8 +193,9 @@ def train(args) -> list[dict]:
     device, model, optimizer, cost, source, stream, autocast, backend = setup(args)
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"plain loop: {cost.model.name} ({params / 1e6:.1f}M parameters) on {device.type}, "
-        f"attention {backend.name}, {'bf16 autocast' if autocast else 'fp32'}, "
+        f"plain loop ({args.impl}): {cost.model.name} ({params / 1e6:.1f}M parameters) on "
+        f"{device.type}, attention {backend.name if args.impl == 'hdp' else 'varlen'}, "
+        f"{'bf16 autocast' if autocast else 'fp32'}, "
         f"{args.tokens_per_step} tokens/step, max_seq {args.max_seq}, {args.workload}",
         flush=True,
     )
@@ -217,12 +247,13 @@ def main(argv=None) -> int:
         print(f"plain_loop.py: error: {e}", file=sys.stderr)
         return 2
     tps, mfu, steps = summary(records)
-    print(f"plain loop:  {tps:>10,.0f} tokens/s  MFU {100 * mfu:5.2f}%  ({steps})")
+    name = "plain" if args.impl == "hdp" else "minimal"
+    print(f"{name + ' loop:':<13}{tps:>10,.0f} tokens/s  MFU {100 * mfu:5.2f}%  ({steps})")
     if args.compare:
         rows = [json.loads(line) for line in args.compare.read_text().splitlines() if line]
         h_tps, h_mfu, h_steps = summary(rows)
         print(f"hdp:         {h_tps:>10,.0f} tokens/s  MFU {100 * h_mfu:5.2f}%  ({h_steps})")
-        print(f"hdp / plain: {h_tps / tps:>10.2f}x tokens/s")
+        print(f"hdp / {name}: {h_tps / tps:.2f}x tokens/s, {h_mfu / mfu:.2f}x MFU")
     return 0
 
 
