@@ -86,8 +86,16 @@ class BatchStream:
             weights if weights is not None else [max(int(x.sum()), 1) for x in self.lengths],
             dtype=np.float64,
         )
-        if w.shape != (len(self.lengths),) or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"weights must be one non-negative number per source, got {list(w)}")
+        if (
+            w.shape != (len(self.lengths),)
+            or not np.isfinite(w).all()
+            or (w < 0).any()
+            or w.max() <= 0
+        ):
+            raise ValueError(
+                f"weights must be one finite non-negative number per source, got {list(w)}"
+            )
+        w = w / w.max()  # the sum of 1e308 and 1e308 overflows; of their ratios, never
         self.weights = w / w.sum()
         self.tokens_per_step = int(tokens_per_step)
         self.max_seq = int(max_seq)

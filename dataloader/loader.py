@@ -5,7 +5,9 @@ plans each with :func:`hdp.planner.plan_step`, keeping up to ``plan_ahead`` plan
 Each step rank 0 broadcasts one message (:func:`encode_step`: the batch's sequence descriptors and
 the plan's wire form), and every rank, rank 0 included, runs the plan decoded from it, so all ranks
 derive the same communication rounds. Every rank then reads only the tokens of its own shards (plus
-one token past a shard's end, for the label). It yields a :class:`StepData`: for each wave,
+one token past a shard's end, for the label). A run of one rank has no one to tell: its planning
+thread reads the tokens too, so the training thread only takes the step. It yields a
+:class:`StepData`: for each wave,
 ``input_ids``, ``labels`` (the next token of the same sequence; ``IGNORE_INDEX`` after a
 sequence's last token), ``position_ids`` (position inside the sequence) and ``cu_seqlens`` of its
 shards, and the step's global ``loss_tokens``.
@@ -169,7 +171,11 @@ class HDPDataLoader:
                 batch = self.stream.next_batch()
                 state = self.stream.state_dict()
                 plan, dt = self._plan(batch)
-                self._hand_over((encode_step(batch, plan, dt), state))
+                if self.world == 1:  # no other rank to tell: read the tokens here, off the step
+                    waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
+                    self._hand_over(((batch, plan, dt, waves), state))
+                else:
+                    self._hand_over((encode_step(batch, plan, dt), state))
         except BaseException as e:  # surface planning errors in the training thread
             self._hand_over(e)
 
@@ -256,11 +262,14 @@ class HDPDataLoader:
             if isinstance(item, BaseException):
                 raise item
             message, self._delivered_state = item
-        # Every rank, rank 0 included, runs the plan decoded from the same bytes.
-        batch, plan, plan_time = decode_step(self._broadcast(message))
-        if self.rank != 0:
-            self._delivered_state = None  # rank 0 holds the state; see state_dict()
-        waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
+        if self.world == 1:
+            batch, plan, plan_time, waves = message
+        else:
+            # Every rank, rank 0 included, runs the plan decoded from the same bytes.
+            batch, plan, plan_time = decode_step(self._broadcast(message))
+            if self.rank != 0:
+                self._delivered_state = None  # rank 0 holds the state; see state_dict()
+            waves = [self._wave(batch, plan, w) for w in range(plan.num_waves)]
         return StepData(
             batch.step,
             plan,

@@ -415,8 +415,10 @@ def layer_overhead(bench: Bench, spec: ModelSpec) -> float:
         def build(t=t):
             ctx = AttentionContext(Plan.from_shards([t], 1, [[[(0, 0, t)]]]), 0)
             x = bench.randn(t, spec.hidden, grad=True)
-            pos = torch.arange(t, device=bench.device)
-            return _grad_call(lambda: layer(x, pos, ctx), (x, *params), bench.randn(t, spec.hidden))
+            rope = Rotary(spec.rope, spec.head_dim).angles(torch.arange(t, device=bench.device))
+            return _grad_call(
+                lambda: layer(x, rope, ctx), (x, *params), bench.randn(t, spec.hidden)
+            )
 
         s = bench.point(f"decoder layer of {spec.name}, {t} tokens", 0, build)
         if s is not None:

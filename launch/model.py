@@ -35,7 +35,7 @@ from hdp import ModelSpec, Plan
 from hdp.attention import dist_attn
 from hdp.dataloader import IGNORE_INDEX
 
-from .rope import Rotary
+from .rope import RopeAngles, Rotary
 
 
 @dataclass
@@ -50,16 +50,27 @@ class AttentionContext:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension: torch's fused kernel on CUDA (one kernel instead of
+    seven), transformers' own order of operations elsewhere (exact on the CPU)."""
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
+        return rms_norm(x, self.weight, self.eps, fused=x.is_cuda)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool) -> torch.Tensor:
+    """``x / rms(x) * weight``. ``fused``: torch's ``rms_norm`` in ``x``'s dtype (it computes
+    in fp32 inside; autocast would run it on an fp32 copy); otherwise in fp32, cast to ``x``'s
+    dtype, then scaled, as transformers computes it."""
+    if fused:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 class Attention(nn.Module):
@@ -67,13 +78,10 @@ class Attention(nn.Module):
     kernels (``None``: the fastest for the device and dtype,
     :func:`hdp.attention.select_backend`)."""
 
-    def __init__(
-        self, spec: ModelSpec, rotary: Rotary | None = None, backend: str | None = None
-    ) -> None:
+    def __init__(self, spec: ModelSpec, backend: str | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.backend = backend
-        self.rotary = rotary or Rotary(spec.rope, spec.head_dim)
         h, hd = spec.hidden, spec.head_dim
         self.q_proj = nn.Linear(h, spec.heads * hd, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=spec.qkv_bias)
@@ -83,21 +91,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, spec.norm_eps)
             self.k_norm = RMSNorm(hd, spec.norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        out = self.attend(*self.qkv(x, position_ids), ctx)
+    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
+        out = self.attend(*self.qkv(x, rope), ctx)
         return self.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
 
-    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
+    def qkv(self, x: torch.Tensor, rope: RopeAngles):
         """Queries and keys (rotated) and values of ``x``: ``[T, heads or kv_heads, head_dim]``."""
         T, s = x.shape[0], self.spec
         q = self.q_proj(x).view(T, s.heads, s.head_dim)
         k = self.k_proj(x).view(T, s.kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
-        return q, k, self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+        return rope.rotate(q), rope.rotate(k), self.v_proj(x).view(T, s.kv_heads, s.head_dim)
 
     def attend(self, q, k, v, ctx: AttentionContext) -> torch.Tensor:
         """The attention output ``[T, heads, head_dim]`` of the rank's tokens."""
@@ -118,33 +123,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, spec: ModelSpec, rotary: Rotary | None = None, attention_backend: str | None = None
-    ) -> None:
+    def __init__(self, spec: ModelSpec, attention_backend: str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(spec.hidden, spec.norm_eps)
-        self.attn = Attention(spec, rotary, attention_backend)
+        self.attn = Attention(spec, attention_backend)
         self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp = MLP(spec)
         self.keep_attention = False  # selective checkpointing (set by Llama)
 
-    def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         if self.keep_attention and self.training and torch.is_grad_enabled():
-            return self._selective(x, position_ids, ctx)
-        x = x + self.attn(self.attn_norm(x), position_ids, ctx)
+            return self._selective(x, rope, ctx)
+        x = x + self.attn(self.attn_norm(x), rope, ctx)
         return x + self.mlp(self.mlp_norm(x))
 
-    def _selective(self, x: torch.Tensor, position_ids: torch.Tensor, ctx) -> torch.Tensor:
+    def _selective(self, x: torch.Tensor, rope: RopeAngles, ctx) -> torch.Tensor:
         """The layer with everything but attention recomputed in backward (Note [Selective
         activation checkpointing])."""
-        q, k, v = checkpoint(self._qkv, x, position_ids, use_reentrant=False)
+        q, k, v = checkpoint(self._qkv, x, rope, use_reentrant=False)
         out = self.attn.attend(q, k, v, ctx)
         return checkpoint(self._after_attention, x, out, use_reentrant=False)
 
-    def _qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
-        return self.attn.qkv(self.attn_norm(x), position_ids)
+    def _qkv(self, x: torch.Tensor, rope: RopeAngles):
+        return self.attn.qkv(self.attn_norm(x), rope)
 
     def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         x = x + self.attn.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
@@ -179,9 +180,9 @@ class Llama(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
         # transformers' padding row gets no gradient; a checkpoint's must stay as trained.
         self.embed = nn.Embedding(spec.vocab, spec.hidden, padding_idx=spec.padding_idx)
-        rotary = Rotary(spec.rope, spec.head_dim)
+        self.rotary = Rotary(spec.rope, spec.head_dim)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary, attention_backend) for _ in range(spec.layers)
+            DecoderLayer(spec, attention_backend) for _ in range(spec.layers)
         )
         self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
@@ -215,6 +216,7 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        rope = self.rotary.angles(position_ids)  # once for every layer
         # Selective offload: the first ``offload`` share of the layers keep what backward needs
         # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
         offloaded = round(ctx.offload * len(self.layers))
@@ -225,9 +227,9 @@ class Llama(nn.Module):
                 else nullcontext()
             ):
                 if self.activation_checkpointing and self.training and not self.keep_attention:
-                    x = checkpoint(layer, x, position_ids, ctx, use_reentrant=False)
+                    x = checkpoint(layer, x, rope, ctx, use_reentrant=False)
                 else:
-                    x = layer(x, position_ids, ctx)
+                    x = layer(x, rope, ctx)
         h = self.norm(x)
         if labels is None:
             return self.lm_head(h).float()

@@ -78,6 +78,28 @@ def _yarn(rope: RoPE, dim: int, exponents: torch.Tensor) -> torch.Tensor:
     ) * extrapolation
 
 
+class RopeAngles:
+    """cos and sin of one forward pass's positions (``[T, 1, head_dim / 2]``, fp32, scaled),
+    computed once and shared by every layer; each dtype they are applied in gets its own copy,
+    made once."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._by_dtype = {torch.float32: (cos, sin)}
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, head_dim]`` rotated, in ``x.dtype`` (as a transformers model of that
+        dtype computes it; fp32 on the CPU)."""
+        cos, sin = self._by_dtype.get(x.dtype) or self._cast(x.dtype)
+        d = x.shape[-1]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def _cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._by_dtype[torch.float32]
+        out = self._by_dtype[dtype] = (cos.to(dtype), sin.to(dtype))
+        return out
+
+
 class Rotary:
     """Rotates queries and keys by their positions; the frequencies are computed once per device
     (not a module buffer: a model built on the meta device needs nothing filled in)."""
@@ -86,16 +108,17 @@ class Rotary:
         self.inv_freq, self.scale = rope_frequencies(rope, dim)
         self._on: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, head_dim]`` rotated by the angles of ``position_ids`` ``[T]``,
-        computed in fp32."""
-        inv = self._on.get(x.device)
+    def angles(self, position_ids: torch.Tensor) -> RopeAngles:
+        """The cos and sin of ``position_ids`` ``[T]``, computed in fp32."""
+        inv = self._on.get(position_ids.device)
         if inv is None:
-            inv = self._on[x.device] = self.inv_freq.to(x.device)
-        d = x.shape[-1]
+            inv = self._on[position_ids.device] = self.inv_freq.to(position_ids.device)
         ang = position_ids.to(torch.float32)[:, None] * inv[None, :]
         cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
-        x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2 :]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+        return RopeAngles(cos, sin)
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, head_dim]`` rotated by the angles of ``position_ids`` ``[T]``."""
+        return self.angles(position_ids).rotate(x)

@@ -1,6 +1,7 @@
-"""The HDP training step: every rank a data-parallel replica (FSDP2 over all ranks), each wave of
-the plan run forward and backward on the rank's packed tokens, gradients synchronised once per
-step, loss normalised by the step's global token count.
+"""The HDP training step: every rank a data-parallel replica (FSDP2 over all ranks, none for one
+rank: it has nothing to shard and no one to reduce with), each wave of the plan run forward and
+backward on the rank's packed tokens, gradients synchronised once per step, loss normalised by
+the step's global token count.
 
 Synchronisation modes (``Plan.sync``):
 

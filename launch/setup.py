@@ -198,7 +198,7 @@ def build_model(
         model.to(device)
     if config.training.compile:
         apply_compile(model)
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_world_size() > 1:  # one rank has nothing to shard
         shard_model(model, sync, mixed_precision=device.type == "cuda")
     if checkpoint is not None:
         model.materialize(device)

@@ -338,12 +338,22 @@ def test_every_rank_runs_the_plan_rank0_planned(tmp_path):
         assert predicted["step_time_s"] > 0 and step["header"][2] > 0
 
 
-def test_rank0_runs_the_decoded_plan_not_its_own(tmp_path):
+def test_one_rank_takes_its_step_as_the_planning_thread_read_it(tmp_path):
+    """With no other rank to tell, the plan is not encoded and decoded, and the tokens are read
+    in the planning thread, off the training thread (several ranks: the test above)."""
     p, _ = write_corpus(tmp_path, seed=3)
     loader = make_block16_loader(p, 1)
     step = next(loader)
     loader.close()
-    planned = loader.planned[0]
-    assert step.plan is not planned
-    assert step.plan.to_wire().tobytes() == planned.to_wire().tobytes()
-    assert step.plan.kv_block_tokens == 16
+    assert step.plan is loader.planned[0] and step.plan.kv_block_tokens == 16
+    assert [w.input_ids.numel() for w in step.waves] == [step.tokens]
+
+
+def test_weights_near_the_float_limit_mix_as_their_ratio():
+    """--data-weights 1e308,1e308: their sum overflows, their ratio is 1:1."""
+    lengths = [np.full(50, 10), np.full(50, 10)]
+    huge = BatchStream(lengths, tokens_per_step=100, max_seq=10, weights=[1e308, 1e308], seed=0)
+    even = BatchStream(lengths, tokens_per_step=100, max_seq=10, weights=[1, 1], seed=0)
+    assert huge.weights.tolist() == even.weights.tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match="finite non-negative"):
+        BatchStream(lengths, tokens_per_step=100, max_seq=10, weights=[float("inf"), 1])

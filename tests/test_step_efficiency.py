@@ -64,3 +64,42 @@ def test_selective_checkpointing_keeps_the_gradients_and_skips_attentions_recomp
     # Per layer, dist_attn's kernel calls (diagonal and local full blocks): once without
     # checkpointing, twice with full checkpointing, once again when attention is kept.
     assert forwards[1] == 2 * forwards[0] and forwards[2] == forwards[0]
+
+
+def test_the_fused_rms_norm_is_transformers_rms_norm():
+    """The CUDA path (torch's fused rms_norm, run here on the CPU) against transformers' order of
+    operations, values and gradients; both normalise in at least fp32 (transformers' in fp32
+    even for float64 input, hence the float64 tolerance)."""
+    from hdp.launch.model import rms_norm
+
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 2e-6)):
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(7, 3, 16, generator=g, dtype=torch.float64) * 3).to(dtype)
+        w = (torch.randn(16, generator=g, dtype=torch.float64) + 1).to(dtype)
+        outs = []
+        for fused in (False, True):
+            xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y = rms_norm(xi, wi, 1e-5, fused=fused)
+            y.pow(2).sum().backward()
+            outs.append((y.detach(), xi.grad, wi.grad))
+        for exact, fused in zip(*outs):
+            torch.testing.assert_close(fused, exact, rtol=tol, atol=tol)
+
+
+def test_rope_angles_once_per_pass_rotate_as_transformers_does():
+    """cos and sin built once and applied in the tensor's dtype: in float32 bit-for-bit the
+    per-call formula; in bfloat16 within bf16's rounding of it."""
+    from hdp import RoPE
+    from hdp.launch.rope import Rotary
+
+    rotary = Rotary(RoPE(theta=500000.0), 16)
+    pos = torch.tensor([0, 1, 2, 700, 3, 0, 9])
+    x = torch.randn(7, 3, 16, generator=torch.Generator().manual_seed(1))
+    ang = pos.float()[:, None] * rotary.inv_freq[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    want = torch.cat([x[..., :8] * cos - x[..., 8:] * sin, x[..., :8] * sin + x[..., 8:] * cos], -1)
+    angles = rotary.angles(pos)
+    assert torch.equal(angles.rotate(x), want)
+    got = angles.rotate(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
