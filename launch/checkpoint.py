@@ -84,11 +84,15 @@ def _write_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` under a temporary name, synced, then renamed: readers see the old
     file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave a stray file behind
+        raise
 
 
 def _sha256(path: Path) -> str:
@@ -204,6 +208,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+# What torch.save's zip writer says where the file system took fewer bytes than it wrote.
+_SHORT_WRITE = ("file write failed", "unexpected pos")
+
+
 def _failure(e: BaseException) -> str:
     """What went wrong in a save, in a few words: the OS error's text where there is one (DCP
     wraps each rank's exception in a CheckpointException)."""
@@ -211,9 +219,14 @@ def _failure(e: BaseException) -> str:
     if isinstance(e, dcp.CheckpointException):
         found = [exc for exc, _ in e.failures.values()]
     for exc in found:
+        if isinstance(exc, _NotFinite):
+            return str(exc)
         if isinstance(exc, OSError) and exc.strerror:
             return exc.strerror[0].lower() + exc.strerror[1:]
     first = (str(found[0]).strip().splitlines() or [""])[0][:200]
+    if isinstance(found[0], RuntimeError) and any(m in first for m in _SHORT_WRITE):
+        # torch's zip writer turns a short write (ENOSPC, a quota) into a RuntimeError
+        return f"a write was cut short, as on a full disk (torch's writer: {first})"
     return f"{type(found[0]).__name__}: {first}"
 
 
@@ -287,11 +300,32 @@ def _together(write) -> None:
             raise _WriteFailed(rank, reason)
 
 
+def first_non_finite(tensors: dict) -> str | None:
+    """The name of the first of ``tensors`` ({name: tensor}) holding a non-finite value, or
+    ``None``; a DTensor by its local shard."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+            if local.numel() and not torch.isfinite(local).all():
+                return name
+    return None
+
+
+class _NotFinite(Exception):
+    """A tensor of the state to save holds a non-finite value: no valid checkpoint can hold it."""
+
+
 def _write(path: Path, step: int, model, optimizer, scheduler, state: dict, files) -> None:
     """The files of a checkpoint, the manifest last (a collective)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
 
     def shards() -> None:
+        tensors = {f"model.{k}": v for k, v in model_sd.items()}
+        for name, entries in optim_sd.get("state", {}).items():
+            tensors.update({f"optimizer state {k} of {name}": v for k, v in entries.items()})
+        bad = first_non_finite(tensors)
+        if bad is not None:  # Note [Non-finite updates]: the update check makes this rare
+            raise _NotFinite(f"{bad} holds a non-finite value, which no checkpoint may hold")
         with _one_process_quietly():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
 

@@ -193,6 +193,11 @@ def export(
                     dcp.load(
                         {t.key: full}, storage_reader=FileSystemReader(str(path)), no_dist=True
                     )
+                if checkpoint.first_non_finite({t.key: full}):
+                    raise ExportError(
+                        f"{path}: {t.key} holds non-finite values (no valid checkpoint does): "
+                        "export another step with --step"
+                    )
                 part[t.name] = full.to(torch_dtype)
                 del full
             save_file(part, str(tmp / name), metadata={"format": "pt"})

@@ -26,6 +26,7 @@ class RankStats:
     busy_s: list[float]
     peak_mem_bytes: list[float]  # :class:`PeakMemory`
     comm_bytes: float  # what all ranks sent
+    weights_finite: bool = True  # every rank's weights after the update (Note [Non-finite updates])
 
 
 @dataclass
@@ -38,24 +39,33 @@ class Predicted:
 
 
 def gather_stats(
-    res: StepResult, *, world: int, device: torch.device, memory: PeakMemory
+    res: StepResult,
+    *,
+    world: int,
+    device: torch.device,
+    memory: PeakMemory,
+    weights_finite: torch.Tensor | None = None,
 ) -> RankStats:
-    """Every rank's busy time, peak memory and sent bytes, gathered on every rank."""
+    """Every rank's busy time, peak memory and sent bytes, and whether its weights are finite
+    after the update (a 0-dim flag on the device), gathered on every rank in one collective."""
     # On the training device: NCCL has no CPU tensors.
     mine = torch.tensor(
-        [res.busy_s, memory.step_peak(), COMM.fwd_bytes_sent + COMM.bwd_bytes_sent],
+        [res.busy_s, memory.step_peak(), COMM.fwd_bytes_sent + COMM.bwd_bytes_sent, 1.0],
         dtype=torch.float64,
         device=device,
     )
+    if weights_finite is not None:
+        mine[3] = weights_finite
     ranks = [mine]
     if dist.is_initialized():
-        ranks = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world)]
+        ranks = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(ranks, mine)
     rows = [r.tolist() for r in ranks]
     return RankStats(
         busy_s=[r[0] for r in rows],
         peak_mem_bytes=[r[1] for r in rows],
         comm_bytes=sum(r[2] for r in rows),
+        weights_finite=all(r[3] == 1.0 for r in rows),
     )
 
 

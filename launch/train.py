@@ -10,11 +10,9 @@ Then it writes one metrics record and checkpoints when due.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -23,17 +21,16 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from hdp import CostModel
-from hdp.attention import COMM
 from hdp.dataloader import (
     DataError,
     HDPDataLoader,
 )
-from hdp.dataloader.loader import StepData
 from hdp.planner import PlanningError, get_strategy
 
 from . import checkpoint
 from .checkpoint import CheckpointError
 from .config import CheckpointingConfig, RunConfig
+from .lock import DirectoryLock, LockHeld
 from .loggers import Loggers, NoLoggers
 from .memory import PeakMemory
 from .metrics import (
@@ -49,7 +46,7 @@ from .metrics import (
 from .model import Llama
 from .model_source import model_source
 from .resume import Resume, find_resume, fingerprint
-from .runtime import StepResult, run_waves
+from .runtime import StepResult
 from .schedule import Schedule, run_schedule
 from .setup import (
     apply_optimizer_flags,
@@ -61,6 +58,7 @@ from .setup import (
     resolve_auto,
 )
 from .stopping import StopOnSignal, Stopped, kill_point
+from .update import train_step
 
 
 @dataclass
@@ -109,9 +107,46 @@ def train(
     the step in hand saved), 2 for a bad setup (one line, ``prog: error: ...``), 3 for a
     non-finite step."""
     with StopOnSignal(config.training.exit_signals, rank=rank, device=device) as stop:
-        return _train(
-            config, rank=rank, world=world, per_node=per_node, device=device, stop=stop, prog=prog
-        )
+        try:
+            with _holding(config.checkpointing.dir, rank):
+                return _train(
+                    config,
+                    rank=rank,
+                    world=world,
+                    per_node=per_node,
+                    device=device,
+                    stop=stop,
+                    prog=prog,
+                )
+        except LockHeld as e:
+            rank0_log(rank)(f"{prog}: error: {e}")
+            return 2
+
+
+@contextmanager
+def _holding(directory, rank: int):
+    """The checkpoint directory's lock for the run (Note [The checkpoint directory's lock]):
+    rank 0 takes it before any checkpoint is read or written; every rank raises
+    :class:`LockHeld` where it could not."""
+    if directory is None:
+        yield
+        return
+    lock, problem = None, None
+    if rank == 0:
+        try:
+            lock = DirectoryLock(directory, rank0_log(rank)).__enter__()
+        except LockHeld as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot lock --checkpoint-dir {directory}: {e.strerror}"
+    problem = checkpoint.agree(problem)
+    if problem:
+        raise LockHeld(problem)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _train(
@@ -252,19 +287,31 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
         predicted_s = data.plan.predicted.get("step_time_s", 0.0)
         lr = run.scheduler.get_last_lr()[0]  # the rate this step trains at
         with Heartbeat(run.log, step_idx + 1, predicted_s) if run.rank == 0 else nullcontext():
-            res, grad_norm, stepped = train_step(
+            update = train_step(
                 data,
                 model=run.model,
                 optimizer=run.optimizer,
                 scheduler=run.scheduler,
                 grad_clip=grad_clip,
                 autocast=autocast,
+                keep_before=training.nan_policy == "skip",
                 kill=kill_at == (run.rank, step_idx + 1),
                 memory=run.memory,
             )
-        totals.skipped_updates += not stepped
+        res, grad_norm, stepped = update.result, update.grad_norm, update.stepped
         step_time = time.perf_counter() - t0
-        stats = gather_stats(res, world=run.world, device=run.device, memory=run.memory)
+        stats = gather_stats(
+            res,
+            world=run.world,
+            device=run.device,
+            memory=run.memory,
+            weights_finite=update.weights_finite,
+        )
+        overflowed = stepped and not stats.weights_finite  # Note [Non-finite updates]
+        if overflowed and update.before is not None:
+            update.before.restore(run.model, run.optimizer)
+        stepped = stepped and not overflowed
+        totals.skipped_updates += not stepped
         totals.trained_tokens += data.tokens
         totals.truncated_tokens += data.truncated_tokens
         peak = step_time * run.world * cost.cluster.gpu.peak_flops
@@ -291,6 +338,8 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
                     record, data, elapsed=elapsed, left=training.steps - start - done, done=done
                 )
             )
+        if overflowed and training.nan_policy == "stop":
+            raise Diverged(overflow_line(run.config, step_idx + 1))
         if not stepped and training.nan_policy == "stop":
             raise Diverged(nonfinite_line(run, res, grad_norm, step_idx + 1))
         step = step_idx + 1
@@ -350,38 +399,6 @@ def restore(run: Run, resume: Resume | None) -> int:
     return resume.step
 
 
-def train_step(
-    data: StepData,
-    *,
-    model: Llama,
-    optimizer: Optimizer,
-    scheduler: LRScheduler,
-    grad_clip: float,
-    autocast: torch.dtype | None,
-    memory: PeakMemory,
-    kill: bool = False,
-) -> tuple[StepResult, float, bool]:
-    """One optimizer step on ``data``; returns the waves' result, the gradient norm and whether
-    the optimizer stepped: not when the loss or the gradient norm is not finite (the same on
-    every rank: both are global), so that no non-finite value reaches the weights."""
-    COMM.reset()
-    memory.start_step()
-    res = run_waves(model, data, autocast_dtype=autocast)
-    if kill:
-        os.kill(os.getpid(), signal.SIGKILL)
-    grad_norm = float(
-        torch.nn.utils.clip_grad_norm_(
-            model.parameters(), grad_clip if grad_clip > 0 else float("inf")
-        )
-    )
-    stepped = math.isfinite(res.loss) and math.isfinite(grad_norm)
-    if stepped:
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return res, grad_norm, stepped
-
-
 class Diverged(Exception):
     """A step whose loss or gradient norm is not finite, under ``--nan-policy stop``."""
 
@@ -402,6 +419,17 @@ def nonfinite_line(run: Run, res: StepResult, grad_norm: float, step: int) -> st
     return (
         f"non-finite {what}: stopped before its update, which no checkpoint holds; lower --lr, "
         "check the data and the initial weights, or pass --nan-policy skip to drop such updates"
+    )
+
+
+def overflow_line(config: RunConfig, step: int) -> str:
+    """What stopped a run whose update made a weight non-finite although the loss and the
+    gradients were finite."""
+    opt = config.optimizer
+    return (
+        f"the update of step {step} made weights non-finite (the loss and the gradient norm "
+        f"were finite): stopped before any checkpoint holds them; lower --lr ({opt.lr:g}) or "
+        f"--weight-decay ({opt.weight_decay:g}), or pass --nan-policy skip to drop such updates"
     )
 
 

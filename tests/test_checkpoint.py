@@ -150,7 +150,13 @@ def test_a_new_save_removes_an_unfinished_one_in_its_place(ck, capsys):
         # What torch.save raises when the disk fills under it.
         (
             RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed\nat"),
-            "RuntimeError: PytorchStreamWriter failed writing file data/0: file write failed",
+            "a write was cut short, as on a full disk (torch's writer: PytorchStreamWriter "
+            "failed writing file data/0: file write failed)",
+        ),
+        (
+            RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+            "a write was cut short, as on a full disk (torch's writer: [enforce fail at "
+            "inline_container.cc:672] . unexpected pos 704 vs 598)",
         ),
     ],
 )

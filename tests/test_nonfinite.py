@@ -104,3 +104,84 @@ def test_the_first_rank_whose_tokens_are_not_finite_is_named(tmp_path, capfd):
     run_ranks(_nan_token_run, 2, str(ck), str(tmp_path / "c.jsonl"), str(out))
     first = json.loads(out.read_text())[0]
     assert f"non-finite loss nan at step 1 (first on rank {first})" in capfd.readouterr().out
+
+
+def _overflowing_update_at(step: int):
+    """A ``build_optimizer`` whose optimizer, at ``step``, leaves one weight infinite after an
+    otherwise normal update: an update that overflows although the loss and the gradients are
+    finite (Note [Non-finite updates])."""
+    orig = lt.build_optimizer
+
+    def build_optimizer(args, *, model, schedule):
+        optimizer, scheduler = orig(args, model=model, schedule=schedule)
+        calls = {"n": 0}
+
+        def overflow(opt, a, k):
+            calls["n"] += 1
+            if calls["n"] == step:
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] = float("inf")
+
+        optimizer.register_step_post_hook(overflow)
+        return optimizer, scheduler
+
+    return build_optimizer
+
+
+def _load_weights(path: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    names = [k for k in meta if k.startswith("model.")]
+    out = {k: torch.empty(tuple(meta[k].size)) for k in names}
+    dcp.load(out, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_an_update_that_overflows_the_weights_never_reaches_a_checkpoint(
+    tmp_path, capsys, monkeypatch, policy
+):
+    write_corpus(tmp_path / "c.jsonl")
+    argv = ["--model", "tiny", "--tokens-per-step", "608", "--max-seq", "128", "--steps", "3"]
+    argv += ["--data", str(tmp_path / "c.jsonl"), "--nan-policy", policy, "--save-every", "1"]
+    argv += ["--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "m.jsonl")]
+    monkeypatch.setattr(lt, "build_optimizer", _overflowing_update_at(2))
+    code = lt.train(parse_config(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    saved = sorted(p.name for p in (tmp_path / "ck").glob("step_*"))
+    rows = _rows(tmp_path / "m.jsonl")
+    if policy == "stop":
+        assert code == 3 and saved == ["step_00000001"]
+        errors = [x for x in capsys.readouterr().out.splitlines() if x.startswith("pretrain.py")]
+        assert len(errors) == 1 and "the update of step 2 made weights non-finite" in errors[0]
+        return
+    assert code == 0 and saved == [f"step_{s:08d}" for s in (1, 2, 3)]
+    assert [r["update_skipped"] for r in rows] == [False, True, False]
+    after1, after2 = (_load_weights(tmp_path / "ck" / s) for s in saved[:2])
+    assert all(torch.equal(after1[k], after2[k]) for k in after1)  # put back as before step 2
+    assert all(torch.isfinite(t).all() for t in _load_weights(tmp_path / "ck" / saved[2]).values())
+
+
+def test_no_checkpoint_holds_a_non_finite_weight_and_export_refuses_one(tmp_path, monkeypatch):
+    from hdp import model_preset
+    from hdp.launch import checkpoint
+    from hdp.launch.export import ExportError, export
+    from hdp.launch.model import Llama
+
+    model = Llama(model_preset("tiny"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    with pytest.raises(checkpoint.CheckpointError, match="model.norm.weight holds a non-finite"):
+        checkpoint.save(tmp_path / "ck", 1, model, optimizer, scheduler, {})
+    assert not list((tmp_path / "ck").glob("step_*"))
+    # A checkpoint written before this check existed (simulated): export refuses it.
+    monkeypatch.setattr(checkpoint, "first_non_finite", lambda tensors: None)
+    state = {"fingerprint": {"model": {"model": "tiny"}}}
+    checkpoint.save(tmp_path / "ck", 1, model, optimizer, scheduler, state)
+    monkeypatch.undo()
+    with pytest.raises(ExportError, match="model.norm.weight holds non-finite values"):
+        export(tmp_path / "ck", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
