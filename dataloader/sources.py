@@ -175,7 +175,9 @@ class JsonlSource:
     def _parse(self, raw: bytes, line_no: int) -> tuple[np.ndarray | None, str | None, int]:
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            return None, "JSON nested too deeply to read", 0
+        except (ValueError, UnicodeDecodeError) as e:  # an integer past Python's digit limit too
             return None, f"malformed JSON ({e.msg if hasattr(e, 'msg') else e})", 0
         if not isinstance(obj, dict):
             return None, f"expected a JSON object, got {type(obj).__name__}", 0
@@ -384,13 +386,25 @@ class MegatronSource:
                 f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)"
             )
         lengths = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=head).astype(np.int64)
-        n_empty = int(np.count_nonzero(lengths == 0))  # empty documents are skipped and counted
         self.pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=head + 4 * n_seq)
         size = bin_.stat().st_size
-        ends = self.pointers + lengths * self.dtype.itemsize
-        over = np.flatnonzero(ends > size)
         self.skipped_documents = self.skipped_tokens = 0
         lengths = lengths.copy()
+        negative = np.flatnonzero((lengths < 0) | (self.pointers < 0))
+        if negative.size:
+            first = int(negative[0])
+            field = "length" if lengths[first] < 0 else "pointer"
+            value = int(lengths[first] if field == "length" else self.pointers[first])
+            if not skip_bad:
+                raise DataError(
+                    f"{idx}: document {first}: negative {field} {value} (use --skip-bad-records "
+                    "to skip such documents)"
+                )
+            self.skipped_documents += int(negative.size)  # their token counts are unknown
+            lengths[negative] = 0
+        n_empty = int(np.count_nonzero(lengths == 0)) - int(negative.size)
+        ends = np.where(lengths > 0, self.pointers + lengths * self.dtype.itemsize, 0)
+        over = np.flatnonzero(ends > size)
 
         def skip(docs: np.ndarray) -> None:
             self.skipped_documents += int(docs.size)

@@ -95,8 +95,11 @@ def integer(min_value: int | None = None, max_value: int = MAX_INT) -> Callable[
     return parse
 
 
-def number(min_value: float = 0.0, *, exclusive: bool = False) -> Callable[[str], float]:
-    """A finite real number at least (or, ``exclusive``, above) ``min_value``."""
+def number(
+    min_value: float = 0.0, *, exclusive: bool = False, max_value: float = math.inf
+) -> Callable[[str], float]:
+    """A finite real number at least (or, ``exclusive``, above) ``min_value`` and at most
+    ``max_value``."""
 
     def parse(text: str) -> float:
         try:
@@ -107,6 +110,8 @@ def number(min_value: float = 0.0, *, exclusive: bool = False) -> Callable[[str]
             raise _Error(f"must be a finite number, got {text!r}")
         if value < min_value or (exclusive and value == min_value):
             raise _Error(f"must be {'>' if exclusive else '>='} {min_value:g}, got {text}")
+        if value > max_value:
+            raise _Error(f"must be at most {max_value:g}, got {text}")
         return value
 
     parse.__name__ = "number"

@@ -416,7 +416,7 @@ def with_rope_overrides(
     if scaling is not None:
         rope = rope_from_dict(scaling, theta=rope.theta, max_positions=max_positions, where=where)
     if theta is not None:
-        rope = replace(rope, theta=_theta(theta, where))
+        rope = replace(rope, theta=_theta(theta, "--rope-theta"))
     return replace(spec, rope=rope)
 
 

@@ -23,6 +23,7 @@ from .config_file import ConfigFileError, config_argv
 from .flags import build_parser, from_namespace
 from .loggers import missing_package
 from .model_source import model_source
+from .resume import check_metrics_file
 from .runtime import exit_without_teardown
 from .stopping import kill_point
 from .train import train
@@ -51,8 +52,9 @@ def parse_config(argv: list[str] | None = None, *, prog: str = "pretrain.py") ->
 
 def check_environment(config: RunConfig) -> None:
     """The rules a config must meet beyond its own flags: the planner's strategy takes its
-    ``--kv-exchange``, the loggers' packages are installed, the model and the GPU profile can be
-    read, ``HDP_KILL_AT`` parses. Raises ValueError naming the flag otherwise."""
+    ``--kv-exchange``, the loggers' packages are installed, ``--metrics`` is a metrics log or
+    new, the model and the GPU profile can be read, ``HDP_KILL_AT`` parses. Raises ValueError
+    naming the flag otherwise."""
     planning = config.planning
     if planning.kv_exchange != "auto" and not get_strategy(planning.strategy).takes_kv_exchange:
         takers = [name for name in STRATEGIES if get_strategy(name).takes_kv_exchange]
@@ -63,6 +65,7 @@ def check_environment(config: RunConfig) -> None:
     for flag in ("tensorboard", "wandb"):
         if getattr(config.output, flag) and (why := missing_package(flag)):
             raise ValueError(why)
+    check_metrics_file(config.output.metrics)
     kill_point()
     model_source(config.model, config.data.tokenizer)
     if planning.gpu_profile:
@@ -91,7 +94,7 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if "RANK" in os.environ:  # torchrun: FSDP2 over all ranks, one rank included
+    if "RANK" in os.environ:  # torchrun: a process group, one rank included
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return rank, world, local_world, device

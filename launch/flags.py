@@ -40,13 +40,14 @@ USAGE = """Pretrain a Llama-style model with hybrid data parallelism.
     torchrun --nproc-per-node 4 launch/pretrain.py --model tiny --workload wlb-128k \\
         --tokens-per-step 64K --max-seq 16K --steps 20 --metrics out/metrics.jsonl
 
-Every rank is a data-parallel replica (FSDP2 over all ranks). Each step, rank 0 plans the next
-global batch in the background (--strategy), each rank reads only its shards' tokens, runs the
-plan's waves with block-level P2P attention, and the optimizer steps once. CUDA + NCCL + bf16
-autocast where a GPU is present, CPU + gloo + fp32 otherwise. Multi-node: run the same torchrun
-command on every node with --nnodes N --node-rank K --rdzv-endpoint HOST:PORT (see
-launch/slurm.sbatch). hdp-train is the same program, installed as a command: torchrun accepts it
-with --no-python (torchrun --no-python --nproc-per-node 4 hdp-train ...)."""
+Every rank is a data-parallel replica (FSDP2 over all ranks; one rank is not sharded). Each
+step, rank 0 plans the next global batch in the background (--strategy), each rank reads only
+its shards' tokens, runs the plan's waves with block-level P2P attention, and the optimizer
+steps once. CUDA + NCCL + bf16 autocast where a GPU is present, CPU + gloo + fp32 otherwise.
+Multi-node: run the same torchrun command on every node with --nnodes N --node-rank K --rdzv-
+endpoint HOST:PORT (see launch/slurm.sbatch). hdp-train is the same program, installed as a
+command: torchrun accepts it with --no-python (torchrun --no-python --nproc-per-node 4 hdp-train
+...)."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -107,7 +108,7 @@ def _model_flags(g) -> None:
     )
     g.add_argument(
         "--rope-theta",
-        type=number(0.0, exclusive=True),
+        type=number(1.0, exclusive=True),  # at most 1: every pair turns a radian per position
         default=None,
         help="RoPE base for context extension (default: the model's)",
     )
@@ -159,7 +160,7 @@ def _data_flags(g) -> None:
     )
     g.add_argument(
         "--max-seq",
-        type=size(1),
+        type=size(2),  # a sequence of one token has no next token to train on
         default=16 << 10,
         help="longest sequence (default 16K)",
     )
@@ -224,8 +225,13 @@ def _training_flags(g) -> None:
 
 
 def _optimizer_flags(g) -> None:
+    # Upper ends far past any run that trains: an AdamW step moves a weight by about --lr, and
+    # its decay by --lr x --weight-decay of it; beyond these, fp32 weights overflow.
     g.add_argument(
-        "--lr", type=number(0.0, exclusive=True), default=3e-4, help="peak learning rate"
+        "--lr",
+        type=number(0.0, exclusive=True, max_value=1e6),
+        default=3e-4,
+        help="peak learning rate",
     )
     g.add_argument(
         "--warmup",
@@ -241,8 +247,15 @@ def _optimizer_flags(g) -> None:
         "checkpoint's when resuming, so an extended run keeps its schedule); a longer --warmup "
         "ends there",
     )
-    g.add_argument("--weight-decay", type=number(0.0), default=0.1, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=number(0.0), default=1.0, help="max gradient norm (0: off)")
+    g.add_argument(
+        "--weight-decay", type=number(0.0, max_value=10.0), default=0.1, help="AdamW weight decay"
+    )
+    g.add_argument(
+        "--grad-clip",
+        type=number(0.0, max_value=1e6),
+        default=1.0,
+        help="max gradient norm (0: off)",
+    )
 
 
 def _planning_flags(g) -> None:

@@ -162,6 +162,49 @@ def _older_schedule(saved: dict) -> dict | None:
     return {"warmup": optimizer["warmup"], "decay_steps": optimizer["lr_decay_steps"]}
 
 
+def check_metrics_file(path: Path | None) -> None:
+    """ValueError naming the line unless ``path`` is absent, empty or hdp's own metrics log:
+    each line a JSON object with an integer ``step`` and a ``loss``, the last one perhaps cut
+    short by a kill. A run appends to that file and drops its rows of steps it trains again,
+    so a file of anything else (a corpus, notes) would lose its lines."""
+    if path is None or not path.exists():
+        return
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--metrics {path}: cannot read it as text ({e})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or _is_row(line):
+            continue
+        if number == len(lines) and line.startswith('{"step": ') and not _parses(line):
+            continue  # a row cut short by a kill
+        raise ValueError(
+            f"--metrics {path}: line {number} is not an hdp metrics row, and a run rewrites the "
+            "file: give a new path, or an earlier run's metrics file to continue it"
+        )
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_row(line: str) -> bool:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("step"), int)
+        and not isinstance(row["step"], bool)
+        and "loss" in row
+    )
+
+
 def open_metrics(path: Path | None, start: int, log: Callable[[str], None]):
     """The metrics file, open for appending, without the rows of steps after ``start`` (this run
     trains them again; a row cut short by a kill goes too). ``None`` when there is no file."""
@@ -191,4 +234,11 @@ def open_metrics(path: Path | None, start: int, log: Callable[[str], None]):
     return open(path, "a")
 
 
-__all__ = ["Resume", "check_setup", "find_resume", "fingerprint", "open_metrics"]
+__all__ = [
+    "Resume",
+    "check_metrics_file",
+    "check_setup",
+    "find_resume",
+    "fingerprint",
+    "open_metrics",
+]

@@ -30,10 +30,13 @@ class Schedule:
     decay_steps: int  # the step where the cosine decay reaches 10% of --lr
 
     def factor(self, step: int) -> float:
-        """The learning rate of ``step`` (0-based, as LambdaLR counts) over ``--lr``."""
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.decay_steps - self.warmup)
+        """The learning rate of ``step`` (0-based, as LambdaLR counts) over ``--lr``: training
+        step ``warmup`` (1-based, as the log counts) is the peak, and ``decay_steps`` the first
+        at 10%."""
+        trained = step + 1
+        if trained <= self.warmup:
+            return trained / self.warmup
+        progress = (trained - self.warmup) / max(1, self.decay_steps - self.warmup)
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 

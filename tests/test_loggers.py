@@ -78,3 +78,36 @@ def test_a_logger_without_its_package_is_one_line(monkeypatch, capsys, flag, val
     package = flag.removeprefix("--")
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line == f"pretrain.py: error: {flag} needs the {package} package: pip install {package}"
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ('{"input_ids": [1, 2, 3]}\n', 1),  # a corpus copy
+        ("notes about the run\n", 1),
+        ('{"step": 1, "loss": 6.2}\n{"step": "2", "loss": 6.1}\n', 2),  # not an integer step
+        ('{"step": 1, "loss": 6.2}\nsomething else\n{"step": 2, "loss": 6.1}\n', 2),
+    ],
+)
+def test_a_metrics_file_that_is_not_a_metrics_log_is_refused_untouched(tmp_path, text, line):
+    from hdp.launch.cli import parse_config
+
+    path = tmp_path / "m.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        parse_config(["--metrics", str(path)])
+    assert stop.value.code == 2
+    assert path.read_text() == text
+
+
+def test_a_metrics_log_cut_short_by_a_kill_is_continued(tmp_path):
+    from hdp.launch.cli import parse_config
+    from hdp.launch.resume import check_metrics_file
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 6.2}\n\n{"step": 2, "loss": 6.1}\n{"step": 3, "lo')
+    check_metrics_file(path)
+    assert parse_config(["--metrics", str(path)]).output.metrics == path
+    with pytest.raises(ValueError, match=f"--metrics {path}: line 1 is not an hdp metrics row"):
+        path.write_text('{"note": 1}\n{"step": 2, "loss": 6.1}\n')
+        check_metrics_file(path)

@@ -15,9 +15,17 @@ def flags(steps=20, warmup=10, lr_decay_steps=None):
 
 def test_the_factor_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth():
     s = Schedule(warmup=4, decay_steps=14)
-    assert [s.factor(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert s.factor(9) == pytest.approx(0.55)  # half-way through the decay: (1 + 0.1) / 2
-    assert s.factor(14) == pytest.approx(0.1) and s.factor(100) == pytest.approx(0.1)
+    assert [s.factor(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]  # steps 1-4
+    assert s.factor(4) < 1.0  # the peak is held for one step only
+    assert s.factor(8) == pytest.approx(0.55)  # step 9, half-way: (1 + 0.1) / 2
+    assert s.factor(13) == pytest.approx(0.1)  # step 14 is the first at the floor
+    assert s.factor(12) > 0.1 and s.factor(100) == pytest.approx(0.1)
+
+
+def test_a_run_ends_at_the_floor_its_log_announces():
+    """Steps 1-12 with a warm-up of 10: the last trains at 10% of --lr (it trained at 55%)."""
+    s = Schedule(warmup=10, decay_steps=12)
+    assert s.factor(11) == pytest.approx(0.1) and s.factor(10) == pytest.approx(0.55)
 
 
 @pytest.mark.parametrize("given", [{"steps": 4}, {"steps": 20, "lr_decay_steps": 4}])

@@ -69,7 +69,10 @@ def test_jsonl_text_with_hf_tokenizer(tmp_path):
         ('{"text": 7}', "line 2: field 'text' must be a string, got int"),
         ('{"ids": [1]}', "line 2: has neither 'input_ids' nor 'text'"),
         ("[1, 2]", "line 2: expected a JSON object, got list"),
+        ('{"input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}", "line 2: JSON nested too deeply"),
+        ('{"input_ids": [' + "7" * 5000 + "]}", "line 2: malformed JSON (Exceeds the limit"),
     ],
+    ids=lambda v: v[:40] if isinstance(v, str) else v,
 )
 def test_jsonl_bad_records_fail_or_are_counted(tmp_path, line, problem):
     p = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2, 3]}, line, {"input_ids": [4]}])
@@ -191,6 +194,18 @@ def test_megatron_bad_inputs(tmp_path):
         open_source(str(prefix), vocab_size=512)
     src = open_source(str(prefix), vocab_size=512, skip_bad=True)
     assert src.lengths.tolist() == [2, 0, 1] and src.skipped_documents == 1
+    for field, offset, value in (("length", 0, -5), ("pointer", 4 * 3, -8)):
+        write_megatron(prefix, [[1, 2], [3, 4, 5], [6]])
+        idx = bytearray((tmp_path / "c.idx").read_bytes())
+        at = 34 + offset + (4 if field == "length" else 8)  # document 1's field
+        size = 4 if field == "length" else 8
+        idx[at : at + size] = value.to_bytes(size, "little", signed=True)
+        (tmp_path / "c.idx").write_bytes(bytes(idx))
+        with pytest.raises(DataError, match=f"c.idx: document 1: negative {field} {value} "):
+            open_source(str(prefix))
+        src = open_source(str(prefix), skip_bad=True)
+        assert src.lengths.tolist() == [2, 0, 1] and src.skipped_documents == 1
+        assert [src.read(0).tolist(), src.read(2).tolist()] == [[1, 2], [6]]
     (tmp_path / "c.idx").write_bytes(b"garbage")
     with pytest.raises(DataError, match="not a Megatron index file"):
         open_source(str(prefix))
