@@ -196,8 +196,12 @@ class Plan:
             raise PlanError(
                 f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}"
             ) from None
-        except PlanError as e:
-            raise PlanError(f"{path}: {e}") from None
+        except RecursionError:
+            raise PlanError(f"{path}: JSON nested too deeply to read") from None
+        except ValueError as e:  # an integer past Python's digit limit
+            if isinstance(e, PlanError):
+                raise PlanError(f"{path}: {e}") from None
+            raise PlanError(f"{path}: not valid JSON: {e}") from None
 
     # ------------------------------------------------------------------ export
     def to_json(self) -> dict[str, Any]:

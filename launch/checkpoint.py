@@ -501,8 +501,45 @@ def _chosen_step(folder: Path, step: int, candidates: list) -> Path:
 
 
 def read_state(path: str | Path) -> dict:
-    """``train_state.json`` of a checkpoint :func:`select` found valid."""
-    return json.loads((Path(path) / STATE).read_text())
+    """``train_state.json`` of a checkpoint :func:`select` found valid, its fields checked:
+    checkpoints are trusted input, but one edited by hand must fail with a line naming the
+    field, not a traceback or a silently wrong resume. Raises CheckpointError."""
+    path = Path(path)
+    where = path / STATE
+    try:
+        meta = json.loads(where.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: cannot read it ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: not a JSON object")
+    step = int(_STEP_DIR.fullmatch(path.name)[1]) if _STEP_DIR.fullmatch(path.name) else None
+    problem = _state_problem(meta, step)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}: restore the file or resume another step")
+    return meta
+
+
+def _state_problem(meta: dict, step: int | None) -> str | None:
+    """What is wrong with a checkpoint's state (``step``: the one its directory names)."""
+
+    def count(value, minimum: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+    if not count(meta.get("step"), 1):
+        return f"'step' must be an integer >= 1, got {meta.get('step')!r}"
+    if step is not None and meta["step"] != step:
+        return f"'step' is {meta['step']} but the directory holds step {step}"
+    for key, value in (meta.get("accounting") or {}).items():
+        if not count(value, 0):
+            return f"'accounting.{key}' must be an integer >= 0, got {value!r}"
+    schedule = meta.get("schedule")
+    if schedule is not None and not (
+        isinstance(schedule, dict)
+        and count(schedule.get("warmup"), 0)
+        and count(schedule.get("decay_steps"), 1)
+    ):
+        return f"'schedule' must hold an integer warmup >= 0 and decay_steps >= 1, got {schedule!r}"
+    return None
 
 
 def load(path: str | Path, model, optimizer, scheduler) -> dict:

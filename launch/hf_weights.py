@@ -24,7 +24,7 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,25 @@ class StoredTensor:
     shape: tuple[int, ...]
     begin: int
     end: int
+
+
+def _differ(a: StoredTensor | None, b: StoredTensor | None, chunk: int = 1 << 26) -> bool:
+    """Whether two stored tensors hold different bytes (``False`` where either is absent), read
+    a chunk at a time."""
+    if a is None or b is None:
+        return False
+    if (a.dtype, a.shape, a.end - a.begin) != (b.dtype, b.shape, b.end - b.begin):
+        return True
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.begin)
+        fb.seek(b.begin)
+        left = a.end - a.begin
+        while left > 0:
+            n = min(chunk, left)
+            if fa.read(n) != fb.read(n):
+                return True
+            left -= n
+    return False
 
 
 def _regular_file(path: Path, what: str) -> None:
@@ -194,6 +213,13 @@ class HFCheckpoint:
             where=str(self.directory / "config.json"),
         )
         self.tensors = self._tensors()
+        # transformers 5 unties a tied head whose checkpoint stores other values for it
+        # (tests/test_hf_models.py shows it): train the model it loads.
+        self.untied_head = self.spec.tied_embeddings and _differ(
+            self.tensors.get("lm_head.weight"), self.tensors.get("model.embed_tokens.weight")
+        )
+        if self.untied_head:
+            self.spec = replace(self.spec, tied_embeddings=False)
 
     def _tensors(self) -> dict[str, StoredTensor]:
         single, index = self.directory / WEIGHTS, self.directory / INDEX
@@ -267,7 +293,8 @@ class HFCheckpoint:
                 )
         tied = getattr(model, "spec", None) is not None and model.spec.tied_embeddings
         for name, stored in sorted(self.tensors.items()):
-            # A tied checkpoint may still carry its LM head; transformers ignores it as well.
+            # A tied checkpoint may still carry its LM head (equal to the embedding: a different
+            # one unties the model when the checkpoint opens).
             if name in wanted or _IGNORED.fullmatch(name) or (tied and name == "lm_head.weight"):
                 continue
             raise WeightsError(

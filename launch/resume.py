@@ -131,7 +131,12 @@ def find_resume(
         log(f"no valid checkpoint in {folder}: starting from step 0")
         return None
     meta = checkpoint.read_state(found.path)
-    step = int(meta["step"])
+    if not isinstance(meta.get("data"), dict):
+        raise CheckpointError(
+            f"{found.path / checkpoint.STATE}: 'data' (the data position) is missing or not an "
+            "object: restore the file or resume another step"
+        )
+    step = meta["step"]
     if steps <= step:
         raise CheckpointError(
             f"--steps {steps} is not above step {step}, where {found.path} resumes: "

@@ -167,6 +167,12 @@ def _train(
     memory = PeakMemory(device)  # before anything big is built
     try:
         source = model_source(config.model, config.data.tokenizer)
+        if source.checkpoint is not None and source.checkpoint.untied_head:
+            log(
+                f"warning: {source.checkpoint.directory}: config.json ties the LM head to the "
+                "embedding, but lm_head.weight holds other values: training them apart, as "
+                "transformers loads it (set tie_word_embeddings to false to say so)"
+            )
         config = resolve_auto(
             config, spec=source.spec, world=world, per_node=per_node, device=device, log=log
         )

@@ -2,6 +2,7 @@
 valid one with a warning naming the damage; nothing valid is overwritten or ignored; resume refuses
 a changed setup, a --steps it has passed, and a folder it cannot read."""
 
+import hashlib
 import json
 import os
 
@@ -303,3 +304,30 @@ def test_metrics_rows_of_redone_steps_are_replaced(tmp_path):
     with open_metrics(tmp_path / "new" / "m.jsonl", 0, lines.append):
         pass  # a missing folder is created
     assert (tmp_path / "new" / "m.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.update(step=7), "'step' is 7 but the directory holds step 4"),
+        (lambda m: m.update(step="4"), "'step' must be an integer >= 1, got '4'"),
+        (lambda m: m.pop("data"), "'data' \\(the data position\\) is missing"),
+        (lambda m: m["accounting"].update(trained_tokens=-5), "'accounting.trained_tokens' must"),
+        (lambda m: m.update(schedule={"warmup": "10", "decay_steps": 20}), "'schedule' must hold"),
+    ],
+)
+def test_an_edited_state_is_one_line_naming_its_field(ck, edit, message):
+    """Checkpoints are trusted input, but one edited by hand (its manifest too) is refused with
+    the field named, never resumed wrong or ended by a traceback."""
+    path = ck / "step_00000004"
+    meta = json.loads((path / checkpoint.STATE).read_text())
+    edit(meta)
+    (path / checkpoint.STATE).write_text(json.dumps(meta))
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    entry = manifest["files"][checkpoint.STATE]
+    entry["size"] = (path / checkpoint.STATE).stat().st_size
+    entry["sha256"] = hashlib.sha256((path / checkpoint.STATE).read_bytes()).hexdigest()
+    (path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    flags = CheckpointingConfig(dir=ck, resume=True)
+    with pytest.raises(CheckpointError, match=f"train_state.json: {message}"):
+        find_resume(flags, 10, SETUP, print)

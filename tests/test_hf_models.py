@@ -225,3 +225,42 @@ def test_weights_load_in_pieces_converted_to_the_model_dtype(models, monkeypatch
             stored.update(load_file(file))
         for name, p in model.named_parameters():
             assert torch.equal(p, stored[hf_name_of(name)].to(dtype)), (kind, name)
+
+
+def test_a_tied_checkpoint_with_its_own_head_trains_as_transformers_loads_it(
+    models, tmp_path, capsys
+):
+    """config.json ties the head, the weights file holds a different lm_head.weight: transformers
+    5 keeps the two apart, and so does hdp (with one warning), so the loss is transformers'."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    dirs, corpus, docs = models
+    ck = tmp_path / "qwen2"
+    shutil.copytree(dirs["qwen2"], ck)
+    weights = load_file(ck / "model.safetensors")
+    assert "lm_head.weight" not in weights  # tied as written by transformers
+    head = torch.randn_like(weights["model.embed_tokens.weight"]) * 0.2
+    save_file({**weights, "lm_head.weight": head}, ck / "model.safetensors", {"format": "pt"})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(ck)
+    assert torch.equal(theirs.lm_head.weight, head)  # transformers' own reading
+    metrics = tmp_path / "m.jsonl"
+    train_in_process(
+        [
+            "--init-from",
+            str(ck),
+            "--data",
+            str(corpus),
+            *STEP,
+            "--steps",
+            "1",
+            "--metrics",
+            str(metrics),
+        ]
+    )
+    assert "training them apart, as transformers loads it" in capsys.readouterr().out
+    loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    expected = reference(ck, docs)
+    assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)

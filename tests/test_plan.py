@@ -279,6 +279,17 @@ def _plan_json(**change):
     return {**base, **change}
 
 
+def test_a_plan_file_json_cannot_hold_is_one_error(tmp_path):
+    path = tmp_path / "PLAN.json"
+    for text, message in (
+        ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+        ('{"num_ranks": ' + "9" * 5000 + "}", "not valid JSON: Exceeds the limit"),
+    ):
+        path.write_text(text)
+        with pytest.raises(PlanError, match=f"PLAN.json: {message}"):
+            Plan.load(path)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -293,8 +304,14 @@ def _plan_json(**change):
         ({"waves": [[[[0, -5, 500]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "non-empty range"),
         ({"seq_lens": [1000, -300]}, "'seq_lens\\[1\\]' must be >= 0, got -300"),
         ({"waves": [[[[0, 0, 500]], [[0, 500, 1000]]], [[], []]]}, "sequence 1 .* is in no shard"),
-        ({"offload": [[5.0, 0.0], [0.0, 0.0]]}, "offload fractions must lie in \\[0, 1\\]"),
-        ({"offload": [[-1.0, 0.0], [0.0, 0.0]]}, "offload fractions must lie in \\[0, 1\\]"),
+        ({"offload": [[5.0, 0.0], [0.0, 0.0]]}, "'offload\\[0\\]\\[0\\]' must be a number in"),
+        ({"offload": [[-1.0, 0.0], [0.0, 0.0]]}, "'offload\\[0\\]\\[0\\]' must be a number in"),
+        ({"offload": [[float("nan"), 0.0], [0.0, 0.0]]}, "'offload\\[0\\]\\[0\\]' must be a"),
+        ({"offload": [["0.5", 0], [0, 0]]}, "'offload\\[0\\]\\[0\\]' must be a number"),
+        ({"num_ranks": 10**30}, "'num_ranks' must be <= 1048576, got an integer"),
+        ({"seq_lens": [2**40, 300]}, "'seq_lens\\[0\\]' must be <= 68719476736"),
+        ({"strategy": 123}, "'strategy' must be a string, got 123"),
+        ({"predicted": {"step_time_s": "1.5"}}, "'predicted.step_time_s' must be a number"),
         ({"barriers": [99]}, "barriers must name waves in \\[0, 2\\)"),
         ({"waves": [[[[0, 0, 500]], [[1, 0, 300]]], [[[0, 500, 1000]], []]]}, "one wave"),
         ({"waves": [[[[0, 0, 500.7]], [[0, 500, 1000]]], [[[1, 0, 300]], []]]}, "500.7"),
@@ -302,7 +319,8 @@ def _plan_json(**change):
         ({"num_ranks": 0}, "'num_ranks' must be >= 1"),
         ({"kv_block_tokens": 1.5}, "'kv_block_tokens' must be an integer"),
         ({"barriers": "0"}, "'barriers' must be a list"),
-        ({"offload": [["a", 0], [0, 0]]}, "'offload' must be"),
+        ({"offload": [["a", 0], [0, 0]]}, "'offload\\[0\\]\\[0\\]' must be a number"),
+        ({"offload": [[0, 0]]}, "'offload' must be \\[num_waves\\]\\[num_ranks\\] numbers"),
     ],
 )
 def test_from_json_refuses_an_invalid_plan_naming_what(change, message, tmp_path):
