@@ -349,6 +349,46 @@ def _token_dtype(idx: Path, version: int, code: int) -> np.dtype:
     return dtype
 
 
+def _read_index(idx: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """(token dtype, document lengths int64 [n], byte pointers int64 [n]) of a Megatron index
+    file; DataError naming the file where it is not one."""
+    try:
+        raw = idx.read_bytes()
+    except OSError as e:
+        raise DataError(f"{idx}: cannot read: {e.strerror}") from None
+    head = 9 + 8 + 1 + 8 + 8
+    if len(raw) < head or raw[:9] != _MEGATRON_HEADER:
+        raise DataError(f"{idx}: not a Megatron index file (bad header)")
+    (version,) = struct.unpack("<Q", raw[9:17])
+    dtype = _token_dtype(idx, version, raw[17])
+    n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
+    need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
+    if len(raw) < need:
+        raise DataError(
+            f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)"
+        )
+    lengths = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=head).astype(np.int64)
+    pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=head + 4 * n_seq)
+    return dtype, lengths, pointers
+
+
+def _negative_entries(
+    idx: Path, lengths: np.ndarray, pointers: np.ndarray, skip_bad: bool
+) -> np.ndarray:
+    """The documents of an index with a negative length or pointer: a DataError naming the first,
+    or with ``skip_bad`` their indices, to skip."""
+    negative = np.flatnonzero((lengths < 0) | (pointers < 0))
+    if negative.size and not skip_bad:
+        first = int(negative[0])
+        field = "length" if lengths[first] < 0 else "pointer"
+        value = int(lengths[first] if field == "length" else pointers[first])
+        raise DataError(
+            f"{idx}: document {first}: negative {field} {value} (use --skip-bad-records to skip "
+            "such documents)"
+        )
+    return negative
+
+
 class MegatronSource:
     """A Megatron-LM ``.bin``/``.idx`` indexed dataset, read directly; a sequence is a document."""
 
@@ -369,39 +409,12 @@ class MegatronSource:
             raise DataError(
                 f"{bin_}: missing data file (a Megatron dataset is a PREFIX.bin / PREFIX.idx pair)"
             )
-        try:
-            raw = idx.read_bytes()
-        except OSError as e:
-            raise DataError(f"{idx}: cannot read: {e.strerror}") from None
-        head = 9 + 8 + 1 + 8 + 8
-        if len(raw) < head or raw[:9] != _MEGATRON_HEADER:
-            raise DataError(f"{idx}: not a Megatron index file (bad header)")
-        (version,) = struct.unpack("<Q", raw[9:17])
-        code = raw[17]
-        self.dtype = _token_dtype(idx, version, code)
-        n_seq, n_doc = struct.unpack("<QQ", raw[18:34])
-        need = head + n_seq * 4 + n_seq * 8 + n_doc * 8
-        if len(raw) < need:
-            raise DataError(
-                f"{idx}: truncated index ({len(raw)} bytes, {need} expected for {n_seq} sequences)"
-            )
-        lengths = np.frombuffer(raw, dtype=np.int32, count=n_seq, offset=head).astype(np.int64)
-        self.pointers = np.frombuffer(raw, dtype=np.int64, count=n_seq, offset=head + 4 * n_seq)
+        self.dtype, lengths, self.pointers = _read_index(idx)
         size = bin_.stat().st_size
-        self.skipped_documents = self.skipped_tokens = 0
-        lengths = lengths.copy()
-        negative = np.flatnonzero((lengths < 0) | (self.pointers < 0))
-        if negative.size:
-            first = int(negative[0])
-            field = "length" if lengths[first] < 0 else "pointer"
-            value = int(lengths[first] if field == "length" else self.pointers[first])
-            if not skip_bad:
-                raise DataError(
-                    f"{idx}: document {first}: negative {field} {value} (use --skip-bad-records "
-                    "to skip such documents)"
-                )
-            self.skipped_documents += int(negative.size)  # their token counts are unknown
-            lengths[negative] = 0
+        self.skipped_tokens = 0
+        negative = _negative_entries(idx, lengths, self.pointers, skip_bad)
+        self.skipped_documents = int(negative.size)  # their token counts are unknown
+        lengths[negative] = 0
         n_empty = int(np.count_nonzero(lengths == 0)) - int(negative.size)
         ends = np.where(lengths > 0, self.pointers + lengths * self.dtype.itemsize, 0)
         over = np.flatnonzero(ends > size)

@@ -36,6 +36,7 @@ from .memory import PeakMemory
 from .metrics import (
     Heartbeat,
     Predicted,
+    RankStats,
     data_line,
     first_step_line,
     gather_stats,
@@ -58,7 +59,7 @@ from .setup import (
     resolve_auto,
 )
 from .stopping import StopOnSignal, Stopped, kill_point
-from .update import train_step
+from .update import Update, train_step
 
 
 @dataclass
@@ -304,19 +305,10 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
                 kill=kill_at == (run.rank, step_idx + 1),
                 memory=run.memory,
             )
-        res, grad_norm, stepped = update.result, update.grad_norm, update.stepped
+        res, grad_norm = update.result, update.grad_norm
         step_time = time.perf_counter() - t0
-        stats = gather_stats(
-            res,
-            world=run.world,
-            device=run.device,
-            memory=run.memory,
-            weights_finite=update.weights_finite,
-        )
-        overflowed = stepped and not stats.weights_finite  # Note [Non-finite updates]
-        if overflowed and update.before is not None:
-            update.before.restore(run.model, run.optimizer)
-        stepped = stepped and not overflowed
+        stats, overflowed = measured(run, update)
+        stepped = update.stepped and not overflowed
         totals.skipped_updates += not stepped
         totals.trained_tokens += data.tokens
         totals.truncated_tokens += data.truncated_tokens
@@ -355,6 +347,23 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
         if received:
             return Stopped(received, step, saved=bool(ck.dir))
     return None
+
+
+def measured(run: Run, update: Update) -> tuple[RankStats, bool]:
+    """What the ranks measured in the step, and whether its update made a weight non-finite
+    on some rank: then, under ``--nan-policy skip``, the update is undone here (Note
+    [Non-finite updates])."""
+    stats = gather_stats(
+        update.result,
+        world=run.world,
+        device=run.device,
+        memory=run.memory,
+        weights_finite=update.weights_finite,
+    )
+    overflowed = update.stepped and not stats.weights_finite
+    if overflowed and update.before is not None:
+        update.before.restore(run.model, run.optimizer)
+    return stats, overflowed
 
 
 def save_checkpoint(run: Run, step: int) -> None:
