@@ -4,6 +4,7 @@ one cost model), the data and its loader, the model with its techniques, and the
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, gpu_preset, plural
+from hdp import ClusterSpec, CostModel, GPUProfile, ModelSpec, format_size, gpu_preset, plural
 from hdp.dataloader import (
     BatchStream,
     DataError,
@@ -60,6 +61,28 @@ def resolve_auto(
                 f"{plural(world, 'rank')}"
             )
     return config
+
+
+# Host bytes of one token of a rank's step: its id, label and position (int64 each).
+HOST_BYTES_PER_TOKEN = 24
+
+
+def check_host_memory(config: RunConfig, *, world: int, per_node: int) -> None:
+    """ValueError unless a rank's share of a step's tokens, as the host tensors it reads them
+    into, fits this machine's memory beside the node's other ranks (``--tokens-per-step 64G``
+    on one rank would need 1.5 TB, and run minutes into a MemoryError)."""
+    tokens = config.data.tokens_per_step or 0
+    need = HOST_BYTES_PER_TOKEN * -(-tokens // world) * min(per_node, world)
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # not reported here: nothing to check against
+        return
+    if need > memory:
+        raise ValueError(
+            f"--tokens-per-step {format_size(tokens)} on {plural(world, 'rank')}: the node's "
+            f"ranks would hold {need / 2**30:,.0f} GiB of token ids, labels and positions, and "
+            f"this machine has {memory / 2**30:,.0f} GiB: lower --tokens-per-step or add ranks"
+        )
 
 
 def build_pricing(

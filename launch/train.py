@@ -56,6 +56,7 @@ from .setup import (
     build_model,
     build_optimizer,
     build_pricing,
+    check_host_memory,
     resolve_auto,
 )
 from .stopping import StopOnSignal, Stopped, kill_point
@@ -174,6 +175,7 @@ def _train(
                 "embedding, but lm_head.weight holds other values: training them apart, as "
                 "transformers loads it (set tie_word_embeddings to false to say so)"
             )
+        check_host_memory(config, world=world, per_node=per_node)
         config = resolve_auto(
             config, spec=source.spec, world=world, per_node=per_node, device=device, log=log
         )

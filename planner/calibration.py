@@ -71,8 +71,13 @@ COLUMNS = ("kind", "heads", "head_dim", "a", "b", "c", "ms")
 KINDS = ("attn_doc", "attn_shard", "gemm")
 
 
+# The largest dimension a row may hold: tokens of a step or a sequence (MAX_TOKENS), past any
+# head count, head size or width of a model.
+_LARGEST = 1 << 36
+
+
 def _field(path: Path, line: int, record: dict, column: str, low: float) -> float:
-    """``record[column]``: a time above 0 (``ms``) or a whole number of at least ``low``; else
+    """``record[column]``: a time above 0 (``ms``) or a whole number in ``[low, 2^36]``; else
     one error naming the file, line and column."""
     text = record.get(column)
     try:
@@ -80,8 +85,13 @@ def _field(path: Path, line: int, record: dict, column: str, low: float) -> floa
     except (TypeError, ValueError):
         value = float("nan")
     time = column == "ms"
-    if not (np.isfinite(value) and (value > 0 if time else value >= low and value == int(value))):
-        what = "a finite time above 0 ms" if time else f"a whole number >= {int(low)}"
+    whole = low <= value <= _LARGEST and value == int(value) if np.isfinite(value) else False
+    if not (np.isfinite(value) and (value > 0 if time else whole)):
+        what = (
+            "a finite time above 0 ms"
+            if time
+            else f"a whole number from {int(low)} to {_LARGEST:,}"
+        )
         raise ProfileError(f"{path}, line {line}, column {column}: expected {what}, got {text!r}")
     return value
 

@@ -15,6 +15,7 @@ from hdp import (
     MODEL_PRESETS,
     ClusterSpec,
     GPUProfile,
+    format_size,
     gpu_preset,
     model_spec,
     plural,
@@ -203,6 +204,25 @@ def sim_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The most sequences hdp-sim plans in one step: sampling and planning grow with them, and this
+# many take tens of seconds a step; the workloads' own steps hold a few thousand.
+MAX_SIM_SEQUENCES = 1 << 22
+
+
+def _check_step_size(workload, max_seq: int | None, tokens_per_step: int | None) -> None:
+    """ValueError where a step would hold more than ``MAX_SIM_SEQUENCES`` sequences: at least
+    the step's tokens over the shorter of the mean length and ``--max-seq``."""
+    cap = max_seq or workload.max_seq
+    tokens = tokens_per_step or workload.tokens_per_step
+    expected = tokens / min(workload.mean_length, cap)
+    if expected > MAX_SIM_SEQUENCES:
+        raise ValueError(
+            f"a step of {format_size(tokens)} tokens in sequences of at most {format_size(cap)} "
+            f"holds about {expected:,.0f} sequences, past the {MAX_SIM_SEQUENCES:,} hdp-sim "
+            "plans: lower --tokens-per-step or raise --max-seq"
+        )
+
+
 @command
 def sim_main(argv: list[str] | None = None) -> int:
     from .plot import plot_simulation
@@ -220,6 +240,7 @@ def sim_main(argv: list[str] | None = None) -> int:
             if args.workload
             else file_workload(args.lengths, args.max_seq, args.tokens_per_step)
         )
+        _check_step_size(workload, args.max_seq, args.tokens_per_step)
         t0 = time.perf_counter()
         sim = simulate(
             workload,

@@ -158,6 +158,14 @@ def test_plan_writes_a_plan_that_reads_back(tmp_path, capsys):
             ["sim_main", "--lengths", "{overflow}", "--gpus", "8"],
             "line 2: sequence length 100000000000000000000000 is above 68,719,476,736 tokens",
         ),
+        (  # both hung, sampling and planning tens of millions of sequences
+            ["sim_main", "--workload", "byted-2m", "--gpus", "64", "--tokens-per-step", "64G"],
+            "holds about 10,504,238 sequences, past the 4,194,304 hdp-sim plans",
+        ),
+        (
+            ["sim_main", "--workload", "byted-2m", "--gpus", "64", "--max-seq", "1"],
+            "in sequences of at most 1 holds about 33,554,432 sequences",
+        ),
     ],
 )
 def test_errors_are_clear(tmp_path, args, message):

@@ -278,3 +278,17 @@ def test_a_config_file_gives_flags_that_the_command_line_replaces(tmp_path):
 def test_a_bad_config_file_is_one_line(tmp_path, capsys, text, message):
     (tmp_path / "run.toml").write_text(text)
     assert message in _usage_error(parse_config, ["--config", str(tmp_path / "run.toml")], capsys)
+
+
+def test_a_step_past_the_hosts_memory_is_one_line_before_any_work(capsys):
+    """--tokens-per-step 64G on one rank: 1.5 TB of token ids, labels and positions; it ran
+    minutes into a MemoryError."""
+    import torch
+
+    import hdp.launch.train as lt
+
+    config = parse_config(["--model", "tiny", "--tokens-per-step", "64G", "--max-seq", "1K"])
+    assert lt.train(config, rank=0, world=1, per_node=1, device=torch.device("cpu")) == 2
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("pretrain.py: error: --tokens-per-step 64G on 1 rank: the node's")
+    assert "lower --tokens-per-step or add ranks" in lines[-1]
