@@ -185,3 +185,26 @@ def test_no_checkpoint_holds_a_non_finite_weight_and_export_refuses_one(tmp_path
     with pytest.raises(ExportError, match="model.norm.weight holds non-finite values"):
         export(tmp_path / "ck", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_weight_decay_that_overflows_stops_before_any_checkpoint(tmp_path, capsys, monkeypatch):
+    """An AdamW decoupled decay far past the flag's range (as --weight-decay 1e42 ran before it
+    had one) overflows the weights in the first update, with a finite loss and gradient."""
+    orig = lt.build_optimizer
+
+    def build_optimizer(args, *, model, schedule):
+        optimizer, scheduler = orig(args, model=model, schedule=schedule)
+        for group in optimizer.param_groups:
+            group["weight_decay"] = 1e45  # x lr 3e-4: each weight times -3e41
+        return optimizer, scheduler
+
+    monkeypatch.setattr(lt, "build_optimizer", build_optimizer)
+    write_corpus(tmp_path / "c.jsonl")
+    argv = ["--model", "tiny", "--tokens-per-step", "608", "--max-seq", "128", "--steps", "3"]
+    argv += ["--data", str(tmp_path / "c.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")]
+    argv += ["--save-every", "1", "--metrics", str(tmp_path / "m.jsonl"), "--warmup", "0"]
+    code = lt.train(parse_config(argv), rank=0, world=1, per_node=1, device=torch.device("cpu"))
+    assert code == 3 and not list((tmp_path / "ck").glob("step_*"))
+    row = _rows(tmp_path / "m.jsonl")[0]
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+    assert "the update of step 1 made weights non-finite" in capsys.readouterr().out
