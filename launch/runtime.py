@@ -126,10 +126,11 @@ def run_waves(
         model.set_reshard_after_backward(True)
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         forward_backward(empty, empty, empty, AttentionContext(None, -1, group))
-    local = float(total)
+    local = total.clone()
     if distributed:
         dist.all_reduce(total, group=group)
-    return StepResult(float(total), t_busy, len(mine), local)
+    loss, local_loss = torch.stack([total, local]).tolist()  # one wait for the device
+    return StepResult(loss, t_busy, len(mine), local_loss)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
