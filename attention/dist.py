@@ -62,10 +62,7 @@ class _DistAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, layout: WaveLayout, group, scale: float, backend: AttentionBackend):
         ctx.layout, ctx.group, ctx.scale, ctx.backend = layout, group, scale, backend
         if layout.local_only:  # Note [One block per query row]
-            cu_q, cu_k = layout.diag.cu(host=backend.host_lengths, device=q.device)
-            out, lse = backend.forward(
-                q, k, v, cu_q, cu_k, layout.diag.max_q, layout.diag.max_k, True, scale
-            )
+            out, lse = _diagonal(backend, q, k, v, layout.diag, scale)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
         device = q.device
@@ -244,6 +241,13 @@ def _attend(
     acc.merge(seg.q_rows, out, lse)
 
 
+def _diagonal(backend: AttentionBackend, q, k, v, diag: Segments, scale: float):
+    """``(out, lse)`` of the diagonal blocks: every local row, in order, so q, k and v are read
+    as they are (Note [One block per query row])."""
+    cu_q, cu_k = diag.cu(host=backend.host_lengths, device=q.device)
+    return backend.forward(q, k, v, cu_q, cu_k, diag.max_q, diag.max_k, True, scale)
+
+
 def _local_attention(
     backend: AttentionBackend, q, k, v, layout: WaveLayout, scale: float
 ) -> PartialAttention:
@@ -255,9 +259,7 @@ def _local_attention(
     if diag is None:  # no tokens in this wave
         acc = PartialAttention.empty(T, H, d, q.dtype, q.device)
     else:
-        cu_q, cu_k = diag.cu(host=backend.host_lengths, device=q.device)
-        out, lse = backend.forward(q, k, v, cu_q, cu_k, diag.max_q, diag.max_k, True, scale)
-        acc = PartialAttention.start(out, lse)
+        acc = PartialAttention.start(*_diagonal(backend, q, k, v, diag, scale))
     if layout.local_full is not None:
         _attend(acc, backend, q, k, v, layout.local_full.to(q.device), False, scale)
     return acc

@@ -300,12 +300,17 @@ def _together(write) -> None:
             raise _WriteFailed(rank, reason)
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (a view: writing it writes ``t``)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def first_non_finite(tensors: dict) -> str | None:
     """The name of the first of ``tensors`` ({name: tensor}) holding a non-finite value, or
     ``None``; a DTensor by its local shard."""
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+            local = local_part(t.detach())
             if local.numel() and not torch.isfinite(local).all():
                 return name
     return None
@@ -512,8 +517,8 @@ def read_state(path: str | Path) -> dict:
         raise CheckpointError(f"{where}: cannot read it ({e})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where}: not a JSON object")
-    step = int(_STEP_DIR.fullmatch(path.name)[1]) if _STEP_DIR.fullmatch(path.name) else None
-    problem = _state_problem(meta, step)
+    named = _STEP_DIR.fullmatch(path.name)
+    problem = _state_problem(meta, int(named[1]) if named else None)
     if problem:
         raise CheckpointError(f"{where}: {problem}: restore the file or resume another step")
     return meta

@@ -65,7 +65,7 @@ class DirectoryLock:
                     f"({describe(holder)}; lock file {self.path}): wait for it to end, or give "
                     "another --checkpoint-dir; if that run is gone, remove the lock file"
                 )
-            self._take_over(why, holder)
+            self._take_over(why)
         self._beat = threading.Thread(target=self._heartbeat, name="hdp-lock", daemon=True)
         self._beat.start()
         return self
@@ -94,7 +94,7 @@ class DirectoryLock:
             os.fsync(f.fileno())
         return True
 
-    def _take_over(self, why: str, holder: dict) -> None:
+    def _take_over(self, why: str) -> None:
         aside = self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}")
         try:
             os.rename(self.path, aside)

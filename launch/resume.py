@@ -179,29 +179,24 @@ def check_metrics_file(path: Path | None) -> None:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--metrics {path}: cannot read it as text ({e})") from None
     for number, line in enumerate(lines, 1):
-        if not line.strip() or _is_row(line):
+        if not line.strip():
             continue
-        if number == len(lines) and line.startswith('{"step": ') and not _parses(line):
-            continue  # a row cut short by a kill
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines) and line.startswith('{"step": '):
+                continue  # a row cut short by a kill
+            row = None
+        if _is_row(row):
+            continue
         raise ValueError(
             f"--metrics {path}: line {number} is not an hdp metrics row, and a run rewrites the "
             "file: give a new path, or an earlier run's metrics file to continue it"
         )
 
 
-def _parses(line: str) -> bool:
-    try:
-        json.loads(line)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_row(line: str) -> bool:
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return False
+def _is_row(row) -> bool:
+    """Whether a parsed line is one of hdp's metrics rows: an integer ``step`` and a ``loss``."""
     return (
         isinstance(row, dict)
         and isinstance(row.get("step"), int)

@@ -4,8 +4,8 @@ Note [Non-finite updates]
 -------------------------
 A step can go wrong in two places. Its loss or gradient norm may not be finite (bad data, a
 diverging run): then the optimizer does not step at all (:func:`train_step`). Or the loss and the
-gradients are finite but the update itself overflows the weights (``--weight-decay 1e42``, a
-learning rate far too high): the weights are checked after every update, by one multi-tensor
+gradients are finite but the update itself overflows the weights (a decay or a learning rate
+far too high): the weights are checked after every update, by one multi-tensor
 max-abs reduction over each rank's own shards (:func:`weights_finite`) whose flag travels in the
 step's existing gather of what the ranks measured. No checkpoint is saved between the update and
 that check, so a non-finite weight never reaches a checkpoint: ``--nan-policy stop`` stops there,
@@ -30,20 +30,16 @@ from torch.optim.lr_scheduler import LRScheduler
 from hdp.attention import COMM
 from hdp.dataloader.loader import StepData
 
+from .checkpoint import local_part
 from .memory import PeakMemory
 from .model import Llama
 from .runtime import StepResult, run_waves
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard (a view: writing it writes ``t``)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def weights_finite(model: Llama) -> torch.Tensor:
     """Whether every weight this rank holds is finite: a 0-dim tensor on the weights' device,
     read without waiting for the device (the caller gathers it)."""
-    local = [_local(p.detach()) for p in model.parameters()]
+    local = [local_part(p.detach()) for p in model.parameters()]
     local = [t for t in local if t.numel()]
     device = next(model.parameters()).device
     if not local:
@@ -58,7 +54,7 @@ class Before:
     to put back where the update made a weight non-finite (Note [Non-finite updates])."""
 
     def __init__(self, model: Llama, optimizer: Optimizer) -> None:
-        self.weights = [_local(p.detach()).to("cpu", copy=True) for p in model.parameters()]
+        self.weights = [local_part(p.detach()).to("cpu", copy=True) for p in model.parameters()]
         self.state = {
             id(p): {k: _copy(v) for k, v in state.items()} for p, state in optimizer.state.items()
         }
@@ -66,7 +62,7 @@ class Before:
     def restore(self, model: Llama, optimizer: Optimizer) -> None:
         with torch.no_grad():
             for p, saved in zip(model.parameters(), self.weights):
-                _local(p.detach()).copy_(saved)
+                local_part(p.detach()).copy_(saved)
             for p in list(optimizer.state):
                 saved = self.state.get(id(p))
                 if saved is None:  # its state was made by this update: as if it never ran
@@ -74,13 +70,13 @@ class Before:
                     continue
                 for k, v in saved.items():
                     if isinstance(v, torch.Tensor):
-                        _local(optimizer.state[p][k]).copy_(v)
+                        local_part(optimizer.state[p][k]).copy_(v)
                     else:
                         optimizer.state[p][k] = v
 
 
 def _copy(value):
-    return _local(value).to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    return local_part(value).to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
 @dataclass
