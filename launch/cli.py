@@ -21,6 +21,7 @@ from hdp.profile import ProfileError
 from .config import RunConfig, checked
 from .config_file import ConfigFileError, config_argv
 from .flags import build_parser, from_namespace
+from .launcher import launch, reports_errors, role, slurm_rank_environment, thread_count
 from .loggers import missing_package
 from .model_source import model_source
 from .resume import check_metrics_file
@@ -29,11 +30,20 @@ from .stopping import kill_point
 from .train import train
 
 
+def refuse(prog: str, message: str) -> NoReturn:
+    """Exit 2 with one line, ``prog: error: message``, printed once per screen
+    (:func:`hdp.launch.launcher.reports_errors`): for what every rank meets alike."""
+    if reports_errors():
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def parse_config(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> RunConfig:
     """The run's config from its flags (``sys.argv[1:]`` by default): a ``--config`` file's flags
     first, those given replacing them, then every rule between flags (:func:`checked`) and
-    against the planner and this machine (:func:`check_environment`). A bad flag or combination
-    exits with argparse's usage error (status 2), one line saying what to change."""
+    against the planner and this machine (:func:`check_environment`). A malformed command line
+    exits with a short usage and argparse's error; a bad value, combination or file with one
+    line (:func:`refuse`); both with status 2."""
     p = build_parser(prog)
     argv = sys.argv[1:] if argv is None else list(argv)
     given, _ = p.parse_known_args(argv)  # --config first: its flags go before the others
@@ -41,12 +51,12 @@ def parse_config(argv: list[str] | None = None, *, prog: str = "pretrain.py") ->
         try:
             argv = config_argv(given.config, p, argv) + argv
         except ConfigFileError as e:
-            p.error(str(e))
+            refuse(prog, str(e))
     try:
         config = checked(from_namespace(p.parse_args(argv), p))
         check_environment(config)
     except ValueError as e:
-        p.error(str(e))
+        refuse(prog, str(e))
     return config
 
 
@@ -85,9 +95,10 @@ def init_distributed(
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device_kind == "cuda" and local_world > gpus:
-        raise SystemExit(
-            f"{prog}: error: --device cuda with {local_world} ranks per node, but this node "
-            f"has {gpus} CUDA GPUs: use --nproc-per-node {gpus} or --device cpu"
+        refuse(
+            prog,
+            f"--device cuda with {local_world} ranks per node, but this node has {gpus} CUDA "
+            f"GPUs: use --nproc-per-node {gpus} or --device cpu",
         )
     if device_kind == "cuda" or (device_kind == "auto" and 0 < local_world <= gpus):
         device = torch.device("cuda", local)
@@ -101,8 +112,20 @@ def init_distributed(
 
 
 def main(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> int:
-    """Parse the flags, join torchrun's ranks, train; returns the exit code."""
+    """Parse the flags; start the ranks (``--nproc-per-node``), or be one and train; returns the
+    exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_config(argv, prog=prog)
+    try:
+        this = role(config.launcher, os.environ)
+        if this == "launcher":
+            return launch(config, argv, prog)
+    except ValueError as e:
+        refuse(prog, str(e))
+    if this == "srun":
+        os.environ.update(slurm_rank_environment(os.environ) or {})
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(thread_count(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     rank, world, per_node, device = init_distributed(config.training.device, prog)
     try:
         code = train(config, rank=rank, world=world, per_node=per_node, device=device, prog=prog)
@@ -115,9 +138,15 @@ def main(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> int:
 
 
 def run() -> NoReturn:
-    """``hdp-train``: :func:`main` under the name it was called by, then exit without the
-    interpreter's teardown (:func:`hdp.launch.runtime.exit_without_teardown`)."""
-    exit_without_teardown(main(prog=Path(sys.argv[0]).name or "hdp-train"))
+    """``hdp-train``: :func:`main` under the name it was called by (the launcher's, for the
+    ranks it starts), then exit without the interpreter's teardown
+    (:func:`hdp.launch.runtime.exit_without_teardown`)."""
+    prog = os.environ.get("HDP_PROG") or Path(sys.argv[0]).name or "hdp-train"
+    exit_without_teardown(main(prog=prog))
 
 
-__all__ = ["check_environment", "init_distributed", "main", "parse_config", "run"]
+if __name__ == "__main__":
+    run()
+
+
+__all__ = ["check_environment", "init_distributed", "main", "parse_config", "refuse", "run"]

@@ -182,6 +182,18 @@ class OutputConfig(_Section):
     log_every: int = _flag(1)
 
 
+@dataclass(frozen=True)
+class LauncherConfig(_Section):
+    """How ``hdp-train`` starts its ranks itself (Note [Who starts the ranks] in
+    :mod:`hdp.launch.launcher`); unused by a rank that torchrun or ``srun`` started."""
+
+    nproc_per_node: int | None = _flag(None)  # None: this process is the one rank
+    nnodes: int | None = _flag(None)  # None: 1, or Slurm's node count under srun
+    node_rank: int | None = _flag(None)  # None: 0, or Slurm's node id under srun
+    rdzv_endpoint: str | None = _flag(None)  # HOST[:PORT] of node 0
+    log_dir: Path | None = _flag(None)
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -190,6 +202,7 @@ SECTIONS = {
     "planning": PlanningConfig,
     "checkpointing": CheckpointingConfig,
     "output": OutputConfig,
+    "launcher": LauncherConfig,
 }
 
 
@@ -204,6 +217,7 @@ class RunConfig:
     planning: PlanningConfig = field(default_factory=PlanningConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def resolved(self, **sections: dict[str, Any]) -> RunConfig:
         """A copy with some fields of some sections replaced, e.g.
@@ -248,6 +262,7 @@ def checked(config: RunConfig) -> RunConfig:
         raise ValueError("--keep-attention applies with --activation-checkpointing")
     if ck.allow_changed_setup and not resume:
         raise ValueError("--allow-changed-setup only applies with --resume")
+    _check_launcher(config.launcher)
     tokens = data.tokens_per_step
     if tokens is None:
         tokens = max(DEFAULT_TOKENS_PER_STEP, data.max_seq)
@@ -272,8 +287,27 @@ def checked(config: RunConfig) -> RunConfig:
     )
 
 
+def _check_launcher(launcher: LauncherConfig) -> None:
+    if launcher.nproc_per_node is None:
+        given = [
+            flag_name(f)
+            for f in fields(launcher)
+            if f.name != "nproc_per_node" and getattr(launcher, f.name) is not None
+        ]
+        if given:
+            raise ValueError(f"{', '.join(given)} applies only with --nproc-per-node")
+        return
+    if launcher.nnodes is not None and launcher.node_rank is not None:
+        if launcher.node_rank >= launcher.nnodes:
+            raise ValueError(
+                f"--node-rank {launcher.node_rank} is not below --nnodes {launcher.nnodes}: "
+                "nodes count from 0"
+            )
+
+
 __all__ = [
     "DEFAULT_TOKENS_PER_STEP",
+    "LauncherConfig",
     "SECTIONS",
     "CheckpointingConfig",
     "DataConfig",

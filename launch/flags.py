@@ -9,8 +9,9 @@ its choices from the config (:func:`hdp.launch.config.choices`); rules between f
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
-from typing import Any
+from typing import Any, NoReturn
 
 from hdp import GPU_PRESETS, MODEL_PRESETS
 from hdp.argtypes import (
@@ -32,6 +33,7 @@ from hdp.argtypes import (
 from hdp.workloads import workload_names
 
 from .config import SECTIONS, PlanningConfig, RunConfig, TrainingConfig, choices
+from .launcher import reports_errors
 from .model_source import DEFAULT_MODEL
 from .stopping import parse_signals
 
@@ -44,10 +46,11 @@ Every rank is a data-parallel replica (FSDP2 over all ranks; one rank is not sha
 step, rank 0 plans the next global batch in the background (--strategy), each rank reads only
 its shards' tokens, runs the plan's waves with block-level P2P attention, and the optimizer
 steps once. CUDA + NCCL + bf16 autocast where a GPU is present, CPU + gloo + fp32 otherwise.
-Multi-node: run the same torchrun command on every node with --nnodes N --node-rank K --rdzv-
-endpoint HOST:PORT (see launch/slurm.sbatch). hdp-train is the same program, installed as a
-command: torchrun accepts it with --no-python (torchrun --no-python --nproc-per-node 4 hdp-train
-...)."""
+hdp-train is the same program, installed as a command. It starts its own ranks with
+--nproc-per-node N (hdp-train --nproc-per-node 4 --model tiny ...), or runs as one rank under
+torchrun (torchrun --no-python --nproc-per-node 4 hdp-train ...) or srun (srun --ntasks-per-node
+8 hdp-train ...). Multi-node: the same command on every node with --nnodes N --node-rank K
+--rdzv-endpoint HOST:PORT, which srun fills in (see launch/slurm.sbatch)."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -60,10 +63,22 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """A malformed command line: a one-line usage and argparse's error, printed once per
+    screen (:func:`hdp.launch.launcher.reports_errors`); ``--help`` lists the flags."""
+
+    def error(self, message: str) -> NoReturn:
+        if reports_errors():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def build_parser(prog: str = "pretrain.py") -> argparse.ArgumentParser:
     """The parser of every flag, grouped by the config section each one sets."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
+        usage="%(prog)s [--config RUN.toml] [FLAG ...]  (--help lists every flag)",
         description=USAGE.split("\n\n")[0],
         allow_abbrev=False,  # a --config file's flags are replaced by those given in full
         formatter_class=HelpFormatter,
@@ -384,6 +399,46 @@ def _output_flags(g) -> None:
     g.add_argument("--log-every", type=integer(1), default=1, help="log a line every N steps")
 
 
+def _launcher_flags(g) -> None:
+    g.add_argument(
+        "--nproc-per-node",
+        type=integer(1, MAX_RANKS),
+        default=None,
+        metavar="N",
+        help="start N ranks on this node and watch them (instead of torchrun): signals are "
+        "forwarded, a failed rank is reported in one line, each rank's output goes to "
+        "--log-dir (rank 0's to the screen too)",
+    )
+    g.add_argument(
+        "--nnodes",
+        type=integer(1, MAX_RANKS),
+        default=None,
+        help="nodes in the job, each running this command (default: 1, or SLURM_NNODES under srun)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=integer(0, MAX_RANKS),
+        default=None,
+        metavar="K",
+        help="this node's index (default: 0, or SLURM_NODEID under srun)",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="where node 0's rank 0 listens for the others (default: this host on a free port "
+        "for one node; under srun the job's first node, port 20000 + job id mod 20000)",
+    )
+    g.add_argument(
+        "--log-dir",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="each rank's full output as rankR.log (default: CHECKPOINT_DIR/logs/TIME, or a "
+        "new temporary directory; the launcher names it)",
+    )
+
+
 SECTION_FLAGS = {
     "model": _model_flags,
     "data": _data_flags,
@@ -392,6 +447,7 @@ SECTION_FLAGS = {
     "planning": _planning_flags,
     "checkpointing": _checkpointing_flags,
     "output": _output_flags,
+    "launcher": _launcher_flags,
 }
 
 
