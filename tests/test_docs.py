@@ -1,7 +1,9 @@
 """The commands in README.md and docs/user_guide.md are true to the code: every flag they name is
-one the program's ``--help`` lists, every file they read from the repository is in it, and the
-cheap ones run on a fresh clone."""
+one the program's ``--help`` lists, every file they read from the repository is in it, the
+cheap ones run on a fresh clone, and what the documents show a command printing is what it
+prints."""
 
+import doctest
 import re
 import shlex
 import subprocess
@@ -59,7 +61,7 @@ def commands() -> list[tuple[str, str]]:
                 continue
             if not in_block:
                 continue
-            text = line.strip().removeprefix("$ ")
+            text = line.strip().removeprefix("$ ").removeprefix(".venv/bin/")
             if current and (current.endswith("\\") or text.startswith(("[", "--"))):
                 current = current.rstrip("\\ ") + " " + text
             elif any(program(text) == p for p in HELP):
@@ -121,3 +123,116 @@ def test_the_cheap_commands_run_on_a_fresh_clone(command):
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=patient(300)
     )
     assert done.returncode == 0, done.stderr
+
+
+# What the documents show a command printing is compared as doctest compares: runs of spaces are
+# one space (tables pad their columns), and "..." stands for what a document leaves out, which
+# must include every wall-clock time (the tables' plan s column).
+SAME = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def fenced_blocks(doc: str) -> list[tuple[str, list[str]]]:
+    """(opening fence, lines) of each fenced block of ``doc``."""
+    blocks, fence, lines = [], None, []
+    for line in (ROOT / doc).read_text().splitlines():
+        if line.startswith("```"):
+            if fence is None:
+                fence, lines = line.strip(), []
+            else:
+                blocks.append((fence, lines))
+                fence = None
+        elif fence is not None:
+            lines.append(line)
+    return blocks
+
+
+def shown_outputs() -> list[tuple[str, str, str]]:
+    """(document, command, output) of each shell block that shows one command after ``$ `` and,
+    below it, what it prints."""
+    found = []
+    for doc in DOCS:
+        for fence, lines in fenced_blocks(doc):
+            if fence == "```" and len(lines) > 1 and lines[0].startswith("$ "):
+                command = lines[0].removeprefix("$ ").removeprefix(".venv/bin/")
+                found.append((doc, command, "\n".join(lines[1:]) + "\n"))
+    return found
+
+
+def shown_prints() -> list[tuple[str, str, str]]:
+    """(document, code, output) of each Python block whose ``print(...)`` lines are followed by
+    what they print, as comment lines."""
+    found = []
+    for doc in DOCS:
+        for fence, lines in fenced_blocks(doc):
+            if fence != "```python":
+                continue
+            shown, after_print = [], False
+            for line in lines:
+                if after_print and line.startswith("# "):
+                    shown.append(line.removeprefix("# "))
+                    continue
+                after_print = line.startswith("print(")
+            if shown:
+                found.append((doc, "\n".join(lines) + "\n", "\n".join(shown) + "\n"))
+    return found
+
+
+def differs(shown: str, printed: str) -> str | None:
+    """None where ``printed`` is what ``shown`` shows, else the difference, as doctest says it."""
+    checker = doctest.OutputChecker()
+    if checker.check_output(shown, printed, SAME):
+        return None
+    return checker.output_difference(doctest.Example("", shown), printed, SAME)
+
+
+def in_scratch_folder(tmp_path: Path) -> Path:
+    """``tmp_path`` with the repository's folders a documented command reads linked in, so that
+    what the command writes (``out/...``) stays out of the working tree."""
+    for name in ("examples", "hdp", "scripts", "launch", "docs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def test_the_documents_show_what_commands_print():
+    assert {doc for doc, _, _ in shown_outputs()} >= {"README.md", "docs/user_guide.md"}
+    assert any(doc == "README.md" for doc, _, _ in shown_prints())
+
+
+@pytest.mark.parametrize("doc, command, shown", shown_outputs(), ids=lambda x: x[:60])
+def test_a_command_prints_what_the_documents_show(doc, command, shown, tmp_path):
+    name = program(command)
+    assert name is not None, f"{doc}: no known program runs {command}"
+    args = python_args(name) + shlex.split(command)[len(name.split()) :]
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=in_scratch_folder(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=patient(600),
+    )
+    assert done.returncode == 0, done.stderr
+    difference = differs(shown, done.stdout)
+    assert difference is None, f"{doc}: {command}\n{difference}"
+
+
+@pytest.mark.parametrize("doc, code, shown", shown_prints(), ids=lambda x: x[:60])
+def test_python_examples_print_what_the_documents_show(doc, code, shown, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=in_scratch_folder(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=patient(300),
+    )
+    assert done.returncode == 0, done.stderr
+    difference = differs(shown, done.stdout)
+    assert difference is None, f"{doc}: its Python example\n{difference}"
+
+
+def test_the_demo_runs_the_command_whose_table_the_readme_shows():
+    demo = (ROOT / "scripts" / "demo.sh").read_text().replace("\\\n", " ")
+    runs = [shlex.split(line)[1:] for line in demo.splitlines() if ".venv/bin/hdp-sim" in line]
+    shown = [shlex.split(c)[1:] for d, c, _ in shown_outputs() if d == "README.md"]
+    shown = [args for args in shown if "--workload" in args]
+    assert len(runs) == 1 and shown, "the README shows the table of the demo's one hdp-sim line"
+    assert runs[0][: len(shown[0])] == shown[0], (runs[0], shown[0])

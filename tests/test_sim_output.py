@@ -1,0 +1,55 @@
+"""What hdp-sim prints under its table: what planned each baseline, and for ``hybridcp`` which
+scheduler formed its groups."""
+
+import re
+
+import pytest
+
+from hdp import ClusterSpec, model_preset
+from hdp.planner import StepPricing
+from hdp.planner.hybridcp import megatron_available
+from hdp.planner.sim import format_table, simulate
+from hdp.planner.strategies import STRATEGIES
+from hdp.workloads import get_workload
+
+
+def simulated(strategies: list[str], implementation: str = "auto"):
+    pricing = StepPricing.build(model_preset("llama-7b"), ClusterSpec.preset("h100", 16))
+    hybridcp = STRATEGIES["hybridcp"].options(implementation=implementation)
+    return simulate(
+        get_workload("wlb-128k"),
+        pricing,
+        strategies,
+        steps=1,
+        tokens_per_step=1 << 20,
+        options={"hybridcp": hybridcp},
+    )
+
+
+def test_the_lines_under_the_table_name_what_planned_each_baseline():
+    sim = simulated(["static", "bytescale", "hybridcp", "hdp"])
+    *_, models, hybridcp = format_table(sim).splitlines()
+    assert models == "static, bytescale: planned by hdp's models of their systems"
+    assert hybridcp.startswith("hybridcp: planned by hdp's copy of Megatron's BalancedCPScheduler")
+    assert "--hybridcp-impl megatron" in hybridcp
+    *_, last = format_table(simulated(["hdp"])).splitlines()
+    assert last.startswith("hdp ")  # nothing to say under hdp alone
+
+
+def test_auto_plans_hybridcp_with_ours_whether_or_not_megatron_core_is_installed():
+    plan = simulated(["hybridcp"]).results["hybridcp"].first_plan
+    assert plan.predicted["megatron_scheduler"] == 0.0
+
+
+@pytest.mark.skipif(
+    not megatron_available(), reason="megatron-core not installed (pip install 'hdp-llm[megatron]')"
+)
+def test_megatron_core_s_scheduler_is_named_and_plans_the_same_groups():
+    ours = simulated(["hybridcp"], "ours").results["hybridcp"]
+    theirs = simulated(["hybridcp"], "megatron")
+    plan = theirs.results["hybridcp"].first_plan
+    assert plan.predicted["megatron_scheduler"] == 1.0
+    assert plan.to_json()["waves"] == ours.first_plan.to_json()["waves"]
+    *_, line = format_table(theirs).splitlines()
+    assert re.match(r"hybridcp: planned by megatron-core [0-9.]+'s BalancedCPScheduler", line)
+    assert "--hybridcp-impl ours" in line
