@@ -10,8 +10,9 @@ bash scripts/setup_venv.sh dev,megatron
 PYTHON=.venv/bin/python bash scripts/check_wheel.sh
 set +e
 # Two workers, one test file each at a time: most tests wait on process start-up and gloo, so
-# two cores do nearly twice the work; files keep their module fixtures on one worker.
-.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
+# two cores do nearly twice the work; files keep their module fixtures on one worker. A line
+# per test file as it ends (tests/conftest.py), the slowest tests at the end.
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations 15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
