@@ -3,6 +3,9 @@
 A profile (``hdp.profile/1`` JSON, see docs/cost_model.md) holds, besides peak figures and
 links, tables of measured forward + backward times: attention calls, GEMMs, memory-bound ops,
 the optimizer step and collectives. :class:`KernelTables` turns them into times for any call.
+A measured profile also holds an optional ``measurement`` object (how noisy each row was, how
+busy the host: :mod:`hdp.profile_quality`); :func:`read_profile_json` refuses a profile whose rows
+disagree with each other.
 
 Note [Interpolating measured kernels]
 -------------------------------------
@@ -30,12 +33,15 @@ measured range, so a call between two measured sizes runs at a rate between thei
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .profile_quality import Disagreement, Measurement, disagreements, forced, refusal
 
 # The attention kernels, in the order training's ``auto`` prefers them (``hdp.attention.kernels``);
 # a profile's attention rows are named by the backend that was measured.
@@ -420,8 +426,10 @@ class KernelTables:
         return {name: getattr(self, name) for name in TABLE_COLUMNS}
 
 
-def read_profile_json(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a profile file, with a clear error naming the file."""
+def read_profile_json(path: str | Path, force: bool = False) -> dict[str, Any]:
+    """The JSON object of a profile file, with a clear error naming the file. A profile whose rows
+    disagree (:func:`check_profile`) is refused with one line naming them, unless ``force`` or
+    ``HDP_FORCE_PROFILE=1``: every ``--gpu-profile`` is read here, before it prices a plan."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -431,7 +439,82 @@ def read_profile_json(path: str | Path) -> dict[str, Any]:
         raise ProfileError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ProfileError(f'{path}: not a GPU profile (expected "format": "{FORMAT}")')
+    if not forced(force):
+        found = check_profile(data, str(path))
+        if found:
+            raise ProfileError(refusal(str(path), found))
     return data
 
 
-__all__ = ["FORMAT", "KernelTables", "Linear", "ProfileError", "causal_pairs", "read_profile_json"]
+def measurement_of(data: dict[str, Any], tables: KernelTables, where: str) -> Measurement | None:
+    """The profile's record of how it was measured; ``None`` where it has none (older profiles,
+    the shipped GPU ones)."""
+    if "measurement" not in data:
+        return None
+    rows = {name: len(getattr(tables, name)) for name in TABLE_COLUMNS}
+    try:
+        return Measurement.from_json(data["measurement"], rows)
+    except ValueError as e:
+        raise ProfileError(f"{where}: {e}") from None
+
+
+def check_profile(data: dict[str, Any], where: str = "profile") -> list[Disagreement]:
+    """The rows of the profile ``data`` that disagree with each other, with its peak or with
+    their own repeats (Note [Rows that disagree] in :mod:`hdp.profile_quality`); ProfileError
+    where its tables cannot be read."""
+    tables = KernelTables.from_json(data.get("tables", {}), where)
+    peak = data.get("peak_flops")
+    peak = float(peak) if isinstance(peak, (int, float)) and np.isfinite(peak) else None
+    return disagreements(tables._parts(), peak, measurement_of(data, tables, where))
+
+
+def _format_object(value: dict[str, Any], indent: str) -> str:
+    """``value`` as JSON text, one key per line, nested objects likewise."""
+    lines = []
+    for key, v in value.items():
+        text = _format_object(v, indent + "  ") if isinstance(v, dict) else json.dumps(v)
+        lines.append(f"{indent}  {json.dumps(key)}: {text}")
+    return "{\n" + ",\n".join(lines) + f"\n{indent}}}" if lines else "{}"
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    """The profile as JSON text: one key per line (the ``measurement`` object's too), one table
+    row per line."""
+    lines = []
+    for key, value in profile.items():
+        if key != "tables":
+            text = _format_object(value, "  ") if isinstance(value, dict) else json.dumps(value)
+            lines.append(f"  {json.dumps(key)}: {text}")
+    parts = []
+    for name, table in profile["tables"].items():
+        rows = ",\n".join(f"        {json.dumps(r)}" for r in table["rows"])
+        body = f"[\n{rows}\n      ]" if rows else "[]"
+        parts.append(
+            f'    {json.dumps(name)}: {{\n      "columns": {json.dumps(table["columns"])},\n'
+            f'      "rows": {body}\n    }}'
+        )
+    lines.append('  "tables": {\n' + ",\n".join(parts) + "\n  }")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_profile(profile: dict[str, Any], path: Path) -> None:
+    """Write ``profile`` to ``path`` atomically (a temporary file, then a rename)."""
+    text = format_profile(profile)
+    json.loads(text)  # the hand-laid-out text must stay valid JSON
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "FORMAT",
+    "KernelTables",
+    "Linear",
+    "ProfileError",
+    "causal_pairs",
+    "check_profile",
+    "format_profile",
+    "measurement_of",
+    "read_profile_json",
+    "write_profile",
+]

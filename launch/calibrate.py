@@ -4,14 +4,15 @@
 model prices compute from (attention calls, GEMMs, memory-bound ops, the optimizer step,
 collectives; :mod:`hdp.launch.calibrate_tables`, :mod:`hdp.launch.calibrate_comm`) and the scalars
 around them (peak FLOP/s, memory, memory bandwidth, a decoder layer's fixed cost), and copies the
-links from a base preset. ``check`` (:mod:`hdp.planner.calibration`) prices a table of measured
-kernel times with a profile and reports the errors.
+links from a base preset. Every row is repeated until its spread is small or its time is up, and
+the profile records the spreads and the host's load (:mod:`hdp.profile_quality`); a busy host or
+noisy rows are named on stderr at the end. ``check`` (:mod:`hdp.planner.calibration`) checks that a
+profile's rows agree with each other, and prices a table of measured kernel times with it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -28,7 +29,22 @@ import torch
 from hdp import GPU_PRESETS, MODEL_PRESETS, ModelSpec, gpu_profile, model_preset
 from hdp.argtypes import command, integer
 from hdp.attention.kernels import select_backend
-from hdp.profile import FORMAT, TABLE_COLUMNS
+from hdp.profile import (
+    FORMAT,
+    TABLE_COLUMNS,
+    KernelTables,
+    check_profile,
+    measurement_of,
+    write_profile,
+)
+from hdp.profile_quality import (
+    FORCE_ENV,
+    SPREAD_LIMIT,
+    SPREAD_TARGET,
+    Measurement,
+    load_average,
+    measurement_warnings,
+)
 
 from . import calibrate_tables as tables
 from .calibrate_comm import collective_rows
@@ -52,15 +68,29 @@ FALLBACK_BASES = {
         activation_memory_scale=1.0,
     )
 }
-MEASURE_DESCRIPTION = """\
+_FULL, _QUICK = tables.FULL_REPEATS, tables.QUICK_REPEATS
+PROGRESS_EVERY_S = 15.0  # a line at least this often, a call allowing: no 30 s of silence
+MEASURE_DESCRIPTION = f"""\
 Measure the kernel tables of an hdp.profile/1 GPU profile on the local device, with
 the kernels the runtime calls: attention calls (causal documents and full blocks),
 GEMMs, memory-bound ops, the AdamW step and, where two local devices (or CPU
-processes) can talk, collectives. Every time is forward + backward, the median of
-a few repeats after warm-up, in bf16 on CUDA and fp32 on CPU. Shapes come from the
-model presets; links, the memory reserve and the activation memory scale come
-from a base preset.
-Progress goes to stderr, one line per table.
+processes) can talk, collectives. Every time is forward + backward, in bf16 on
+CUDA and fp32 on CPU. Shapes come from the model presets; links, the memory
+reserve and the activation memory scale come from a base preset.
+
+Each row is repeated after warm-up until its three fastest repeats agree within
+{SPREAD_TARGET:.0%} (spread = 3rd fastest / fastest - 1), or its repeats add up to its time
+limit ({_FULL.limit_s:g} s; {_QUICK.limit_s:g} s with --quick) and number at least \
+{_FULL.min_repeats + 2}, or at {_FULL.max_repeats} repeats ({_QUICK.max_repeats}
+with --quick); its time is the median of its three fastest repeats.
+The profile's "measurement" object records every row's spread, the repeat rule,
+the CPU count and the load average before and after.
+
+Progress goes to stderr: one line per table, and at least every {PROGRESS_EVERY_S:g} s a line
+with the rows done and an ETA. At the end, warnings name a busy host (load
+average above the CPU count), rows whose spread stayed above the target, and
+rows that disagree with each other (hdp-calibrate check): hdp-sim, hdp-plan and
+hdp-train refuse a profile whose rows disagree unless {FORCE_ENV}=1.
 """
 MEASURE_EXAMPLES = """examples:
   hdp-calibrate measure --out h100.json                 # CUDA: llama-1b, -7b, -70b shapes
@@ -103,7 +133,8 @@ def add_measure_parser(sub) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="fewer points per table (CPU: under a minute for the tiny model)",
+        help=f"fewer points per table, and {_QUICK.limit_s:g} s per row (not {_FULL.limit_s:g} s) "
+        "to reach the spread target (CPU: about 10 s for the tiny model on an idle machine)",
     )
     p.add_argument(
         "--models",
@@ -137,19 +168,41 @@ def add_measure_parser(sub) -> None:
     p.set_defaults(handler=_run_measure)
 
 
+CHECK_DESCRIPTION = f"""\
+Check that a profile's rows agree with each other: between neighbouring sizes of
+one kernel, the larger call may take no less than a third of the smaller's time
+and run at no less than a third of its rate; the fastest GEMM row must reach a
+tenth of peak_flops and at most 1.1x it; no row's recorded spread may exceed
+{SPREAD_LIMIT:.0%}. The profile's measurement record (host load, spreads) is printed
+too. A profile that fails is refused (exit status 1) unless --force;
+hdp-sim, hdp-plan and hdp-train refuse it too unless {FORCE_ENV}=1.
+
+With --table, then price every row of a table of measured kernel times (the
+columns of hdp/data/measured/h100_measured.csv, an optional backend column).
+The last line printed is one JSON object: without --table {{"disagreements": N,
+"table_rows": M, "max_spread": s}}; with it {{"rows": N, "median_rel_err": x,
+"max_rel_err": y, "disagreements": D}} over the step-relevant rows, with
+leave-one-out errors where the profile holds the rows.
+"""
+
+
 def add_check_parser(sub) -> None:
     p = sub.add_parser(
         "check",
-        help="price a table of measured kernel times with a profile; report the errors",
-        description="Price every row of a table of measured kernel times (the columns of "
-        "hdp/data/measured/h100_measured.csv, an optional backend column) with a profile. The "
-        'last line printed is one JSON object: {"rows": N, "median_rel_err": x, "max_rel_err": '
-        "y} over the step-relevant rows, with leave-one-out errors where the profile holds the "
-        "rows.",
+        help="check that a profile's rows agree; optionally price a table of measured times",
+        description=CHECK_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("profile", metavar="PROFILE", help="a profile JSON path or a GPU preset name")
-    p.add_argument("--table", required=True, metavar="CSV", help="measured kernel times (CSV)")
+    p.add_argument(
+        "--table", default=None, metavar="CSV", help="measured kernel times (CSV) to price"
+    )
     p.add_argument("--backend", default=None, metavar="NAME", help="attention backend to price")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="report rows that disagree but go on (exit status 0; --table still prices)",
+    )
     p.set_defaults(handler=_run_check)
 
 
@@ -157,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Calibrate the cost model to this machine: measure a GPU profile's kernel "
-        "tables (measure), or price measured kernel times with a profile (check).",
+        "tables (measure), or check that a profile's rows agree and price measured kernel times "
+        "with it (check).",
         epilog="example: hdp-calibrate measure --device cpu --quick --out cpu.json",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -198,6 +252,8 @@ def _run_measure(args: argparse.Namespace, argv: list[str]) -> int:
         f"{PROG}: wrote {setup.out} ({rows} rows) in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
+    for line in noise_warnings(profile, str(setup.out)):
+        tables.note(f"warning: {line}")
     return 0
 
 
@@ -283,31 +339,76 @@ def resolve(args: argparse.Namespace) -> Setup:
 # ----------------------------------------------------------------------------- measuring
 
 
+def _duration(seconds: float) -> str:
+    """``4.2 s``, ``3 min 5 s``, ``2 h 4 min``."""
+    if seconds < 59.95:
+        return f"{seconds:.1f} s"
+    s = round(seconds)
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
 class _Progress:
-    """One stderr line per table, with its time and the time since the start."""
+    """Lines on stderr: one per table when it is done, and in between, at least every
+    ``PROGRESS_EVERY_S`` seconds, the rows done and an ETA. The ETA assumes the rows left take as
+    long as the rows done on average: rough (large rows come last in each table)."""
 
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
+    def __init__(self, planned: dict[str, int], clock=time.monotonic, write=tables.note) -> None:
+        self.planned = planned  # rows (timings) of each step, in the order they run
+        self.clock, self.write = clock, write
+        self.start = self.last_step = self.last_line = clock()
+        self.step, self.step_rows, self.rows = next(iter(planned)), 0, 0
 
-    def done(self, what: str, detail: str) -> None:
-        now = time.perf_counter()
-        tables.note(
-            f"{what}: {detail} in {now - self.last:.1f} s (elapsed {now - self.start:.1f} s)"
+    def begin(self, step: str) -> None:
+        self.step, self.step_rows = step, 0
+
+    def repeat(self) -> None:
+        """A chance to report: a line where ``PROGRESS_EVERY_S`` passed since the last one."""
+        now = self.clock()
+        if now - self.last_line >= PROGRESS_EVERY_S:
+            self.write(
+                f"{self.step}: {self.step_rows} of {self.planned[self.step]} rows done; "
+                f"elapsed {_duration(now - self.start)}, {self._eta(now)}"
+            )
+            self.last_line = now
+
+    def row(self) -> None:
+        """One row of the step is done (timed or skipped)."""
+        self.step_rows += 1
+        self.rows += 1
+        self.repeat()
+
+    def done(self, step: str, detail: str) -> None:
+        """The step ``step`` is over (its rows all count as done, skipped ones too)."""
+        names = list(self.planned)
+        self.rows = sum(self.planned[n] for n in names[: names.index(step) + 1])
+        now = self.clock()
+        left = f", {self._eta(now)}" if self.rows < sum(self.planned.values()) else ""
+        self.write(
+            f"{step}: {detail} in {_duration(now - self.last_step)} "
+            f"(elapsed {_duration(now - self.start)}{left})"
         )
-        self.last = now
+        self.last_step = self.last_line = now
+
+    def _eta(self, now: float) -> str:
+        if not self.rows:
+            return "ETA unknown until a row is done"
+        left = sum(self.planned.values()) - self.rows
+        return f"ETA ~{_duration((now - self.start) / self.rows * max(left, 0))}"
 
 
 def _table(columns: tuple[str, ...], rows: list[list]) -> dict:
     return {"columns": list(columns), "rows": rows}
 
 
-def measure_tables(bench: tables.Bench, models, collectives: bool, progress: _Progress) -> dict:
-    """The five tables of the profile, each timed and reported on stderr."""
+def measure_tables(bench: tables.Bench, models, collectives: bool, progress: _Progress):
+    """The five tables of the profile, each timed and reported on stderr, and their spreads."""
     backend = select_backend(bench.device, bench.dtype)
     if bench.device.type == "cuda" and backend.name == "reference":
         tables.note("no flash attention kernel for this device: timing the (slow) reference one")
     shapes = tables.attention_shapes(models)
-    out = {}
+    out, spreads = {}, {}
     steps = (
         ("attention", lambda: tables.attention_rows(bench, backend, shapes)),
         ("gemm", lambda: tables.gemm_rows(bench, models)),
@@ -315,47 +416,80 @@ def measure_tables(bench: tables.Bench, models, collectives: bool, progress: _Pr
         ("optimizer", lambda: tables.optimizer_rows(bench)),
     )
     for name, run in steps:
-        out[name] = _table(TABLE_COLUMNS[name], run())
-        progress.done(name, f"{len(out[name]['rows'])} rows")
+        progress.begin(name)
+        measured = run()
+        out[name], spreads[name] = _table(TABLE_COLUMNS[name], measured.rows), measured.spread
+        progress.done(name, f"{len(measured.rows)} rows")
+    progress.begin("collective")
     rows, why = [], "--no-collectives"
     if collectives:
-        rows, why = collective_rows(bench.device.type, bench.grids.collective_bytes)
-    rows = [[op, ranks, size, tables.sig(s)] for op, ranks, size, s in rows]
-    out["collective"] = _table(TABLE_COLUMNS["collective"], rows)
+        rule, sizes = bench.grids.repeats, bench.grids.collective_bytes
+        rows, why = collective_rows(bench.device.type, sizes, rule, tick=progress.repeat)
+    out["collective"] = _table(
+        TABLE_COLUMNS["collective"], [[op, n, size, tables.sig(s)] for op, n, size, s, _ in rows]
+    )
+    spreads["collective"] = [round(r[-1], 4) for r in rows]
     progress.done("collective", f"{len(rows)} rows" if why is None else f"skipped ({why})")
-    return out
+    return out, spreads
 
 
-def measure(setup: Setup, quick: bool, collectives: bool, argv: list[str]) -> dict:
-    """The whole profile: tables, then the scalars."""
+def measure(
+    setup: Setup, quick: bool, collectives: bool, argv: list[str], clock=time.monotonic
+) -> dict:
+    """The whole profile: tables, then the scalars, then how they were measured (``clock``: the
+    progress lines' clock)."""
+    load_before = load_average()
     memory = _memory_bytes(setup.device)
     # One point may use 60% of a GPU's memory (the rest: the caching allocator's slack), 40% of
     # the host's.
     share = 0.6 if setup.device.type == "cuda" else 0.4
     grids = tables.grids_for(setup.device.type, quick)
-    bench = tables.Bench(setup.device, setup.dtype, grids, share * memory)
+    planned = tables.planned_rows(grids, setup.models, setup.device.type)
+    scalar_timings = planned.pop("scalars")  # the collectives run before the scalars
+    planned |= {
+        "collective": 3 * len(grids.collective_bytes) * collectives,
+        "scalars": scalar_timings,
+    }
+    progress = _Progress(planned, clock)
+    bench = tables.Bench(setup.device, setup.dtype, grids, share * memory, progress)
     if setup.device.type == "cuda":
         torch.cuda.set_device(setup.device)
-    progress = _Progress()
     names = ", ".join(m.name for m in setup.models)
     tables.note(f"measuring on {_device_description(setup.device)} ({names})")
     torch.manual_seed(0)
-    tabs = measure_tables(bench, setup.models, collectives, progress)
-    backend = select_backend(setup.device, setup.dtype).name
-    smallest = min(setup.models, key=lambda m: m.params_per_layer)
-    overhead = tables.layer_overhead(bench, smallest)
-    peak = _known_peak(setup.device) or tables.best_gemm_rate(bench, tabs["gemm"]["rows"])
-    hbm = tables.copy_bandwidth(bench)
-    links = {f: setup.base[f] for f in LINK_FIELDS}
-    if setup.device.type == "cuda":
-        links["pcie_bw"] = tables.pcie_bandwidth(bench)
-    progress.done("scalars", f"peak {peak:.3g} FLOP/s, memory bandwidth {hbm:.3g} B/s")
+    tabs, spreads = measure_tables(bench, setup.models, collectives, progress)
+    progress.begin("scalars")
+    scalars = _scalars(setup, bench, tabs["gemm"]["rows"], memory)
+    progress.done(
+        "scalars",
+        f"peak {scalars['peak_flops']:.3g} FLOP/s, memory bandwidth {scalars['hbm_bw']:.3g} B/s",
+    )
+    measured = Measurement(
+        os.cpu_count() or 1, load_before, load_average(), grids.repeats.to_json(), spreads
+    )
     return {
         "format": FORMAT,
         "name": setup.name,
         "source": f"measured by {_command_line(argv)} on {socket.gethostname()}, "
         f"{datetime.now().astimezone():%Y-%m-%d}",
         "device": _device_description(setup.device),
+        **scalars,
+        "attention_backend": select_backend(setup.device, setup.dtype).name,
+        "measurement": measured.to_json(),
+        "tables": tabs,
+    }
+
+
+def _scalars(setup: Setup, bench: tables.Bench, gemm_rows: list[list], memory: int) -> dict:
+    """The profile's numbers besides its tables: measured, or copied from the base preset."""
+    smallest = min(setup.models, key=lambda m: m.params_per_layer)
+    overhead = tables.layer_overhead(bench, smallest)
+    peak = _known_peak(setup.device) or tables.best_gemm_rate(bench, gemm_rows)
+    hbm = tables.copy_bandwidth(bench)
+    links = {f: setup.base[f] for f in LINK_FIELDS}
+    if setup.device.type == "cuda":
+        links["pcie_bw"] = tables.pcie_bandwidth(bench)
+    return {
         "peak_flops": tables.sig(peak),
         "memory_bytes": float(memory),
         "usable_memory_fraction": setup.base["usable_memory_fraction"],
@@ -364,9 +498,14 @@ def measure(setup: Setup, quick: bool, collectives: bool, argv: list[str]) -> di
         "hbm_bw": tables.sig(hbm),
         **{f: tables.sig(v) for f, v in links.items()},
         "layer_overhead_s": tables.sig(overhead),
-        "attention_backend": backend,
-        "tables": tabs,
     }
+
+
+def noise_warnings(profile: dict, where: str) -> list[str]:
+    """Warnings about how ``profile`` (just measured, to be written to ``where``) was measured."""
+    tables_ = KernelTables.from_json(profile["tables"], where)
+    found = check_profile(profile, where)
+    return measurement_warnings(measurement_of(profile, tables_, where), found, where)
 
 
 def _command_line(argv: list[str]) -> str:
@@ -422,36 +561,6 @@ def _device_description(device: torch.device) -> str:
             f", CUDA {torch.version.cuda}"
         )
     return f"cpu: {_cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
-# ----------------------------------------------------------------------------- writing
-
-
-def format_profile(profile: dict) -> str:
-    """The profile as JSON text: one key per line, one table row per line."""
-    lines = []
-    for key, value in profile.items():
-        if key != "tables":
-            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
-    parts = []
-    for name, table in profile["tables"].items():
-        rows = ",\n".join(f"        {json.dumps(r)}" for r in table["rows"])
-        body = f"[\n{rows}\n      ]" if rows else "[]"
-        parts.append(
-            f'    {json.dumps(name)}: {{\n      "columns": {json.dumps(table["columns"])},\n'
-            f'      "rows": {body}\n    }}'
-        )
-    lines.append('  "tables": {\n' + ",\n".join(parts) + "\n  }")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
-
-
-def write_profile(profile: dict, path: Path) -> None:
-    """Write ``profile`` to ``path`` atomically (a temporary file, then a rename)."""
-    text = format_profile(profile)
-    json.loads(text)  # the hand-laid-out text must stay valid JSON
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

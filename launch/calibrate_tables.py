@@ -1,9 +1,11 @@
 """The kernel tables of ``hdp-calibrate measure``, timed with the kernels the runtime calls.
 
 Every time is one forward plus backward call (``torch.autograd.grad`` of the op's output with a
-random output gradient, so nothing accumulates into ``.grad``), the median of a few repeats after
-warm-up, in the run dtype (bf16 on CUDA, fp32 on CPU). On CUDA each repeat is timed with CUDA
-events; on CPU with ``time.perf_counter``.
+random output gradient, so nothing accumulates into ``.grad``) in the run dtype (bf16 on CUDA, fp32
+on CPU), repeated after warm-up until its fastest repeats agree or its time limit is spent (Note
+[Repeating a row until its spread is small] in :mod:`hdp.profile_quality`): the row's time is the
+median of its three fastest repeats, and its spread goes into the profile beside it. On CUDA each
+repeat is timed with CUDA events; on CPU with ``time.perf_counter``.
 
 Rows (columns as in ``hdp.profile/1``):
 
@@ -22,11 +24,11 @@ Rows (columns as in ``hdp.profile/1``):
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from hdp import ModelSpec, Plan, RoPE
 from hdp.attention.kernels import AttentionBackend
+from hdp.profile_quality import RepeatRule, spread, typical
 
 from .model import AttentionContext, DecoderLayer, RMSNorm
 from .rope import Rotary
@@ -63,6 +66,11 @@ def geometric(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(out)
 
 
+FULL_REPEATS = RepeatRule(limit_s=2.0, max_repeats=100)
+# --quick: fewer points, and a quarter of the time per row to reach the same spread target.
+QUICK_REPEATS = RepeatRule(limit_s=0.5, max_repeats=50)
+
+
 @dataclass(frozen=True)
 class Grids:
     """What one run measures: sizes per table, and how long each point may take."""
@@ -77,9 +85,7 @@ class Grids:
     collective_bytes: tuple[int, ...]
     copy_bytes: int  # the copy that measures memory bandwidth
     probe_gemm: tuple[int, int, int]  # (tokens, in, out) of one large GEMM for peak_flops
-    min_repeats: int = 3
-    max_repeats: int = 10
-    point_budget_s: float = 0.5  # stop repeating (after min_repeats) once a point took this long
+    repeats: RepeatRule = FULL_REPEATS
 
 
 def grids_for(device_type: str, quick: bool) -> Grids:
@@ -98,8 +104,7 @@ def grids_for(device_type: str, quick: bool) -> Grids:
             collective_bytes=(M, 16 * M, 256 * M),
             copy_bytes=1 << 30,
             probe_gemm=(16 * K, 8 * K, 8 * K),
-            max_repeats=5,
-            point_budget_s=0.2,
+            repeats=QUICK_REPEATS,
         )
     if device_type == "cuda":
         return Grids(
@@ -126,8 +131,7 @@ def grids_for(device_type: str, quick: bool) -> Grids:
             collective_bytes=(64 * K, M, 8 * M),
             copy_bytes=64 * M,
             probe_gemm=(2 * K, 512, 512),
-            max_repeats=5,
-            point_budget_s=0.2,
+            repeats=QUICK_REPEATS,
         )
     return Grids(
         tokens=geometric(256, 16 * K),
@@ -143,6 +147,40 @@ def grids_for(device_type: str, quick: bool) -> Grids:
     )
 
 
+class Progress(Protocol):
+    """Where a :class:`Bench` tells how far it is, so that the run can report it
+    (``hdp-calibrate measure`` prints a line at least every 15 s)."""
+
+    def repeat(self) -> None:
+        """One repeat was timed."""
+
+    def row(self) -> None:
+        """One row is done: timed, or skipped."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A row's time (the median of its fastest repeats), its spread and how many repeats."""
+
+    seconds: float
+    spread: float
+    repeats: int
+
+
+@dataclass
+class Rows:
+    """A table's rows and, in the same order, their spreads."""
+
+    rows: list[list] = field(default_factory=list)
+    spread: list[float] = field(default_factory=list)
+
+    def add(self, row: list, timing: Timing | None) -> None:
+        """``row`` with its time appended, unless it was skipped (``timing`` None)."""
+        if timing is not None:
+            self.rows.append([*row, sig(timing.seconds)])
+            self.spread.append(round(timing.spread, 4))
+
+
 @dataclass
 class Bench:
     """Times calls on one device and dtype; ``memory_limit`` bounds the bytes of one point."""
@@ -151,6 +189,7 @@ class Bench:
     dtype: torch.dtype
     grids: Grids
     memory_limit: float
+    progress: Progress | None = None
 
     @property
     def elem(self) -> int:
@@ -178,36 +217,46 @@ class Bench:
         fn()
         return time.perf_counter() - t0
 
-    def seconds(self, fn: Callable[[], object]) -> float:
-        """Median seconds of ``fn`` after warm-up: one call, and a second if the first was quick
-        (lazy initialisation, autotuning); then ``min_repeats`` to ``max_repeats`` calls, fewer
-        once they add up to ``point_budget_s``."""
-        g = self.grids
+    def timing(self, fn: Callable[[], object]) -> Timing:
+        """``fn`` timed by the grids' repeat rule after warm-up: one call, and a second if the
+        first was quick (lazy initialisation, autotuning)."""
+        rule = self.grids.repeats
         self.sync()
-        if self.once(fn) < g.point_budget_s / 4:
+        if self.once(fn) < rule.limit_s / 8:
             self.once(fn)
         times: list[float] = []
-        while len(times) < g.min_repeats or (
-            len(times) < g.max_repeats and sum(times) < g.point_budget_s
-        ):
+        while not rule.finished(times):
             times.append(self.once(fn))
-        return statistics.median(times)
+            if self.progress is not None:
+                self.progress.repeat()
+        if self.progress is not None:
+            self.progress.row()
+        return Timing(typical(times, rule.k), spread(times, rule.k), len(times))
+
+    def seconds(self, fn: Callable[[], object]) -> float:
+        """Seconds of one call of ``fn``, by :meth:`timing`."""
+        return self.timing(fn).seconds
 
     def point(self, what: str, nbytes: float, build: Callable[[], Callable[[], object]]):
-        """Seconds of the call ``build()`` returns, or ``None`` (with a note on stderr) where its
-        ``nbytes`` exceed the memory limit or the device runs out of memory."""
+        """The :class:`Timing` of the call ``build()`` returns, or ``None`` (with a note on stderr)
+        where its ``nbytes`` exceed the memory limit or the device runs out of memory."""
         if nbytes > self.memory_limit:
             note(f"skipped {what}: needs ~{nbytes / 2**30:.1f} GiB")
-            return None
-        seconds = None
+            return self._skipped()
+        timing = None
         try:
-            seconds = self.seconds(build())
+            timing = self.timing(build())
         except _OOM:
             note(f"skipped {what}: out of memory")
+            self._skipped()
         # Here, after the handler, the failed call's tensors are free: return them to the device.
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return seconds
+        return timing
+
+    def _skipped(self) -> None:
+        if self.progress is not None:
+            self.progress.row()
 
 
 def note(text: str) -> None:
@@ -260,23 +309,24 @@ def _attention_call(bench: Bench, backend: AttentionBackend, shape, q_lens, k_le
     return nbytes, build
 
 
-def attention_rows(bench: Bench, backend: AttentionBackend, shapes) -> list[list]:
+def _attention_points(g: Grids) -> list[tuple[str, int, int]]:
+    """``(kind, a, b)`` of one attention shape's rows."""
+    points = [("causal", a, max(1, g.causal_budget // a)) for a in g.causal_lengths]
+    return points + [("full", a, b) for a in g.full_q for b in g.full_k]
+
+
+def attention_rows(bench: Bench, backend: AttentionBackend, shapes) -> Rows:
     """Causal documents of each length (``b`` of them, ``a * b`` about the token budget) and full
     blocks on the ``full_q x full_k`` grid, for each attention shape."""
-    g = bench.grids
-    name = backend.name
-    rows = []
+    out = Rows()
     for shape in shapes:
-        points = [("causal", a, max(1, g.causal_budget // a)) for a in g.causal_lengths]
-        points += [("full", a, b) for a in g.full_q for b in g.full_k]
-        for kind, a, b in points:
+        for kind, a, b in _attention_points(bench.grids):
             causal = kind == "causal"
             q_lens, k_lens = ([a] * b, [a] * b) if causal else ([a], [b])
             nbytes, build = _attention_call(bench, backend, shape, q_lens, k_lens, causal)
-            s = bench.point(f"attention {kind} {shape} a={a} b={b}", nbytes, build)
-            if s is not None:
-                rows.append([name, kind, *shape, a, b, sig(s)])
-    return rows
+            timing = bench.point(f"attention {kind} {shape} a={a} b={b}", nbytes, build)
+            out.add([backend.name, kind, *shape, a, b], timing)
+    return out
 
 
 # --------------------------------------------------------------------------------- GEMMs
@@ -289,7 +339,7 @@ def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     return [(h, q_out), (h, kv_out), (q_out, h), (h, spec.ffn), (spec.ffn, h), (h, spec.vocab)]
 
 
-def gemm_seconds(bench: Bench, tokens: int, n_in: int, n_out: int) -> float | None:
+def gemm_timing(bench: Bench, tokens: int, n_in: int, n_out: int) -> Timing | None:
     def build():
         x = bench.randn(tokens, n_in, grad=True)
         w = (bench.randn(n_out, n_in) / math.sqrt(n_in)).requires_grad_(True)
@@ -299,15 +349,17 @@ def gemm_seconds(bench: Bench, tokens: int, n_in: int, n_out: int) -> float | No
     return bench.point(f"gemm {tokens}x{n_in}x{n_out}", nbytes, build)
 
 
-def gemm_rows(bench: Bench, models: Iterable[ModelSpec]) -> list[list]:
-    shapes = _unique(s for m in models for s in linear_shapes(m))
-    rows = []
-    for n_in, n_out in shapes:
+def gemm_shapes(models: Iterable[ModelSpec]) -> list[tuple[int, int]]:
+    """The distinct ``(in, out)`` of the models' linear layers."""
+    return _unique(s for m in models for s in linear_shapes(m))
+
+
+def gemm_rows(bench: Bench, models: Iterable[ModelSpec]) -> Rows:
+    out = Rows()
+    for n_in, n_out in gemm_shapes(models):
         for t in bench.grids.tokens:
-            s = gemm_seconds(bench, t, n_in, n_out)
-            if s is not None:
-                rows.append([t, n_in, n_out, sig(s)])
-    return rows
+            out.add([t, n_in, n_out], gemm_timing(bench, t, n_in, n_out))
+    return out
 
 
 # --------------------------------------------------------------------------------- memory-bound
@@ -349,8 +401,8 @@ def _memory_op(bench: Bench, op: str, width: int, tokens: int, head_dim: int):
     raise ValueError(f"unknown memory-bound op {op!r}")
 
 
-def memory_rows(bench: Bench, models: Iterable[ModelSpec]) -> list[list]:
-    rows = []
+def memory_rows(bench: Bench, models: Iterable[ModelSpec]) -> Rows:
+    out = Rows()
     for op, width, head_dim in memory_widths(models):
         for t in bench.grids.tokens:
 
@@ -361,10 +413,8 @@ def memory_rows(bench: Bench, models: Iterable[ModelSpec]) -> list[list]:
 
             copies, fp32_copies = _MEMORY_OP_COPIES[op]
             nbytes = t * width * (copies * bench.elem + fp32_copies * 4)
-            s = bench.point(f"{op} {t}x{width}", nbytes, build)
-            if s is not None:
-                rows.append([op, width, t, sig(s)])
-    return rows
+            out.add([op, width, t], bench.point(f"{op} {t}x{width}", nbytes, build))
+    return out
 
 
 # --------------------------------------------------------------------------------- optimizer
@@ -379,8 +429,8 @@ def _adamw(params: list[torch.Tensor], device: torch.device) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=1e-6, foreach=True)
 
 
-def optimizer_rows(bench: Bench) -> list[list]:
-    rows = []
+def optimizer_rows(bench: Bench) -> Rows:
+    out = Rows()
     for n in bench.grids.optimizer_params:
 
         def build(n=n):
@@ -393,10 +443,22 @@ def optimizer_rows(bench: Bench) -> list[list]:
                 p.grad = torch.randn_like(p) * 1e-3
             return _adamw(params, bench.device).step
 
-        s = bench.point(f"optimizer {n} params", 20 * n, build)
-        if s is not None:
-            rows.append([n, sig(s)])
-    return rows
+        out.add([n], bench.point(f"optimizer {n} params", 20 * n, build))
+    return out
+
+
+def planned_rows(grids: Grids, models: Iterable[ModelSpec], device_type: str) -> dict[str, int]:
+    """How many rows each table will time, and ``scalars`` how many timings the scalars take
+    (:func:`layer_overhead`, :func:`best_gemm_rate`, :func:`copy_bandwidth` and on CUDA
+    :func:`pcie_bandwidth`): what progress is counted in."""
+    models = list(models)
+    return {
+        "attention": len(attention_shapes(models)) * len(_attention_points(grids)),
+        "gemm": len(gemm_shapes(models)) * len(grids.tokens),
+        "memory_bound": len(memory_widths(models)) * len(grids.tokens),
+        "optimizer": len(grids.optimizer_params),
+        "scalars": len(grids.layer_tokens) + 2 + (2 if device_type == "cuda" else 0),
+    }
 
 
 # --------------------------------------------------------------------------------- scalars
@@ -406,7 +468,9 @@ def layer_overhead(bench: Bench, spec: ModelSpec) -> float:
     """Seconds of one :class:`hdp.launch.model.DecoderLayer` forward + backward that do not scale
     with tokens: the intercept of a least-squares line through a few small token counts (one
     rank, one sequence, ``dist_attn`` without a process group), at least 0."""
-    bench = replace(bench, grids=replace(bench.grids, min_repeats=10, max_repeats=20))
+    rule = bench.grids.repeats
+    rule = replace(rule, min_repeats=10, max_repeats=max(20, rule.max_repeats))
+    bench = replace(bench, grids=replace(bench.grids, repeats=rule))
     layer = DecoderLayer(spec).to(bench.device, bench.dtype)
     params = tuple(layer.parameters())
     tokens, secs = [], []
@@ -420,10 +484,10 @@ def layer_overhead(bench: Bench, spec: ModelSpec) -> float:
                 lambda: layer(x, rope, ctx), (x, *params), bench.randn(t, spec.hidden)
             )
 
-        s = bench.point(f"decoder layer of {spec.name}, {t} tokens", 0, build)
-        if s is not None:
+        timing = bench.point(f"decoder layer of {spec.name}, {t} tokens", 0, build)
+        if timing is not None:
             tokens.append(t)
-            secs.append(s)
+            secs.append(timing.seconds)
     if len(tokens) < 2:
         return min(secs, default=0.0)
     return max(0.0, float(np.polyfit(tokens, secs, 1)[1]))
@@ -452,6 +516,6 @@ def best_gemm_rate(bench: Bench, rows: list[list]) -> float:
     """Highest FLOP/s (6 tokens x in x out per forward + backward) among the gemm rows and one
     large GEMM (``Grids.probe_gemm``)."""
     t, n_in, n_out = bench.grids.probe_gemm
-    s = gemm_seconds(bench, t, n_in, n_out)
-    probe = [[t, n_in, n_out, s]] if s is not None else []
+    timing = gemm_timing(bench, t, n_in, n_out)
+    probe = [[t, n_in, n_out, timing.seconds]] if timing is not None else []
     return max((6.0 * t * i * o / s for t, i, o, s in rows + probe), default=0.0)

@@ -1,13 +1,18 @@
-"""``hdp-calibrate check``: how well a GPU profile prices a table of measured kernel times.
+"""``hdp-calibrate check``: whether a profile's rows agree with each other, and how well it prices a
+table of measured kernel times.
 
-The table has the columns of ``hdp/data/measured/h100_measured.csv``: ``kind`` (``attn_doc``:
-``b`` causal documents of ``a`` tokens in one call; ``attn_shard``: ``a`` queries against ``b``
-earlier keys; ``gemm``: ``[a x b] @ [b x c]``), ``heads``, ``kv_heads``, ``head_dim``, ``a``,
-``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend`` (``torch_flash`` where absent).
-Each row is priced by the profile; the errors are reported over the step-relevant rows
-(attention calls of at least 512 query tokens, GEMMs of at least 1K tokens). Where the profile
-holds the row itself, the row is also priced by the profile without it (leave-one-out): how well
-the tables generalise to calls between their measurements.
+First the profile's own rows are checked against each other, its peak and their recorded spread
+(Note [Rows that disagree] in :mod:`hdp.profile_quality`), and how it was measured (host load,
+spreads) is printed; a profile that fails is refused unless ``--force``, as planning refuses it.
+
+Then, with ``--table``: the table has the columns of ``hdp/data/measured/h100_measured.csv``:
+``kind`` (``attn_doc``: ``b`` causal documents of ``a`` tokens in one call; ``attn_shard``: ``a``
+queries against ``b`` earlier keys; ``gemm``: ``[a x b] @ [b x c]``), ``heads``, ``kv_heads``,
+``head_dim``, ``a``, ``b``, ``c``, ``ms`` (forward + backward) and optionally ``backend``
+(``torch_flash`` where absent). Each row is priced by the profile; the errors are reported over
+the step-relevant rows (attention calls of at least 512 query tokens, GEMMs of at least 1K
+tokens). Where the profile holds the row itself, the row is also priced by the profile without it
+(leave-one-out): how well the tables generalise to calls between their measurements.
 """
 
 from __future__ import annotations
@@ -17,11 +22,28 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from hdp.profile import KernelTables, ProfileError, backend_name
-from hdp.specs import GPUProfile, gpu_profile
+from hdp.profile import (
+    TABLE_COLUMNS,
+    KernelTables,
+    ProfileError,
+    backend_name,
+    check_profile,
+    measurement_of,
+    read_profile_json,
+)
+from hdp.profile_quality import (
+    DISAGREEMENT_FACTOR,
+    FORCE_ENV,
+    SPREAD_LIMIT,
+    Disagreement,
+    Measurement,
+    measurement_warnings,
+)
+from hdp.specs import GPU_PRESETS, GPUProfile, gpu_profile, plural
 
 STEP_RELEVANT_QUERIES = 512
 STEP_RELEVANT_TOKENS = 1024
@@ -176,28 +198,73 @@ def check(profile: GPUProfile, rows: list[Row], out=None) -> dict[str, float]:
     return summary
 
 
+def read_profile(name: str) -> tuple[GPUProfile, dict[str, Any]]:
+    """The profile ``name`` (a preset, or a JSON file read even where its rows disagree: this is
+    where they are reported) and its JSON object."""
+    path = Path(name)
+    if name in GPU_PRESETS or not (path.suffix == ".json" or path.exists()):
+        profile = gpu_profile(name)  # a preset, or ValueError naming the presets
+        return profile, profile.to_json()
+    data = read_profile_json(path, force=True)
+    return GPUProfile.from_json(data, str(path)), data
+
+
+def report_consistency(
+    name: str, found: list[Disagreement], m: Measurement | None, out=None
+) -> None:
+    """Print how the profile ``name`` was measured (``m``) and which of its rows disagree
+    (``found``, from :func:`hdp.profile.check_profile`) to ``out`` (default stdout)."""
+    out = out or sys.stdout
+    if m is None:
+        print(f"{name}: no measurement record (host load, spreads): rows checked alone", file=out)
+    else:
+        spreads = _spreads(m)
+        print(
+            f"{name}: measured with load average {_load(m.load_before)} before and "
+            f"{_load(m.load_after)} after on {m.cpus} CPUs; spread of {len(spreads)} rows: "
+            f"largest {max(spreads, default=0):.1%}, {sum(s > m.target for s in spreads)} above "
+            f"the {m.target:.0%} target",
+            file=out,
+        )
+        for line in measurement_warnings(m, [], name)[:-1]:  # the advice comes below
+            print(f"warning: {line}", file=out)
+    for d in found:
+        print(f"disagree: {d}", file=out)
+    print(
+        f"{name}: {plural(len(found), 'disagreement')} (bounds: a factor of "
+        f"{DISAGREEMENT_FACTOR:g} between neighbouring rows, spread {SPREAD_LIMIT:.0%})",
+        file=out,
+    )
+
+
 def check_main(args) -> int:
-    """``hdp-calibrate check PROFILE --table CSV [--backend NAME]``; the last line printed is
-    the JSON summary."""
+    """``hdp-calibrate check PROFILE [--table CSV] [--backend NAME] [--force]``; the last line
+    printed is the JSON summary. Bad input prints nothing on stdout."""
     try:
-        profile = gpu_profile(args.profile)
-        rows = read_table(args.table)
+        profile, data = read_profile(args.profile)
+        found = check_profile(data, args.profile)
+        m = measurement_of(data, profile.tables, args.profile)
+        rows = _table_rows(args) if args.table else None
     except (ProfileError, ValueError) as e:
         print(f"hdp-calibrate: error: {e}", file=sys.stderr)
         return 2
-    if args.backend:
-        args.backend = backend_name(args.backend)
-        backends = sorted({r.backend for r in rows if r.kind != "gemm"})
-        if args.backend not in backends:
-            print(
-                f"hdp-calibrate: error: --backend {args.backend}: {args.table} has attention rows "
-                f"of {', '.join(backends) or 'no backend'}",
-                file=sys.stderr,
-            )
-            return 2
-        rows = [r for r in rows if r.kind == "gemm" or r.backend == args.backend]
+    report_consistency(args.profile, found, m)
+    if found and not args.force:
+        print(
+            f"hdp-calibrate: error: {args.profile}: {plural(len(found), 'disagreement')} "
+            "(listed above): measure it again on an idle machine, or pass --force to go on "
+            f"(planning with it needs {FORCE_ENV}=1)",
+            file=sys.stderr,
+        )
+        return 1
+    if rows is None:
+        spreads = _spreads(m) if m is not None else []
+        table_rows = sum(len(getattr(profile.tables, t)) for t in TABLE_COLUMNS)
+        summary = {"disagreements": len(found), "table_rows": table_rows}
+        print(json.dumps({**summary, "max_spread": max(spreads, default=None)}))
+        return 0
     summary = check(profile, rows)
-    print(json.dumps(summary))
+    print(json.dumps({**summary, "disagreements": len(found)}))
     if not summary["rows"]:
         print(
             f"hdp-calibrate: error: {args.table} has no step-relevant rows (attention of at "
@@ -207,3 +274,28 @@ def check_main(args) -> int:
         )
         return 1
     return 0
+
+
+def _table_rows(args) -> list[Row]:
+    """The rows of ``--table``, those of ``--backend`` alone where it is given; ValueError where
+    the table has no attention rows of that backend."""
+    rows = read_table(args.table)
+    if not args.backend:
+        return rows
+    backend = backend_name(args.backend)
+    backends = sorted({r.backend for r in rows if r.kind != "gemm"})
+    if backend not in backends:
+        raise ValueError(
+            f"--backend {backend}: {args.table} has attention rows of "
+            f"{', '.join(backends) or 'no backend'}"
+        )
+    return [r for r in rows if r.kind == "gemm" or r.backend == backend]
+
+
+def _spreads(m: Measurement) -> list[float]:
+    return [s for values in m.spread.values() for s in values]
+
+
+def _load(load: tuple[float, ...]) -> str:
+    """The 1-minute load average, or ``unknown``."""
+    return f"{load[0]:.2f}" if load else "unknown"
