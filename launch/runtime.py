@@ -22,6 +22,7 @@ whole global batch on one device.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -38,10 +39,12 @@ from .model import AttentionContext, Llama
 
 @dataclass
 class StepResult:
-    loss: float  # global mean token loss of the step
+    losses: torch.Tensor  # [the step's global mean token loss, this rank's share], on the device
     busy_s: float  # this rank's forward/backward time
     waves_run: int
-    local_loss: float = 0.0  # this rank's share of ``loss`` (its tokens' losses)
+    # ``losses`` read to the host, once per step with the gradient norm (hdp.launch.update)
+    loss: float = math.nan
+    local_loss: float = math.nan
 
 
 def shard_model(model: Llama, sync: str, mixed_precision: bool = False) -> Llama:
@@ -70,7 +73,8 @@ def run_waves(
     model: Llama, step: StepData, group=None, autocast_dtype: torch.dtype | None = None
 ) -> StepResult:
     """Forward and backward of every wave this rank runs in ``step``. Gradients accumulate in the
-    parameters' ``.grad``; the caller steps the optimizer."""
+    parameters' ``.grad``; the caller steps the optimizer and reads the losses (nothing here
+    waits for the device)."""
     plan = step.plan
     device = next(model.parameters()).device
     distributed = dist.is_initialized()
@@ -129,8 +133,7 @@ def run_waves(
     local = total.clone()
     if distributed:
         dist.all_reduce(total, group=group)
-    loss, local_loss = torch.stack([total, local]).tolist()  # one wait for the device
-    return StepResult(loss, t_busy, len(mine), local_loss)
+    return StepResult(torch.stack([total, local]), t_busy, len(mine))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -110,11 +111,15 @@ def train_step(
     res = run_waves(model, data, autocast_dtype=autocast)
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
-    grad_norm = float(
-        torch.nn.utils.clip_grad_norm_(
-            model.parameters(), grad_clip if grad_clip > 0 else float("inf")
-        )
+    norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), grad_clip if grad_clip > 0 else float("inf")
     )
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    # The step's one wait for the device: whether to step needs the loss and the norm.
+    read = torch.cat([res.losses, norm.detach().reshape(1).to(res.losses)]).tolist()
+    res = replace(res, loss=read[0], local_loss=read[1])
+    grad_norm = read[2]
     stepped = math.isfinite(res.loss) and math.isfinite(grad_norm)
     before = None
     if stepped:
