@@ -73,6 +73,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool) 
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], *, fused: bool) -> list[torch.Tensor]:
+    """Each of ``linears`` applied to ``x``. ``fused``: one GEMM over their weights laid end to
+    end, its output split (views): one kernel where there were several, each too narrow to fill
+    a GPU. The weights stay separate parameters, so checkpoints and Hugging Face names are those
+    of the unfused model; the copy of the weights it costs is small beside the GEMM over a
+    wave's tokens."""
+    if not fused:
+        return [linear(x) for linear in linears]
+    weight = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return list(F.linear(x, weight, bias).split([lin.out_features for lin in linears], dim=-1))
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention through :func:`hdp.attention.dist_attn`; ``backend`` names its
     kernels (``None``: the fastest for the device and dtype,
@@ -98,11 +112,13 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, rope: RopeAngles):
         """Queries and keys (rotated) and values of ``x``: ``[T, heads or kv_heads, head_dim]``."""
         T, s = x.shape[0], self.spec
-        q = self.q_proj(x).view(T, s.heads, s.head_dim)
-        k = self.k_proj(x).view(T, s.kv_heads, s.head_dim)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), fused=x.is_cuda)
+        q, k = q.view(T, s.heads, s.head_dim), k.view(T, s.kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rope.rotate(q), rope.rotate(k), self.v_proj(x).view(T, s.kv_heads, s.head_dim)
+        # v's own storage: a view would keep the fused output, q and k included, as long as v.
+        v = v.contiguous().view(T, s.kv_heads, s.head_dim)
+        return rope.rotate(q), rope.rotate(k), v
 
     def attend(self, q, k, v, ctx: AttentionContext) -> torch.Tensor:
         """The attention output ``[T, heads, head_dim]`` of the rank's tokens."""
@@ -119,7 +135,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj), fused=x.is_cuda)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

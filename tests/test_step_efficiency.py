@@ -103,3 +103,37 @@ def test_rope_angles_once_per_pass_rotate_as_transformers_does():
     got = angles.rotate(x.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_projections_train_as_the_separate_ones(monkeypatch):
+    """The CUDA path's one GEMM for q/k/v and for gate/up (run here on the CPU, float64) against
+    each projection on its own: the model's loss and every gradient, with and without biases."""
+    import dataclasses
+
+    from hdp import Plan
+    from hdp.launch import model as model_module
+    from hdp.launch.model import AttentionContext
+
+    separate = model_module.project
+    lens = [30, 45]
+    plan = Plan.from_shards(lens, 1, [[[(0, 0, 30), (1, 0, 45)]]])
+    ids = torch.randint(0, 512, (75,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(30), torch.arange(45)])
+    for bias in (False, True):  # Llama; Qwen2's q/k/v and a biased MLP
+        spec = dataclasses.replace(model_preset("tiny"), qkv_bias=bias, mlp_bias=bias)
+        results = []
+        for fused in (False, True):
+            monkeypatch.setattr(
+                model_module,
+                "project",
+                lambda x, lin, fused_=fused, **_: separate(x, lin, fused=fused_),
+            )
+            torch.manual_seed(0)
+            model = Llama(spec, attention_backend="reference").double()
+            for p in model.parameters():  # biases away from zero, so they count
+                torch.nn.init.normal_(p, std=0.05)
+            loss = model(ids, pos, AttentionContext(plan, 0), ids)
+            loss.backward()
+            results.append([loss.detach()] + [p.grad for p in model.parameters()])
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
