@@ -479,7 +479,8 @@ def layer_overhead(bench: Bench, spec: ModelSpec) -> float:
         def build(t=t):
             ctx = AttentionContext(Plan.from_shards([t], 1, [[[(0, 0, t)]]]), 0)
             x = bench.randn(t, spec.hidden, grad=True)
-            rope = Rotary(spec.rope, spec.head_dim).angles(torch.arange(t, device=bench.device))
+            rotary = Rotary(spec.rope, spec.head_dim)
+            rope = rotary.angles(torch.arange(t, device=bench.device), bench.dtype)
             return _grad_call(
                 lambda: layer(x, rope, ctx), (x, *params), bench.randn(t, spec.hidden)
             )

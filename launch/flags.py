@@ -222,7 +222,12 @@ def _training_flags(g) -> None:
         "hand, saves a checkpoint and exits 0; a second signal stops at once (default: "
         "%(default)s; torchrun forwards SIGUSR1 only with --signals-to-handle)",
     )
-    g.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (GPU)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each decoder layer around its attention, for any wave length (the "
+        "first step says how long compiling took); see Note [Compiled layers] in launch/model.py",
+    )
     g.add_argument(
         "--attention-backend",
         type=choice(choices(TrainingConfig, "attention_backend"), "attention backend"),

@@ -19,6 +19,18 @@ output and log-sum-exp (``dist_attn`` saves them). Backward then recomputes the 
 never attention. The price is memory: per token and layer, q, k, v and the output
 (``2 * (heads + kv_heads) * head_dim`` values) and the fp32 LSE beside the layer's input, which
 the cost model's memory estimate (full checkpointing) does not count, so it is opt-in.
+
+Note [Compiled layers]
+----------------------
+``--compile`` compiles each decoder layer in two regions, the work before attention (norm,
+q/k/v, RoPE) and the work after it (output projection, residuals, norm, MLP), with
+``dynamic=True``: a wave's token count changes every step, and one graph per region serves them
+all. Attention itself stays eager between them (:func:`hdp.attention.dist_attn`: its P2P
+exchanges follow each step's plan, a Python object no graph can hold). The regions are the ones
+selective checkpointing recomputes, so both compose, and so do full checkpointing (the recompute
+runs the compiled code again) and FSDP2 (its hooks wrap the layer's call, outside the regions).
+For example, llama-1b has 16 layers: 32 compiled regions, each compiled once for forward and once
+for backward in the first step, whose line says how long compiling took.
 """
 
 from __future__ import annotations
@@ -151,22 +163,30 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         if self.keep_attention and self.training and torch.is_grad_enabled():
             return self._selective(x, rope, ctx)
-        x = x + self.attn(self.attn_norm(x), rope, ctx)
-        return x + self.mlp(self.mlp_norm(x))
+        q, k, v = self.before_attention(x, rope)
+        return self.after_attention(x, self.attn.attend(q, k, v, ctx))
 
     def _selective(self, x: torch.Tensor, rope: RopeAngles, ctx) -> torch.Tensor:
         """The layer with everything but attention recomputed in backward (Note [Selective
         activation checkpointing])."""
-        q, k, v = checkpoint(self._qkv, x, rope, use_reentrant=False)
+        q, k, v = checkpoint(self.before_attention, x, rope, use_reentrant=False)
         out = self.attn.attend(q, k, v, ctx)
-        return checkpoint(self._after_attention, x, out, use_reentrant=False)
+        return checkpoint(self.after_attention, x, out, use_reentrant=False)
 
-    def _qkv(self, x: torch.Tensor, rope: RopeAngles):
+    def before_attention(self, x: torch.Tensor, rope: RopeAngles):
+        """The layer up to attention: its norm, q/k/v projections and RoPE."""
         return self.attn.qkv(self.attn_norm(x), rope)
 
-    def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: output projection, residual, norm, MLP, residual."""
         x = x + self.attn.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
         return x + self.mlp(self.mlp_norm(x))
+
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """``torch.compile`` the layer around attention (Note [Compiled layers])."""
+        for name in ("before_attention", "after_attention"):
+            region = torch.compile(getattr(self, name), dynamic=True, backend=backend)
+            setattr(self, name, region)
 
 
 class Llama(nn.Module):
@@ -233,7 +253,7 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
-        rope = self.rotary.angles(position_ids)  # once for every layer
+        rope = self.rotary.angles(position_ids, compute_dtype(x))  # once for every layer
         # Selective offload: the first ``offload`` share of the layers keep what backward needs
         # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
         offloaded = round(ctx.offload * len(self.layers))
@@ -261,6 +281,12 @@ class Llama(nn.Module):
 
     def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(self.lm_head(h).float(), labels)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layers compute in: autocast's where it is on, else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

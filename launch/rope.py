@@ -79,25 +79,22 @@ def _yarn(rope: RoPE, dim: int, exponents: torch.Tensor) -> torch.Tensor:
 
 
 class RopeAngles:
-    """cos and sin of one forward pass's positions (``[T, 1, head_dim / 2]``, fp32, scaled),
-    computed once and shared by every layer; each dtype they are applied in gets its own copy,
-    made once."""
+    """cos and sin of one forward pass's positions (``[T, 1, head_dim / 2]``, scaled), computed
+    once in fp32, kept in the dtype the layers rotate in and shared by every layer. Plain
+    attributes, no cache: a compiled layer traces them as two tensors."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self._by_dtype = {torch.float32: (cos, sin)}
+        self.cos, self.sin = cos, sin
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, heads, head_dim]`` rotated, in ``x.dtype`` (as a transformers model of that
         dtype computes it; fp32 on the CPU)."""
-        cos, sin = self._by_dtype.get(x.dtype) or self._cast(x.dtype)
+        cos, sin = self.cos, self.sin
+        if cos.dtype != x.dtype:  # angles made for another dtype: cast per call
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         d = x.shape[-1]
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-    def _cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._by_dtype[torch.float32]
-        out = self._by_dtype[dtype] = (cos.to(dtype), sin.to(dtype))
-        return out
 
 
 class Rotary:
@@ -108,8 +105,9 @@ class Rotary:
         self.inv_freq, self.scale = rope_frequencies(rope, dim)
         self._on: dict[torch.device, torch.Tensor] = {}
 
-    def angles(self, position_ids: torch.Tensor) -> RopeAngles:
-        """The cos and sin of ``position_ids`` ``[T]``, computed in fp32."""
+    def angles(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> RopeAngles:
+        """The cos and sin of ``position_ids`` ``[T]``, computed in fp32 and kept in ``dtype``
+        (the dtype queries and keys are rotated in)."""
         inv = self._on.get(position_ids.device)
         if inv is None:
             inv = self._on[position_ids.device] = self.inv_freq.to(position_ids.device)
@@ -117,7 +115,7 @@ class Rotary:
         cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
-        return RopeAngles(cos, sin)
+        return RopeAngles(cos.to(dtype), sin.to(dtype))
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, heads, head_dim]`` rotated by the angles of ``position_ids`` ``[T]``."""

@@ -237,10 +237,9 @@ def build_model(
 
 
 def apply_compile(model: Llama) -> None:
-    """``torch.compile`` each decoder layer's MLP. Attention runs eager: its P2P exchanges change
-    with every plan."""
+    """``torch.compile`` each decoder layer around its attention (Note [Compiled layers])."""
     for layer in model.layers:
-        layer.mlp.compile()
+        layer.compile_regions()
 
 
 def build_optimizer(

@@ -338,6 +338,8 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
                     record, data, elapsed=elapsed, left=training.steps - start - done, done=done
                 )
             )
+        if step_idx == start and training.compile:
+            run.log(compile_line())
         if overflowed and training.nan_policy == "stop":
             raise Diverged(overflow_line(run.config, step_idx + 1))
         if not stepped and training.nan_policy == "stop":
@@ -349,6 +351,17 @@ def run_steps(run: Run, start: int, loggers: Loggers, t_run: float) -> Stopped |
         if received:
             return Stopped(received, step, saved=bool(ck.dir))
     return None
+
+
+def compile_line() -> str:
+    """How long the first step spent in ``torch.compile`` (Note [Compiled layers])."""
+    try:  # torch's own account, forward and backward graphs; private, so optional
+        from torch._dynamo.utils import calculate_time_spent
+
+        seconds = calculate_time_spent()["total_wall_time"]
+    except (ImportError, AttributeError, KeyError):
+        return "torch.compile: the decoder layers compiled in the first step"
+    return f"torch.compile: {seconds:.1f} s of the first step compiling the decoder layers"
 
 
 def measured(run: Run, update: Update) -> tuple[RankStats, bool]:

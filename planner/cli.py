@@ -263,10 +263,13 @@ def sim_main(argv: list[str] | None = None) -> int:
                 f"{args.gpus} x {cluster.gpu.name} as {cluster.num_ranks} tensor-parallel "
                 f"groups of {args.tp} ({cluster.ranks_per_node} groups per node"
             )
+        peer = f"{c['capacity_peer']} (peer)"
+        if not c["capacity_peer"]:  # a reader takes "0" for a bug, not for a full GPU
+            peer = "0 (peer: the unsharded weights leave no room)"
         print(
             f"{c['workload']}: {model.name} on {ranks}, {c['attention_backend']} attention), "
             f"max_seq {c['max_seq']}, {c['tokens_per_step']} tokens/step, capacity "
-            f"{c['capacity_peer']} (peer) / {c['capacity_wave']} (wave) tokens per rank, "
+            f"{peer} / {c['capacity_wave']} (wave) tokens per rank, "
             f"{plural(c['steps'], 'step')}, seed {c['seed']}"
         )
         print(format_table(sim))

@@ -137,3 +137,44 @@ def test_fused_projections_train_as_the_separate_ones(monkeypatch):
             results.append([loss.detach()] + [p.grad for p in model.parameters()])
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+
+
+def test_compiled_layers_train_as_eager_ones_and_compile_once_for_any_length():
+    """``--compile``'s regions around attention (traced by torch's aot_eager backend here: the
+    graph breaks and the decomposition are ours to check, the code generation is torch's), with
+    full and selective checkpointing: the eager model's loss and gradients, and a wave of another
+    length reuses the graphs."""
+    from torch._dynamo.utils import counters
+
+    from hdp import Plan
+    from hdp.launch.model import AttentionContext
+
+    def batch(lens):
+        plan = Plan.from_shards(lens, 1, [[[(i, 0, n) for i, n in enumerate(lens)]]])
+        ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(n) for n in lens])
+        return ids, pos, AttentionContext(plan, 0), ids
+
+    torch._dynamo.reset()
+    for keep in (False, True):
+        results = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            model = Llama(
+                model_preset("tiny"),
+                activation_checkpointing=True,
+                attention_backend="reference",
+                keep_attention=keep,
+            )
+            if compiled:
+                for layer in model.layers:
+                    layer.compile_regions(backend="aot_eager")
+            loss = model(*batch([30, 45, 9]))
+            loss.backward()
+            results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+            if compiled:
+                frames = counters["frames"]["ok"]
+                model(*batch([70, 13])).backward()
+                assert counters["frames"]["ok"] == frames  # no new graph for new lengths
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
