@@ -21,9 +21,11 @@ not overlapped with compute.
 Once per micro-batch: the LM head and the cross-entropy over ``vocab`` in chunks of
 ``loss_chunk_tokens`` (recomputed in backward when there is more than one chunk); once per step:
 the optimizer over the rank's parameter shard. The tables hold forward + backward times.
-Activation checkpointing recomputes each layer's forward in backward: the forward is taken as
+Activation checkpointing recomputes a layer's forward in backward: the forward is taken as
 1/3 of a GEMM's or memory-bound op's forward + backward time and 1/3.5 of attention's (its
-backward does 2.5x the forward's FLOPs). Those shares are assumed, not measured.
+backward does 2.5x the forward's FLOPs). Those shares are assumed, not measured. Where only some
+layers are checkpointed (``recompute_share`` of them), a layer's price is the mean over the
+layers: its forward is recomputed ``recompute_share`` times on average.
 """
 
 from __future__ import annotations
@@ -50,19 +52,25 @@ class ComputeModel:
     loss_chunk_tokens: int = 4096
     attention_backend: str | None = None
     tensor_parallel: int = 1
+    recompute_share: float = 1.0  # of the layers, with activation checkpointing
 
     @property
     def backend(self) -> str:
         return backend_name(self.attention_backend or self.gpu.attention_backend)
 
     @property
+    def recomputed(self) -> float:
+        """Share of the layers whose forward runs again in backward."""
+        return self.recompute_share if self.activation_checkpointing else 0.0
+
+    @property
     def attn_recompute(self) -> float:
         """Attention time with recompute over its forward + backward time."""
-        return 4.5 / 3.5 if self.activation_checkpointing else 1.0
+        return 1.0 + self.recomputed / 3.5
 
     @property
     def dense_recompute(self) -> float:
-        return 4.0 / 3.0 if self.activation_checkpointing else 1.0
+        return 1.0 + self.recomputed / 3.0
 
     # ------------------------------------------------------------------ attention
     def attn_time(self, start, end) -> np.ndarray:
@@ -108,7 +116,7 @@ class ComputeModel:
         if tp == 1:
             return np.zeros_like(T)
         g, m = self.gpu, self.model
-        calls = 12 if self.activation_checkpointing else 8
+        calls = 8 + 4 * self.recomputed
         per_call = (tp - 1) / tp * T * m.hidden * m.dtype_bytes / g.nvlink_bw + g.nvlink_latency
         return np.where(T > 0, calls * per_call, 0.0)
 

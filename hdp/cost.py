@@ -105,7 +105,9 @@ class CostModel:
 
     Args:
         model, cluster: what is trained on what.
-        activation_checkpointing: recompute each layer in backward (stores only layer inputs).
+        activation_checkpointing: recompute layers in backward (stores only their inputs).
+        checkpointed_layers: with activation checkpointing, how many layers are recomputed (the
+            first ones; ``None``: every layer); the others keep their activations.
         capacity_override: tokens per rank per wave to use instead of the memory-derived value.
         grad_accum_bytes: bytes per parameter of the unsharded gradient accumulators (``peer``).
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
@@ -134,10 +136,26 @@ class CostModel:
     kv_exchange: str = "rank"
     tensor_parallel: int = 1
     dkv_bytes: int = 4
+    checkpointed_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dkv_bytes not in (2, 4):
             raise ValueError(f"dkv_bytes must be 2 or 4, got {self.dkv_bytes!r}")
+        layers = self.checkpointed_layers
+        if layers is not None and not 0 <= layers <= self.model.layers:
+            raise ValueError(
+                f"checkpointed_layers must be 0 to {self.model.layers} ({self.model.name}'s "
+                f"layers), got {layers}"
+            )
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers recomputed in backward: ``checkpointed_layers`` (every layer where ``None``)
+        with activation checkpointing, none without."""
+        if not self.activation_checkpointing:
+            return 0
+        every = self.model.layers
+        return every if self.checkpointed_layers is None else self.checkpointed_layers
 
     def with_exchange(self, kv_exchange: str) -> CostModel:
         """This model pricing ``kv_exchange`` for planners (the kernel tables are shared)."""
@@ -168,13 +186,14 @@ class CostModel:
             self.loss_chunk_tokens,
             self.attention_backend,
             self.tensor_parallel,
+            self.recomputed_layers / self.model.layers if self.activation_checkpointing else 1.0,
         )
 
     @property
     def attn_fwd_share(self) -> float:
         """Part of a layer's attention time spent in the forward pass: backward does 2.5x the
         forward's FLOPs, and with checkpointing also the forward again."""
-        return 1.0 / (4.5 if self.activation_checkpointing else 3.5)
+        return 1.0 / (3.5 + self.recomputed_layers / self.model.layers)
 
     @staticmethod
     def causal_pairs(start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
@@ -280,10 +299,9 @@ class CostModel:
     def ckpt_bytes_per_token(self) -> float:
         """Activation bytes per token kept across layers (layer inputs; offloadable)."""
         m = self.model
-        if not self.activation_checkpointing:
-            return 0.0
         hidden = m.hidden / self.tensor_parallel  # layer inputs are split (sequence parallel)
-        return float(m.layers * hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
+        layers = self.recomputed_layers
+        return float(layers * hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
 
     @cached_property
     def working_bytes_per_token(self) -> float:
@@ -293,7 +311,9 @@ class CostModel:
         per_layer = (
             6 * hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
         ) * m.dtype_bytes
-        layers = 1 if self.activation_checkpointing else m.layers
+        # The layers kept whole hold theirs from forward until their backward, which comes
+        # before the recomputed (first) layers' backward, when one recomputed layer's are alive.
+        layers = max(m.layers - self.recomputed_layers, 1)
         return float(per_layer * layers) * self.cluster.gpu.activation_memory_scale
 
     @cached_property

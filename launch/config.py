@@ -155,6 +155,7 @@ class PlanningConfig(_Section):
     gpus_per_node: int | None = _flag(None, defines_run=True)  # as given: None follows torchrun
     capacity: int | None = _flag(None, defines_run=True)
     activation_checkpointing: bool | None = _flag(None, defines_run=True)  # None until resolved
+    checkpointed_layers: int | None = _flag(None)  # None: every layer, or resolved with the above
     keep_attention: bool = _flag(False)
     gpu: str | None = _flag(None)
     gpu_profile: str | None = _flag(None)
@@ -260,6 +261,11 @@ def checked(config: RunConfig) -> RunConfig:
         )
     if planning.keep_attention and planning.activation_checkpointing is False:
         raise ValueError("--keep-attention applies with --activation-checkpointing")
+    if planning.checkpointed_layers is not None and planning.activation_checkpointing is False:
+        raise ValueError(
+            "--checkpointed-layers applies with activation checkpointing, which "
+            "--no-activation-checkpointing turns off"
+        )
     if ck.allow_changed_setup and not resume:
         raise ValueError("--allow-changed-setup only applies with --resume")
     _check_launcher(config.launcher)
@@ -279,7 +285,9 @@ def checked(config: RunConfig) -> RunConfig:
             "give one per --data"
         )
     weights = tuple(data.weights) if data.weights is not None else None
-    checkpointing = True if planning.keep_attention else planning.activation_checkpointing
+    checkpointing = planning.activation_checkpointing
+    if planning.keep_attention or planning.checkpointed_layers is not None:
+        checkpointing = True
     return config.resolved(
         data={"paths": paths, "tokens_per_step": tokens, "weights": weights},
         planning={"activation_checkpointing": checkpointing},

@@ -317,8 +317,17 @@ def _planning_flags(g) -> None:
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="recompute each layer in backward (default: only where --max-seq does not fit the "
-        "ranks without it)",
+        help="recompute layers in backward (default: only where --max-seq does not fit the "
+        "ranks without it, and then only the fewest layers that hold a step in as few waves as "
+        "recomputing every layer would)",
+    )
+    g.add_argument(
+        "--checkpointed-layers",
+        type=integer(0, 1 << 16),
+        default=None,
+        metavar="N",
+        help="recompute only the first N decoder layers (implies --activation-checkpointing; "
+        "default: every layer with --activation-checkpointing, the cost model's choice without)",
     )
     g.add_argument(
         "--keep-attention",

@@ -198,8 +198,9 @@ class Llama(nn.Module):
     alone are 16 GiB). The cost model's memory estimate assumes the same chunk
     (``CostModel.loss_chunk_tokens``). ``attention_backend`` forces the attention kernels
     (:data:`hdp.attention.BACKEND_NAMES`; ``None``: chosen per device and dtype). With
-    ``activation_checkpointing``, ``keep_attention`` recomputes everything but attention (Note
-    [Selective activation checkpointing]).
+    ``activation_checkpointing``, the first ``checkpointed_layers`` layers (all by default) are
+    recomputed in backward, and ``keep_attention`` recomputes everything of theirs but attention
+    (Note [Selective activation checkpointing]).
     """
 
     def __init__(
@@ -209,11 +210,16 @@ class Llama(nn.Module):
         loss_chunk_tokens: int = 4096,
         attention_backend: str | None = None,
         keep_attention: bool = False,
+        checkpointed_layers: int | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
         self.activation_checkpointing = activation_checkpointing
         self.keep_attention = activation_checkpointing and keep_attention
+        # The first layers are the recomputed ones: the others' backward, which frees their
+        # activations, comes first (Note [Recomputing the fewest layers] in launch/setup.py).
+        every = spec.layers if checkpointed_layers is None else checkpointed_layers
+        self.checkpointed_layers = every if activation_checkpointing else 0
         self.loss_chunk_tokens = loss_chunk_tokens
         # transformers' padding row gets no gradient; a checkpoint's must stay as trained.
         self.embed = nn.Embedding(spec.vocab, spec.hidden, padding_idx=spec.padding_idx)
@@ -223,7 +229,7 @@ class Llama(nn.Module):
         )
         self.norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
-        for layer in self.layers:
+        for layer in self.layers[: self.checkpointed_layers]:
             layer.keep_attention = self.keep_attention
         if spec.tied_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -254,16 +260,18 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         rope = self.rotary.angles(position_ids, compute_dtype(x))  # once for every layer
-        # Selective offload: the first ``offload`` share of the layers keep what backward needs
-        # (with checkpointing, just their inputs) in host memory, copied back when backward comes.
-        offloaded = round(ctx.offload * len(self.layers))
+        # Selective offload: the first ``offload`` share of the recomputed layers (of all, without
+        # checkpointing) keep what backward needs (with checkpointing, just their inputs) in host
+        # memory, copied back when backward comes.
+        offloaded = round(ctx.offload * (self.checkpointed_layers or len(self.layers)))
         for i, layer in enumerate(self.layers):
             with (
                 torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
                 if i < offloaded
                 else nullcontext()
             ):
-                if self.activation_checkpointing and self.training and not self.keep_attention:
+                recompute = i < self.checkpointed_layers and not self.keep_attention
+                if recompute and self.training:
                     x = checkpoint(layer, x, rope, ctx, use_reentrant=False)
                 else:
                     x = layer(x, rope, ctx)

@@ -258,7 +258,8 @@ def run_line(run: Run, *, sync: str, capacity: int) -> str:
         f"{params / 1e6:.1f}M parameters on {run.world} x {run.device.type} "
         f"({run.cost.cluster.gpu.name} profile), {sync} sync, capacity {capacity} tokens per rank "
         f"per wave, strategy {config.planning.strategy}, {config.data.tokens_per_step} "
-        f"tokens/step, max_seq {config.data.max_seq}"
+        f"tokens/step, max_seq {config.data.max_seq}, recomputing "
+        f"{run.cost.recomputed_layers} of {spec.layers} layers"
     )
 
 

@@ -55,6 +55,7 @@ class StepPricing:
         *,
         attention_backend: str | None = None,
         activation_checkpointing: bool = True,
+        checkpointed_layers: int | None = None,
         capacity: int | None = None,
         sync: str | None = None,
         kv_exchange: str = "auto",
@@ -67,12 +68,13 @@ class StepPricing:
         of one node: the cost model prices one GPU's shard of the model, ``capacity`` counts
         the group's tokens, and ValueError says where the model or the nodes do not split.
         ``dkv_bytes``: :class:`~hdp.CostModel`'s (2 prices a baseline on TransformerEngine's
-        ring, which returns dK/dV in bf16)."""
+        ring, which returns dK/dV in bf16). ``checkpointed_layers``: :class:`~hdp.CostModel`'s."""
         cost = CostModel(
             model.tensor_shard(tensor_parallel),
             cluster.tensor_groups(tensor_parallel),
             attention_backend=attention_backend,
             activation_checkpointing=activation_checkpointing,
+            checkpointed_layers=checkpointed_layers,
             capacity_override=capacity,
             tensor_parallel=tensor_parallel,
             dkv_bytes=dkv_bytes,

@@ -349,3 +349,23 @@ def test_all_to_all_at_the_measured_share_of_each_link():
         data["alltoall_nvlink_share"] = bad
         with pytest.raises(ValueError, match="p.json: alltoall_nvlink_share must be above 0"):
             GPUProfile.from_json(data, "p.json")
+
+
+def test_recomputing_some_layers_prices_their_inputs_and_the_others_whole(cm):
+    """``checkpointed_layers=k`` of llama-7b's 32: k layer inputs and the working sets of the
+    32 - k layers kept whole (at least one); each layer's forward recomputed k / 32 times."""
+    per_layer = (6 * 4096 + 2 * 4096 + 2 * 4096 + 3 * 11008) * 2
+    none = replace(cm, activation_checkpointing=False)
+    for k, kept in ((0, 32), (8, 24), (31, 1), (32, 1)):
+        some = replace(cm, checkpointed_layers=k)
+        assert some.ckpt_bytes_per_token == k * 4096 * 2
+        assert some.working_bytes_per_token == kept * per_layer
+        # The dense work: the share k / 32 of a forward (a third of forward + backward) again.
+        base = float(none.compute.layer_time(8192))
+        assert float(some.compute.layer_time(8192)) == pytest.approx(base * (1 + k / 32 / 3))
+        assert float(some.attn_time(0, 8192)) == pytest.approx(
+            float(none.attn_time(0, 8192)) * (1 + k / 32 / 3.5)
+        )
+    assert replace(cm, checkpointed_layers=32).capacity("wave") == cm.capacity("wave")
+    with pytest.raises(ValueError, match="checkpointed_layers must be 0 to 32"):
+        replace(cm, checkpointed_layers=33)

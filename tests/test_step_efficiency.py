@@ -178,3 +178,86 @@ def test_compiled_layers_train_as_eager_ones_and_compile_once_for_any_length():
                 assert counters["frames"]["ok"] == frames  # no new graph for new lengths
         for a, b in zip(*results):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_recomputing_the_first_layers_only_keeps_the_gradients():
+    """``checkpointed_layers=k``: the loss and gradients of the model without recompute
+    (float64), and attention runs again in backward for those k layers only."""
+    from hdp import Plan
+    from hdp.attention import kernels
+    from hdp.launch.model import AttentionContext
+
+    calls = []
+
+    class Counting(kernels.ReferenceBackend):
+        def forward(self, *args):
+            calls.append(1)
+            return super().forward(*args)
+
+    spec = model_preset("tiny")
+    plan = Plan.from_shards([40, 21], 1, [[[(0, 0, 40), (1, 0, 21)]]])
+    ids = torch.randint(0, 512, (61,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(40), torch.arange(21)])
+    results, forwards = [], []
+    for ckpt, layers in ((False, None), (True, 1), (True, spec.layers - 1), (True, None)):
+        torch.manual_seed(0)
+        model = Llama(
+            spec,
+            activation_checkpointing=ckpt,
+            checkpointed_layers=layers,
+            attention_backend="reference",
+        ).double()
+        original = kernels._BACKENDS
+        kernels._BACKENDS = {"reference": Counting()}
+        try:
+            calls.clear()
+            loss = model(ids, pos, AttentionContext(plan, 0), ids)
+            loss.backward()
+        finally:
+            kernels._BACKENDS = original
+        forwards.append(len(calls))
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-14)
+    per_layer = forwards[0] // spec.layers
+    assert forwards[1:] == [forwards[0] + per_layer * k for k in (1, spec.layers - 1, spec.layers)]
+
+
+def test_the_fewest_recomputed_layers_are_those_a_scan_finds():
+    """The bisection of Note [Recomputing the fewest layers] against a scan of every layer
+    count: the fewest from which on every count plans as recomputing all layers does."""
+    from hdp.launch.config import DataConfig, PlanningConfig, RunConfig, TrainingConfig, checked
+    from hdp.launch.setup import build_pricing, fewest_checkpointed_layers
+    from hdp.planner import PlanningError, get_strategy
+
+    spec = model_preset("llama-1b")
+    device = torch.device("cuda", 0)  # priced as the --gpu preset; nothing runs on it
+    for max_seq, tokens, world in ((64, 128, 1), (64, 1024, 4), (256, 512, 8), (16, 64, 2)):
+        config = checked(
+            RunConfig(
+                data=DataConfig(max_seq=max_seq << 10, tokens_per_step=tokens << 10),
+                training=TrainingConfig(attention_backend="torch_flash"),
+                planning=PlanningConfig(gpu="h100", activation_checkpointing=True),
+            )
+        )
+
+        def outcome(k, config=config, world=world):
+            with_k = config.resolved(planning={"checkpointed_layers": k})
+            pricing = build_pricing(with_k, spec=spec, world=world, per_node=world, device=device)
+            try:
+                settled = pricing.settle(get_strategy("hdp"), config.data.max_seq)
+            except PlanningError:
+                return None
+            share = -(-config.data.tokens_per_step // world)
+            return settled.sync, -(-share // settled.capacity)
+
+        every = outcome(spec.layers)
+        scan = min(
+            k for k in range(spec.layers + 1)
+            if all(outcome(j) == every for j in range(k, spec.layers + 1))
+        )  # fmt: skip
+        found = fewest_checkpointed_layers(
+            config, spec=spec, world=world, per_node=world, device=device
+        )
+        assert found == scan, (max_seq, tokens, world)

@@ -76,6 +76,11 @@ def test_parse_size_refuses_what_is_not_finite(text):
             ["--keep-attention", "--no-activation-checkpointing"],
             "--keep-attention applies with --activation-checkpointing",
         ),
+        (
+            ["--checkpointed-layers", "4", "--no-activation-checkpointing"],
+            "--checkpointed-layers applies with activation checkpointing",
+        ),
+        (["--nnodes", "2"], "--nnodes applies only with --nproc-per-node"),
         (["--checkpoint-dir", "{file}"], "argument --checkpoint-dir: {file} exists and is not a"),
         (["--metrics", "{file}/m.jsonl"], "argument --metrics: cannot create {file}/m.jsonl: "),
     ],
