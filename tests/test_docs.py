@@ -198,34 +198,31 @@ def test_the_documents_show_what_commands_print():
     assert any(doc == "README.md" for doc, _, _ in shown_prints())
 
 
-@pytest.mark.parametrize("doc, command, shown", shown_outputs(), ids=lambda x: x[:60])
-def test_a_command_prints_what_the_documents_show(doc, command, shown, tmp_path):
-    name = program(command)
-    assert name is not None, f"{doc}: no known program runs {command}"
-    args = python_args(name) + shlex.split(command)[len(name.split()) :]
+def python_output(args: list[str], tmp_path, timeout: float) -> str:
+    """What ``python ARGS`` prints in a scratch folder; it must exit 0."""
     done = subprocess.run(
         [sys.executable, *args],
         cwd=in_scratch_folder(tmp_path),
         capture_output=True,
         text=True,
-        timeout=patient(600),
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr
-    difference = differs(shown, done.stdout)
+    return done.stdout
+
+
+@pytest.mark.parametrize("doc, command, shown", shown_outputs(), ids=lambda x: x[:60])
+def test_a_command_prints_what_the_documents_show(doc, command, shown, tmp_path):
+    name = program(command)
+    assert name is not None, f"{doc}: no known program runs {command}"
+    args = python_args(name) + shlex.split(command)[len(name.split()) :]
+    difference = differs(shown, python_output(args, tmp_path, patient(600)))
     assert difference is None, f"{doc}: {command}\n{difference}"
 
 
 @pytest.mark.parametrize("doc, code, shown", shown_prints(), ids=lambda x: x[:60])
 def test_python_examples_print_what_the_documents_show(doc, code, shown, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=in_scratch_folder(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=patient(300),
-    )
-    assert done.returncode == 0, done.stderr
-    difference = differs(shown, done.stdout)
+    difference = differs(shown, python_output(["-c", code], tmp_path, patient(300)))
     assert difference is None, f"{doc}: its Python example\n{difference}"
 
 
