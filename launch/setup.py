@@ -299,9 +299,9 @@ def build_model(
 
 
 def apply_compile(model: Llama) -> None:
-    """``torch.compile`` each decoder layer around its attention (Note [Compiled layers])."""
-    for layer in model.layers:
-        layer.compile_regions()
+    """``torch.compile`` each decoder layer around its attention, and the loss (Note [Compiled
+    layers])."""
+    model.compile_regions()
 
 
 def build_optimizer(

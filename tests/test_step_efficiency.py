@@ -140,7 +140,7 @@ def test_fused_projections_train_as_the_separate_ones(monkeypatch):
 
 
 def test_compiled_layers_train_as_eager_ones_and_compile_once_for_any_length():
-    """``--compile``'s regions around attention (traced by torch's aot_eager backend here: the
+    """``--compile``'s regions around attention and its chunked loss (traced by torch's aot_eager backend here: the
     graph breaks and the decomposition are ours to check, the code generation is torch's), with
     full and selective checkpointing: the eager model's loss and gradients, and a wave of another
     length reuses the graphs."""
@@ -165,10 +165,10 @@ def test_compiled_layers_train_as_eager_ones_and_compile_once_for_any_length():
                 activation_checkpointing=True,
                 attention_backend="reference",
                 keep_attention=keep,
+                loss_chunk_tokens=32,  # the loss in chunks, each compiled
             )
             if compiled:
-                for layer in model.layers:
-                    layer.compile_regions(backend="aot_eager")
+                model.compile_regions(backend="aot_eager")
             loss = model(*batch([30, 45, 9]))
             loss.backward()
             results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
