@@ -17,7 +17,8 @@ segment's keys:
 row's blocks add up to the row's exact gradient.
 
 Backends: ``cudnn`` (cuDNN's fused attention through torch's aten ops, CUDA, fp16/bf16; in
-:mod:`hdp.attention.cudnn`), ``flash_attn`` (the package, CUDA, fp16/bf16), ``torch_flash``
+:mod:`hdp.attention.cudnn`), ``flash_attn`` (the package, CUDA, fp16/bf16), ``flash_attn_4``
+(FlashAttention-4, the ``flash-attn-4`` package, Hopper and later, fp16/bf16), ``torch_flash``
 (``torch.ops.aten._flash_attention_forward/_backward``, CUDA, fp16/bf16) and ``reference``
 (pure torch, any device and dtype, exact, memory-bounded: queries and keys are processed in chunks,
 never an ``L x L`` matrix).
@@ -368,6 +369,62 @@ class FlashAttnBackend:
         return dq, dk, dv
 
 
+class FlashAttn4Backend:
+    """FlashAttention-4's varlen kernels (the ``flash-attn-4`` package, CuTe DSL, compiled at
+    first use; CUDA compute capability 9.0 and later, fp16/bf16). Its beta releases add
+    parameters: every argument is passed by the name the package gives it, and a release that
+    lacks one of them is unavailable rather than called wrongly."""
+
+    name = "flash_attn_4"
+    host_lengths = False
+    _NEEDED = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale")
+
+    def __init__(self) -> None:
+        from flash_attn.cute import interface
+
+        self._fwd = interface._flash_attn_fwd
+        self._bwd = interface._flash_attn_bwd
+        for fn, extra in ((self._fwd, ("return_lse",)), (self._bwd, ())):
+            missing = set(self._NEEDED + extra) - set(inspect.signature(fn).parameters)
+            if missing:
+                raise RuntimeError(
+                    f"flash-attn-4's {fn.__name__} takes no {', '.join(sorted(missing))}: "
+                    "install a release that does"
+                )
+
+    def _lengths(self, cu_q, cu_k, max_q, max_k, causal, scale) -> dict:
+        return dict(
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            softmax_scale=scale,
+            causal=causal,
+        )
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return ReferenceBackend().forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        res = self._fwd(
+            q, k, v, return_lse=True, **self._lengths(cu_q, cu_k, max_q, max_k, causal, scale)
+        )
+        return res[0], res[1].float()  # lse: [heads, tokens] for varlen inputs
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        if q.shape[0] == 0 or k.shape[0] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        res = self._bwd(
+            q,
+            k,
+            v,
+            out,
+            dout.contiguous(),
+            lse.contiguous(),
+            **self._lengths(cu_q, cu_k, max_q, max_k, causal, scale),
+        )
+        return res[0], res[1], res[2]  # later releases add a sink's gradient
+
+
 _BACKENDS: dict[str, AttentionBackend] = {}
 # BACKEND_NAMES (from hdp, which names profile rows by it) is the order ``auto`` prefers them
 # in (see :func:`candidate_names`): every rank tries them in it.
@@ -387,6 +444,7 @@ def _backend_class(name: str):
         "reference": ReferenceBackend,
         "torch_flash": TorchFlashBackend,
         "flash_attn": FlashAttnBackend,
+        "flash_attn_4": FlashAttn4Backend,
     }.get(name)
 
 
@@ -418,7 +476,9 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 def candidate_names(device: torch.device, dtype: torch.dtype) -> list[str]:
     """The backends for ``device`` and ``dtype`` in the order ``auto`` tries them, the reference
     last: on CUDA with fp16/bf16, the ``flash_attn`` package, then PyTorch's FlashAttention, then
-    cuDNN on Hopper and later (compute capability 9.0+).
+    on Hopper and later (compute capability 9.0+) FlashAttention-4, then cuDNN. PyTorch's always
+    runs on CUDA, so ``auto`` reaches the last two only where torch lacks its kernels: they run by
+    name until a GPU's measurements put them first.
 
     cuDNN's kernels are faster on a shape they have seen, but torch builds a cuDNN graph for every
     new (batch, length) shape, and training's packed batches bring new shapes at every step: on
@@ -427,7 +487,10 @@ def candidate_names(device: torch.device, dtype: torch.dtype) -> list[str]:
     chosen only by name, or where neither FlashAttention runs."""
     gpu = device.type == "cuda" and dtype in _HALF
     hopper = gpu and cuda_capability(device) >= (9, 0)
-    return [n for n in BACKEND_NAMES if n == "reference" or (gpu and (n != "cudnn" or hopper))]
+    hopper_only = ("flash_attn_4", "cudnn")
+    return [
+        n for n in BACKEND_NAMES if n == "reference" or (gpu and (n not in hopper_only or hopper))
+    ]
 
 
 def select_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -45,7 +45,7 @@ from .profile_quality import Disagreement, Measurement, disagreements, forced, r
 
 # The attention kernels, in the order training's ``auto`` prefers them (``hdp.attention.kernels``);
 # a profile's attention rows are named by the backend that was measured.
-BACKEND_NAMES = ("flash_attn", "torch_flash", "cudnn", "reference")
+BACKEND_NAMES = ("flash_attn", "torch_flash", "flash_attn_4", "cudnn", "reference")
 # Names profiles written by an older hdp-calibrate gave their kernels.
 LEGACY_BACKEND_NAMES = {"flash": "torch_flash"}
 

@@ -37,7 +37,9 @@ Strategy = Literal["static", "ulysses", "hybridcp", "bytescale", "flexsp", "hdp"
 Sync = Literal["wave", "peer"]
 KVExchange = Literal["auto", "rank", "node", "ulysses"]
 NanPolicy = Literal["stop", "skip"]
-AttentionBackend = Literal["auto", "flash_attn", "torch_flash", "cudnn", "reference"]
+AttentionBackend = Literal[
+    "auto", "flash_attn", "torch_flash", "flash_attn_4", "cudnn", "reference"
+]
 Device = Literal["auto", "cuda", "cpu"]
 
 

@@ -271,7 +271,7 @@ def compare_backends(
     d: int,
     reps: int = 10,
     shapes=SHARD_SHAPES,
-    names=("cudnn", "flash_attn", "torch_flash"),
+    names=("cudnn", "flash_attn", "torch_flash", "flash_attn_4"),
     device: torch.device = CUDA,
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:

@@ -121,7 +121,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
-@pytest.mark.parametrize("name", ["cudnn", "torch_flash", "flash_attn"])
+@pytest.mark.parametrize("name", ["cudnn", "torch_flash", "flash_attn", "flash_attn_4"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_backends_match_the_reference(name, causal):
     try:
@@ -160,3 +160,92 @@ def test_gpu_backends_match_the_reference(name, causal):
     )
     for got, ref in ((dq, rq), (dk, rk), (dv, rv)):
         assert (got.double() - ref).abs().max() < 5e-2 * max(1.0, ref.abs().max().item())
+
+
+def _fake_flash_attn_4(monkeypatch, *, with_lse: bool = True):
+    """A stand-in for ``flash_attn.cute.interface`` with the package's parameter names (no
+    ``**kwargs``: a misnamed argument fails), computing with the reference backend."""
+    import sys
+    import types
+
+    ref = kernels.ReferenceBackend()
+
+    def fwd(
+        q,
+        k,
+        v,
+        qv=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        seqused_q=None,
+        seqused_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        softmax_scale=None,
+        causal=False,
+        return_lse=False,
+    ):
+        out, lse = ref.forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+        )
+        return out, (lse if return_lse else None), None, None, None
+
+    def bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        softmax_scale=None,
+        causal=False,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=None,
+        max_seqlen_k=None,
+        deterministic=False,
+    ):
+        grads = ref.backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal, softmax_scale,
+        )  # fmt: skip
+        return (*grads, None)
+
+    if not with_lse:
+        fwd = lambda q, k, v, cu_seqlens_q=None: None  # noqa: E731 - an older release's shape
+    interface = types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)
+    cute = types.ModuleType("flash_attn.cute")
+    cute.interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    monkeypatch.setattr(kernels, "_BACKENDS", {})
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attention_4_is_called_by_its_parameter_names(monkeypatch, causal):
+    """The FlashAttention-4 backend against the reference (float64, CPU), through a stand-in for
+    the package that takes the real one's parameter names and returns its tuples."""
+    _fake_flash_attn_4(monkeypatch)
+    be = get_backend("flash_attn_4")
+    lens = [1, 17, 40]
+    T = sum(lens)
+    cu = torch.tensor([0, 1, 18, 58], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    out, lse = be.forward(q, k, v, cu, cu, 40, 40, causal, 0.25)
+    want, want_lse = kernels.ReferenceBackend().forward(q, k, v, cu, cu, 40, 40, causal, 0.25)
+    assert torch.equal(out, want) and lse.shape == (4, T)
+    torch.testing.assert_close(lse, want_lse.float())
+    do = torch.randn(T, 4, 16, generator=g, dtype=torch.float64)
+    got = be.backward(do, q, k, v, want, want_lse, cu, cu, 40, 40, causal, 0.25)
+    ref = kernels.ReferenceBackend().backward(
+        do, q, k, v, want, want_lse, cu, cu, 40, 40, causal, 0.25
+    )
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_a_flash_attention_4_release_without_the_needed_parameters_is_unavailable(monkeypatch):
+    _fake_flash_attn_4(monkeypatch, with_lse=False)
+    with pytest.raises(BackendUnavailable, match="takes no .*return_lse"):
+        get_backend("flash_attn_4")

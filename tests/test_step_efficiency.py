@@ -140,10 +140,10 @@ def test_fused_projections_train_as_the_separate_ones(monkeypatch):
 
 
 def test_compiled_layers_train_as_eager_ones_and_compile_once_for_any_length():
-    """``--compile``'s regions around attention and its chunked loss (traced by torch's aot_eager backend here: the
-    graph breaks and the decomposition are ours to check, the code generation is torch's), with
-    full and selective checkpointing: the eager model's loss and gradients, and a wave of another
-    length reuses the graphs."""
+    """``--compile``'s regions around attention and its chunked loss (traced by torch's aot_eager
+    backend here: the graph breaks and the decomposition are ours to check, the code generation
+    is torch's), with full and selective checkpointing: the eager model's loss and gradients,
+    and a wave of another length reuses the graphs."""
     from torch._dynamo.utils import counters
 
     from hdp import Plan
