@@ -2,16 +2,9 @@
 
 Everything is per training step of one global batch. Units: seconds, bytes, FLOPs, tokens.
 
-Compute (per layer, training = forward + backward [+ forward again with activation
-checkpointing]):
-
-* dense layers: ``2 * P_layer`` FLOPs per token forward, x3 for training (x4 with checkpointing),
-  at ``linear_efficiency(tokens in the micro-batch)``;
-* the LM head: ``2 * vocab * hidden`` FLOPs per token forward, x3, once per step (not per layer);
-* attention: a query shard ``[a, b)`` of a causal sequence attends to ``(b - a) * (a + b + 1) / 2``
-  query-key pairs (all keys up to its own position); ``4 * heads * head_dim`` FLOPs per pair
-  forward, backward 2.5x forward (x3.5 training, x4.5 with checkpointing), at
-  ``attn_efficiency(b - a)`` -- the kernel's efficiency for a query block of that length.
+Compute: each layer's GEMMs, attention calls and memory-bound ops priced by the GPU profile's
+measured tables, with recompute under activation checkpointing (Note [What a layer costs] in
+:mod:`hdp.compute`); the LM head and loss once per micro-batch, the optimizer once per step.
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
@@ -29,8 +22,9 @@ once at the end (ZeRO-1/2, Megatron's distributed optimizer).
 
 Memory per rank per wave: static state (sharded fp32 master weights, gradients and AdamW moments;
 plus the unsharded bf16 parameters and fp32 gradient accumulators in ``peer`` sync), activations
-(per token: the layer inputs of all layers when checkpointing, less the part offloaded to host
-memory, plus one layer's working set), the chunked loss buffer and the in-flight KV/dKV blocks.
+(per token: the inputs of the recomputed layers, less the part offloaded to host memory, and
+the working sets of the others, at least one), the chunked loss buffer and the in-flight KV/dKV
+blocks.
 
 Step time: ``wave`` sync: the sum over waves of the slowest rank. ``peer`` sync: an event
 simulation in which the ranks sharing a sequence in a wave start together when the last of them
@@ -141,21 +135,14 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.dkv_bytes not in (2, 4):
             raise ValueError(f"dkv_bytes must be 2 or 4, got {self.dkv_bytes!r}")
-        layers = self.checkpointed_layers
-        if layers is not None and not 0 <= layers <= self.model.layers:
-            raise ValueError(
-                f"checkpointed_layers must be 0 to {self.model.layers} ({self.model.name}'s "
-                f"layers), got {layers}"
-            )
+        if not 0 <= self.recomputed_layers <= self.model.layers:
+            raise ValueError(f"checkpointed_layers must be 0 to {self.model.layers}")
 
     @property
     def recomputed_layers(self) -> int:
-        """Layers recomputed in backward: ``checkpointed_layers`` (every layer where ``None``)
-        with activation checkpointing, none without."""
-        if not self.activation_checkpointing:
-            return 0
-        every = self.model.layers
-        return every if self.checkpointed_layers is None else self.checkpointed_layers
+        """``checkpointed_layers`` (all where ``None``) with activation checkpointing, else 0."""
+        layers = self.checkpointed_layers
+        return (self.model.layers if layers is None else layers) * self.activation_checkpointing
 
     def with_exchange(self, kv_exchange: str) -> CostModel:
         """This model pricing ``kv_exchange`` for planners (the kernel tables are shared)."""

@@ -32,7 +32,7 @@ from hdp import MODEL_PRESETS, ClusterSpec, gpu_preset, model_preset
 from hdp.argtypes import choice, input_file, integer, number, size
 from hdp.attention import BACKEND_NAMES, BackendUnavailable, resolve_backend
 from hdp.dataloader import IGNORE_INDEX, BatchStream, SyntheticSource
-from hdp.launch.model import Attention, Llama
+from hdp.launch.model import Llama
 from hdp.launch.setup import detect_gpu
 from hdp.planner import StepPricing
 from hdp.workloads import workload_names
@@ -69,26 +69,21 @@ class _Varlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-class VarlenAttention(nn.Module):
-    """hdp's attention layer (its projections and RoPE) with one varlen kernel call."""
+def varlen_attend(spec, backend):
+    """An attention layer's ``attend`` as one varlen kernel call over the packed sequences."""
 
-    def __init__(self, attn: Attention, backend) -> None:
-        super().__init__()
-        self.spec, self.backend = attn.spec, backend
-        self.attn = attn
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Packed) -> torch.Tensor:
+        return _Varlen.apply(q, k, v, ctx.cu, ctx.max_len, spec.head_dim**-0.5, backend)
 
-    def forward(self, x: torch.Tensor, rope, ctx: Packed) -> torch.Tensor:
-        T, s = x.shape[0], self.spec
-        q, k, v = self.attn.qkv(x, rope)
-        out = _Varlen.apply(q, k, v, ctx.cu, ctx.max_len, s.head_dim**-0.5, self.backend)
-        return self.attn.o_proj(out.reshape(T, s.heads * s.head_dim))
+    return attend
 
 
 def plain_model(spec, backend, loss_chunk_tokens: int, checkpointing: bool = True) -> Llama:
-    """hdp's Llama with every layer's attention a :class:`VarlenAttention`."""
+    """hdp's Llama (its projections, RoPE, MLP and loss) with every layer's attention one
+    varlen kernel call instead of ``dist_attn``."""
     model = Llama(spec, activation_checkpointing=checkpointing, loss_chunk_tokens=loss_chunk_tokens)
     for layer in model.layers:
-        layer.attn = VarlenAttention(layer.attn, backend)
+        layer.attn.attend = varlen_attend(spec, backend)
     return model
 
 
