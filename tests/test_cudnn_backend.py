@@ -325,21 +325,22 @@ def test_selection_prefers_flash_and_takes_cudnn_only_without_it(monkeypatch):
     assert kernels.candidate_names(cuda, bf16) == [
         "flash_attn",
         "torch_flash",
+        "flash_attn_4",
         "cudnn",
         "reference",
     ]
     assert kernels.select_backend(cuda, bf16).name in ("flash_attn", "torch_flash")
     assert kernels.select_backend(cuda, torch.float32).name == "reference"
     assert kernels.select_backend(torch.device("cpu"), bf16).name == "reference"
-    _fresh(monkeypatch, capability=(8, 0))  # Ampere: no cuDNN candidate
-    assert "cudnn" not in kernels.candidate_names(cuda, bf16)
+    _fresh(monkeypatch, capability=(8, 0))  # Ampere: no cuDNN or FlashAttention-4 candidate
+    assert {"cudnn", "flash_attn_4"}.isdisjoint(kernels.candidate_names(cuda, bf16))
 
     class NoFlash:
         def __init__(self):
             raise RuntimeError("no FlashAttention in this build")
 
     real = kernels._backend_class
-    no_flash = {"flash_attn", "torch_flash"}
+    no_flash = {"flash_attn", "torch_flash", "flash_attn_4"}
     monkeypatch.setattr(kernels, "_backend_class", lambda n: NoFlash if n in no_flash else real(n))
     _fresh(monkeypatch)  # Hopper without FlashAttention: cuDNN
     assert kernels.select_backend(cuda, bf16).name == "cudnn"
@@ -361,7 +362,9 @@ def test_a_forced_backend_that_cannot_run_is_one_clear_line(monkeypatch):
     with pytest.raises(ValueError, match="runs on CUDA in fp16/bf16, not on cpu in float32") as e:
         resolve_backend("cudnn", cpu, torch.float32)
     assert "\n" not in str(e.value) and "'auto' or 'reference'" in str(e.value)
-    with pytest.raises(ValueError, match="choose flash_attn, torch_flash, cudnn, reference"):
+    with pytest.raises(
+        ValueError, match="choose flash_attn, torch_flash, flash_attn_4, cudnn, reference"
+    ):
         resolve_backend("xformers", cpu, torch.float32)
     monkeypatch.setattr(cudnn_mod, "cuda_unavailable", lambda: "no CUDA GPU is visible")
     with pytest.raises(BackendUnavailable, match="'cudnn' is unavailable: no CUDA GPU") as e:
