@@ -24,6 +24,7 @@ from hdp.argtypes import MAX_RANKS, command, integer, model, output_file, size
 from hdp.workloads import file_workload, get_workload, read_lengths, split_long, workload_names
 
 from . import STRATEGIES, PlanningError, StepPricing, get_strategy, plan_and_evaluate
+from .hybridcp import scheduler_name
 from .strategies import add_option_flags, options_from_flags
 
 # Sizes and counts of 0 are refused, not read as "the default": every flag is checked as given.
@@ -351,10 +352,11 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"hdp-plan: error: {e}", file=sys.stderr)
         return 2
     p = plan.predicted
+    by = f"; planned by {scheduler_name(plan)}" if args.strategy == "hybridcp" else ""
     print(
         f"{args.strategy}: {plural(lens.size, 'sequence')}, {int(lens.sum())} tokens on "
         f"{plural(cluster.num_ranks, 'rank')} in {plural(plan.num_waves, 'wave')} ({plan.sync} "
-        f"sync), {plural(plan.num_shards, 'shard')}"
+        f"sync), {plural(plan.num_shards, 'shard')}{by}"
     )
     print(
         f"predicted step {p['step_time_s']:.3f} s, lower bound {p['lower_bound_s']:.3f} s "

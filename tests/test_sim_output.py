@@ -53,3 +53,17 @@ def test_megatron_core_s_scheduler_is_named_and_plans_the_same_groups():
     *_, line = format_table(theirs).splitlines()
     assert re.match(r"hybridcp: planned by megatron-core [0-9.]+'s BalancedCPScheduler", line)
     assert "--hybridcp-impl ours" in line
+
+
+def test_hdp_plan_names_the_scheduler_of_a_hybridcp_plan(tmp_path, capsys):
+    from hdp.planner.cli import plan_main
+
+    lengths = tmp_path / "batch.txt"
+    lengths.write_text("\n".join(str(n) for n in (70_000, 30_000, 5_000, 800)) + "\n")
+    out = tmp_path / "PLAN.json"
+    args = ["--lengths", str(lengths), "--gpus", "16", "--out", str(out)]
+    assert plan_main([*args, "--strategy", "hybridcp"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("; planned by hdp's copy of Megatron's BalancedCPScheduler"), first
+    assert plan_main([*args, "--strategy", "static"]) == 0
+    assert "planned by" not in capsys.readouterr().out
