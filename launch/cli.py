@@ -21,7 +21,14 @@ from hdp.profile import ProfileError
 from .config import RunConfig, checked
 from .config_file import ConfigFileError, config_argv
 from .flags import build_parser, from_namespace
-from .launcher import launch, reports_errors, role, slurm_rank_environment, thread_count
+from .launcher import (
+    die_with_launcher,
+    launch,
+    reports_errors,
+    role,
+    slurm_rank_environment,
+    thread_count,
+)
 from .loggers import missing_package
 from .model_source import model_source
 from .resume import check_metrics_file
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> int:
         refuse(prog, str(e))
     if this == "srun":
         os.environ.update(slurm_rank_environment(os.environ) or {})
+    die_with_launcher()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(thread_count(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     rank, world, per_node, device = init_distributed(config.training.device, prog)

@@ -40,6 +40,7 @@ Worked example: ``srun --nodes 2 --ntasks-per-node 1 hdp-train --nproc-per-node 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -65,10 +66,11 @@ DEFAULT_PORT = 29500
 # then SIGKILL after as long again: a rank blocked on its lost peer may never return.
 FAILURE_GRACE_S = 10.0
 POLL_S = 0.1
+PR_SET_PDEATHSIG = 1  # prctl(2)
 ERROR_LINE = re.compile(r"^\S+: error: ")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's on a rank's uncaught exception
 HEADER = "=== hdp-train rank started"  # a log kept across runs: each run's part starts here
-MARKER = "HDP_LAUNCHER"  # set in the ranks this launcher starts: their output goes to files
+MARKER = "HDP_LAUNCHER"  # the launcher's pid, in the ranks it starts: their output goes to files
 
 
 def role(launcher: LauncherConfig, environ: Mapping[str, str]) -> Role:
@@ -287,6 +289,22 @@ class Failure:
         return 128 - self.code if self.code < 0 else self.code
 
 
+def die_with_launcher(environ: Mapping[str, str] = os.environ) -> None:
+    """In a rank this launcher started: SIGKILL when the launcher dies (Linux), so a launcher
+    killed outright (the OOM killer, ``kill -9``) leaves no ranks behind holding GPUs. Set by
+    the rank itself, not between fork and exec, where the launcher's threads make it unsafe;
+    a launcher already gone by then ends the rank here."""
+    launcher = environ.get(MARKER, "")
+    if not launcher.isdigit():
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):  # not Linux: ranks outlive a killed launcher
+        return
+    if os.getppid() != int(launcher):
+        os._exit(128 + signal.SIGKILL)
+
+
 class Ranks:
     """This node's ranks of one command line: started, signalled, waited for."""
 
@@ -310,7 +328,7 @@ class Ranks:
                 "OMP_NUM_THREADS": threads,
                 "PYTHONUNBUFFERED": "1",  # lines reach the log and the screen as written
                 "HDP_PROG": self.prog,
-                MARKER: "1",
+                MARKER: str(os.getpid()),
             }
             log = open(self.log(rank), "ab")  # the rank's own: it writes there until it ends
             log.write(f"{HEADER} {datetime.now():%Y-%m-%d %H:%M:%S}: {command}\n".encode())
@@ -407,6 +425,8 @@ def launch(config: RunConfig, argv: list[str], prog: str) -> int:
     previous = {sig: signal.signal(sig, ranks.forward) for sig in FORWARDED}
     try:
         ranks.start(os.environ)
+        if ranks.signalled is not None:  # it came before there were ranks to forward it to
+            ranks.send(ranks.signalled)
         failure = ranks.wait()
     finally:
         for sig, handler in previous.items():
@@ -422,6 +442,7 @@ __all__ = [
     "NodeLayout",
     "Ranks",
     "error_line",
+    "die_with_launcher",
     "first_host",
     "launch",
     "node_layout",

@@ -278,3 +278,42 @@ def test_a_failed_rank_is_one_line_naming_its_log(tmp_path, ranks):
     )
     assert "Traceback" not in done.stdout + done.stderr  # in the logs, not on the screen
     assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(ranks)]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while listed
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_launcher_killed_outright_leaves_no_ranks(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    with open(tmp_path / "screen.txt", "w") as out:
+        job = start(["--nproc-per-node", "2", "--steps", "500", "--metrics", str(metrics)], out)
+        deadline = time.monotonic() + patient(300)
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        ranks = children(job.pid)
+        assert len(ranks) == 2
+        job.kill()
+        job.wait()
+    deadline = time.monotonic() + patient(30)
+    while any(running(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.1)
