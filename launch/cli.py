@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,8 @@ def check_environment(config: RunConfig) -> None:
         if getattr(config.output, flag) and (why := missing_package(flag)):
             raise ValueError(why)
     check_metrics_file(config.output.metrics)
+    if config.training.fused_loss and importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("--fused-loss needs liger-kernel: pip install 'hdp-llm[liger]'")
     kill_point()
     model_source(config.model, config.data.tokenizer)
     if planning.gpu_profile:

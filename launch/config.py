@@ -132,6 +132,7 @@ class TrainingConfig(_Section):
         (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1), "exit_signal"
     )
     compile: bool = _flag(False)
+    fused_loss: bool = _flag(False)
     attention_backend: AttentionBackend = _flag("auto")  # "auto" until training resolves it
     device: Device = _flag("auto")
 

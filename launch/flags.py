@@ -229,6 +229,12 @@ def _training_flags(g) -> None:
         "first step says how long compiling took); see Note [Compiled layers] in launch/model.py",
     )
     g.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="the LM head and cross-entropy as Liger-Kernel's fused kernel (CUDA; pip install "
+        "'hdp-llm[liger]'): no logits are written out, instead of 4K-token chunks",
+    )
+    g.add_argument(
         "--attention-backend",
         type=choice(choices(TrainingConfig, "attention_backend"), "attention backend"),
         default="auto",

@@ -213,9 +213,11 @@ class Llama(nn.Module):
         attention_backend: str | None = None,
         keep_attention: bool = False,
         checkpointed_layers: int | None = None,
+        fused_loss: bool = False,
     ) -> None:
         super().__init__()
         self.spec = spec
+        self.fused_loss = fused_loss
         self.activation_checkpointing = activation_checkpointing
         self.keep_attention = activation_checkpointing and keep_attention
         # The first layers are the recomputed ones: the others' backward, which frees their
@@ -280,6 +282,8 @@ class Llama(nn.Module):
         h = self.norm(x)
         if labels is None:
             return self.lm_head(h).float()
+        if self.fused_loss and h.shape[0] > 0:  # a token-less pass keeps the head in the graph
+            return fused_token_loss_sum(h, self.lm_head.weight, labels)
         if h.shape[0] <= self.loss_chunk_tokens:  # one chunk: its logits are the budgeted buffer
             return self._chunk_loss(h, labels)
         total = None
@@ -304,6 +308,26 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the layers compute in: autocast's where it is on, else ``x``'s."""
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def fused_token_loss_sum(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """:func:`token_loss_sum` of ``h @ weight.T`` by Liger-Kernel's fused linear cross-entropy:
+    the logits are never written out, and the gradients of ``h`` and ``weight`` are computed in
+    forward, so nothing is recomputed (``--fused-loss``). Both run in the compute dtype."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    dtype = compute_dtype(h)
+    loss = liger_fused_linear_cross_entropy(
+        h.to(dtype).contiguous(),
+        weight.to(dtype),
+        labels,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    loss = loss[0] if isinstance(loss, tuple) else loss  # releases that also return a z-loss
+    return loss.float()
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

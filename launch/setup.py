@@ -70,6 +70,11 @@ def resolve_auto(
         config.training.attention_backend, spec=spec, device=device, log=log
     )
     config = config.resolved(training={"attention_backend": backend})
+    if config.training.fused_loss and device.type != "cuda":
+        raise ValueError(
+            f"--fused-loss runs Liger-Kernel's Triton kernels, on CUDA only, not on "
+            f"{device.type}: leave it out"
+        )
     given = config.planning.checkpointed_layers
     if given is not None and given > spec.layers:
         raise ValueError(
@@ -278,6 +283,7 @@ def build_model(
             # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
             # model's memory estimate assumes full checkpointing.
             keep_attention=config.planning.keep_attention,
+            fused_loss=config.training.fused_loss,
         )
     if checkpoint is None:
         model.to(device)

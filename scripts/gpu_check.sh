@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh [--only SECTION,...] [--full] [OUT_DIR]
 # Sections, in the order they run (each under its own time limit, so one hang costs its limit,
 # not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate; compile
-# (after train32k: the same run with --compile, tokens/s side by side) runs when named; --full
-# adds the CPU test suite under the CUDA torch (7-9 minutes on 16 cores). On an H200, tests,
+# and fusedloss (after train32k: the same run with --compile or --fused-loss, tokens/s side by
+# side) run when named; --full adds the CPU test suite under the CUDA torch (7-9 minutes on 16
+# cores). On an H200, tests,
 # train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2.
 # Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository's
 # folders are laid out as the hdp namespace in a scratch folder of links and put on PYTHONPATH;
@@ -20,14 +21,14 @@ while [ $# -gt 0 ]; do
   case $1 in
     --only) ONLY=$2; shift 2 ;;
     --full) ONLY="$ONLY,suite"; shift ;;
-    -h|--help) sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) OUT_DIR=$1; shift ;;
   esac
 done
 for s in ${ONLY//,/ }; do
   case $s in
-    tests|train32k|compile|backends|plans|train128k|blocks|calibrate|suite) ;;
+    tests|train32k|compile|fusedloss|backends|plans|train128k|blocks|calibrate|suite) ;;
     *) echo "gpu_check.sh: unknown section '$s' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -100,22 +101,26 @@ train() {  # train SEQ TOKENS WORKLOAD STEPS
   done
 }
 wanted train32k && train 32K 64K wlb-128k 8
-# --compile on the same batches (Note [Compiled layers]): its first step's compile time, and the
-# median tokens/s of steps 3 on beside the eager run's of train32k.
-if wanted compile; then
-  run 300 "llama-1b training at 32K with --compile" $PY -m torch.distributed.run --standalone \
+# The same run as train32k with one technique on (--compile: Note [Compiled layers];
+# --fused-loss: Liger-Kernel's fused cross-entropy), and the median tokens/s of steps 3 on of
+# both side by side.
+variant() {  # variant NAME FLAG
+  local name=$1 flag=$2
+  run 300 "llama-1b training at 32K with $flag" $PY -m torch.distributed.run --standalone \
     --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K \
-    --tokens-per-step 64K --steps 8 --warmup 2 --activation-checkpointing --compile \
-    --metrics "$OUT_DIR/train_metrics_32K_compile.jsonl"
-  run 30 "compiled / eager tokens/s at 32K" $PY -c '
+    --tokens-per-step 64K --steps 8 --warmup 2 --activation-checkpointing "$flag" \
+    --metrics "$OUT_DIR/train_metrics_32K_$name.jsonl"
+  run 30 "$name / eager tokens/s at 32K" $PY -c '
 import json, statistics, sys
 rates = []
 for path in sys.argv[1:]:
     rows = [json.loads(line) for line in open(path)][2:]
     rates.append(statistics.median(r["tokens"] / r["step_time_s"] for r in rows))
-print(f"eager {rates[0]:,.0f} tokens/s, compiled {rates[1]:,.0f}: {rates[1] / rates[0]:.3f}x")
-' "$OUT_DIR/train_metrics_32K.jsonl" "$OUT_DIR/train_metrics_32K_compile.jsonl"
-fi
+print(f"eager {rates[0]:,.0f} tokens/s, {sys.argv[2]}: {rates[1]:,.0f} ({rates[1] / rates[0]:.3f}x)")
+' "$OUT_DIR/train_metrics_32K.jsonl" "$OUT_DIR/train_metrics_32K_$name.jsonl"
+}
+wanted compile && variant compile --compile
+wanted fusedloss && variant fusedloss --fused-loss
 # Each attention backend's forward and backward TFLOP/s on the shard shapes, side by side.
 if wanted backends; then
   run 180 "attention backends on shard shapes, head_dim 128" $PY scripts/bench_attention.py \

@@ -1,6 +1,7 @@
 """The step's memory-bound work where it can be checked on CPU: batch copies,
 the optimizer's fused kernel, and selective activation checkpointing."""
 
+import pytest
 import torch
 
 from hdp import model_preset
@@ -261,3 +262,79 @@ def test_the_fewest_recomputed_layers_are_those_a_scan_finds():
             config, spec=spec, world=world, per_node=world, device=device
         )
         assert found == scan, (max_seq, tokens, world)
+
+
+def _liger_stand_in(monkeypatch):
+    """``liger_kernel.transformers.functional`` with the package's parameter names (no
+    ``**kwargs``), computing the cross-entropy of the full logits."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    def liger_fused_linear_cross_entropy(
+        input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+        lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+        return_z_loss=False, accum_dtype=None,
+    ):  # fmt: skip
+        logits = F.linear(input, weight).float()
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+
+
+def test_the_fused_loss_is_called_as_liger_kernel_takes_it(monkeypatch):
+    """``--fused-loss``'s wiring (labels, the ignored index, the sum, the token-less pass) against
+    the chunked loss, float64 on the CPU through a stand-in with Liger-Kernel's parameter names."""
+    from hdp import Plan
+    from hdp.dataloader import IGNORE_INDEX
+    from hdp.launch.model import AttentionContext
+
+    _liger_stand_in(monkeypatch)
+    plan = Plan.from_shards([40, 21], 1, [[[(0, 0, 40), (1, 0, 21)]]])
+    ids = torch.randint(0, 512, (61,), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[[0, 39, 60]] = IGNORE_INDEX
+    pos = torch.cat([torch.arange(40), torch.arange(21)])
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = Llama(
+            model_preset("tiny"), attention_backend="reference", loss_chunk_tokens=16,
+            fused_loss=fused,
+        ).double()  # fmt: skip
+        loss = model(ids, pos, AttentionContext(plan, 0), labels)
+        empty = torch.zeros(0, dtype=torch.int64)
+        (loss + model(empty, empty, AttentionContext(None, -1), empty)).backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):  # both losses in fp32: summed in chunks, or at once
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_liger_kernels_fused_loss_matches_the_chunked_loss_on_a_gpu():
+    pytest.importorskip("liger_kernel", reason="liger-kernel not installed")
+    from hdp.launch.model import token_loss_sum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(5000, 256, device="cuda", generator=g, requires_grad=True)
+    w = (torch.randn(32000, 256, device="cuda", generator=g) * 0.05).requires_grad_()
+    labels = torch.randint(0, 32000, (5000,), device="cuda", generator=g)
+    results = []
+    for fused in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if fused:
+                from hdp.launch.model import fused_token_loss_sum
+
+                loss = fused_token_loss_sum(h, w, labels)
+            else:
+                loss = token_loss_sum(torch.nn.functional.linear(h, w).float(), labels)
+        loss.backward()
+        results.append((loss.detach(), h.grad.clone(), w.grad.clone()))
+        h.grad = w.grad = None
+    for a, b in zip(*results):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)

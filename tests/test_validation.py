@@ -81,6 +81,7 @@ def test_parse_size_refuses_what_is_not_finite(text):
             "--checkpointed-layers applies with activation checkpointing",
         ),
         (["--nnodes", "2"], "--nnodes applies only with --nproc-per-node"),
+        (["--fused-loss"], "--fused-loss needs liger-kernel: pip install 'hdp-llm[liger]'"),
         (["--checkpoint-dir", "{file}"], "argument --checkpoint-dir: {file} exists and is not a"),
         (["--metrics", "{file}/m.jsonl"], "argument --metrics: cannot create {file}/m.jsonl: "),
     ],
