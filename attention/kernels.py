@@ -384,7 +384,7 @@ class FlashAttn4Backend:
 
         self._fwd = interface._flash_attn_fwd
         self._bwd = interface._flash_attn_bwd
-        for fn, extra in ((self._fwd, ("return_lse",)), (self._bwd, ())):
+        for fn, extra in ((self._fwd, ("return_lse",)), (self._bwd, ("deterministic",))):
             missing = set(self._NEEDED + extra) - set(inspect.signature(fn).parameters)
             if missing:
                 raise RuntimeError(
@@ -420,6 +420,7 @@ class FlashAttn4Backend:
             out,
             dout.contiguous(),
             lse.contiguous(),
+            deterministic=True,  # its default sums dQ (and GQA's dK/dV) with atomics
             **self._lengths(cu_q, cu_k, max_q, max_k, causal, scale),
         )
         return res[0], res[1], res[2]  # later releases add a sink's gradient

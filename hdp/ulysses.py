@@ -43,8 +43,10 @@ class UlyssesLinks:
     nvlink_bytes: np.ndarray
 
 
-def bytes_per_member(model: ModelSpec, length, degree, checkpointing: bool) -> np.ndarray:
-    """Bytes one member sends (and receives) in one layer's training all-to-alls."""
+def bytes_per_member(model: ModelSpec, length, degree, recomputed: float) -> np.ndarray:
+    """Bytes one member sends (and receives) in one layer's training all-to-alls, the layer's
+    forward run again in the share ``recomputed`` of the layers (activation checkpointing: 1 for
+    every layer, 0 for none)."""
     L = np.asarray(length, dtype=np.float64)
     g = np.asarray(degree, dtype=np.float64)
     d, b = model.head_dim, model.dtype_bytes
@@ -53,15 +55,15 @@ def bytes_per_member(model: ModelSpec, length, degree, checkpointing: bool) -> n
     q_o = 2 * local * share * model.heads * d * b  # Q out, O back
     kv = 2 * local * (g - 1) * np.maximum(model.kv_heads / g, 1.0) * d * b
     forward = q_o + kv
-    passes = 3.0 if checkpointing else 2.0  # forward, [forward again], backward (dO, dQ/dK/dV)
+    passes = 2.0 + recomputed  # forward, [forward again], backward (dO, dQ/dK/dV)
     return np.where(g > 1, passes * forward, 0.0)
 
 
-def links(model: ModelSpec, cluster: ClusterSpec, length, degree, checkpointing) -> UlyssesLinks:
+def links(model: ModelSpec, cluster: ClusterSpec, length, degree, recomputed) -> UlyssesLinks:
     """Per member: :func:`bytes_per_member` split by link for a group of ``degree`` consecutive
     ranks from a node boundary (peers on its own node over NVLink)."""
     g = np.asarray(degree, dtype=np.float64)
-    total = bytes_per_member(model, length, degree, checkpointing)
+    total = bytes_per_member(model, length, degree, recomputed)
     local_peers = np.minimum(g, cluster.ranks_per_node) - 1
     nic_share = np.where(g > 1, (g - 1 - local_peers) / np.maximum(g - 1, 1), 0.0)
     return UlyssesLinks(total * nic_share, total * (1 - nic_share))
@@ -73,13 +75,14 @@ def link_seconds(gpu: GPUProfile, lk: UlyssesLinks) -> np.ndarray:
     return np.maximum(nic, lk.nvlink_bytes / (gpu.nvlink_bw * gpu.alltoall_nvlink_share))
 
 
-def comm_time(model: ModelSpec, cluster: ClusterSpec, length, degree, checkpointing) -> np.ndarray:
-    """One layer's training all-to-all time of one member, seconds (not overlapped)."""
+def comm_time(model: ModelSpec, cluster: ClusterSpec, length, degree, recomputed) -> np.ndarray:
+    """One layer's training all-to-all time of one member, seconds (not overlapped); ``recomputed``
+    as for :func:`bytes_per_member`."""
     gpu = cluster.gpu
-    lk = links(model, cluster, length, degree, checkpointing)
+    lk = links(model, cluster, length, degree, recomputed)
     g = np.asarray(degree, dtype=np.float64)
     lat = np.where(lk.nic_bytes > 0, gpu.nic_latency, gpu.nvlink_latency)
-    calls = 6.0 if checkpointing else 4.0  # QKV and O forward [and again], dO and dQKV backward
+    calls = 4.0 + 2.0 * recomputed  # QKV and O forward [and again], dO and dQKV backward
     t = link_seconds(gpu, lk) + calls * lat
     return np.where(g > 1, t, 0.0)
 

@@ -14,10 +14,11 @@ flags before anything is built:
 * **the launcher**, given ``--nproc-per-node N``: it starts N ranks of its own command line on
   this node (:class:`Ranks`), meeting at a store that node 0's launcher holds (as torchrun's
   agent does: bound before any rank starts, so no port is raced for), each with its output in
-  ``rankR.log`` and rank 0's on the screen too; it forwards SIGTERM, SIGINT, SIGUSR1, SIGUSR2
-  and SIGHUP to them and waits as long as they take to save (torchrun kills its ranks after a
-  shutdown timeout); it exits 0 when every rank did, and otherwise reports the first rank that
-  failed in one line and stops the others;
+  ``rankR.log`` and rank 0's on the screen too; it forwards the signals the ranks stop on
+  (``--exit-signal``: SIGTERM, SIGINT and SIGUSR1 by default; one the launcher was started
+  ignoring, as ``nohup`` ignores SIGHUP, stays ignored) and waits as long as the ranks take to
+  save (torchrun kills its ranks after a shutdown timeout); it exits 0 when every rank did, and
+  otherwise reports the first rank that failed in one line and stops the others;
 * **a lone process**: one rank without a process group.
 
 A rank that sets no thread count of its own (``OMP_NUM_THREADS``) uses the cores not already
@@ -60,12 +61,12 @@ from torch.distributed import TCPStore
 from .config import LauncherConfig, RunConfig
 
 Role = Literal["rank", "srun", "launcher", "lone"]
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 DEFAULT_PORT = 29500
 # After a rank fails, the others get this long to fail or finish on their own, then SIGTERM,
 # then SIGKILL after as long again: a rank blocked on its lost peer may never return.
 FAILURE_GRACE_S = 10.0
 POLL_S = 0.1
+TEE_JOIN_S = 5.0
 PR_SET_PDEATHSIG = 1  # prctl(2)
 ERROR_LINE = re.compile(r"^\S+: error: ")
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch's on a rank's uncaught exception
@@ -125,10 +126,12 @@ def _tasks_on_node(text: str, node: int) -> int:
 
 
 def slurm_port(environ: Mapping[str, str]) -> int:
-    """``MASTER_PORT`` if set, else one per Slurm job (two jobs sharing a node do not meet)."""
+    """``MASTER_PORT`` if set, else one per Slurm job step (two jobs sharing a node, or two steps
+    of one job, do not meet), below Linux's ephemeral ports (32768 on)."""
     if "MASTER_PORT" in environ:
         return int(environ["MASTER_PORT"])
-    return 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000
+    job, step = (int(environ.get(k, "0") or 0) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+    return 20000 + (job + step) % 10000
 
 
 def slurm_rank_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
@@ -196,6 +199,13 @@ def node_layout(launcher: LauncherConfig, environ: Mapping[str, str]) -> NodeLay
     is left out under ``srun``. Raises ValueError naming the flag that is missing."""
     slurm = "SLURM_STEP_ID" in environ
     nnodes = launcher.nnodes or int(environ.get("SLURM_NNODES", "1") if slurm else 1)
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS", nnodes)) if slurm else nnodes
+    if tasks > nnodes:
+        raise ValueError(
+            f"--nproc-per-node starts each node's ranks, but srun started {tasks} tasks on "
+            f"{nnodes} nodes: run one task per node (srun --ntasks-per-node 1), or leave out "
+            "--nproc-per-node and let srun start one task per rank"
+        )
     node_rank = launcher.node_rank
     if node_rank is None:
         node_rank = int(environ.get("SLURM_NODEID", "0")) if slurm else 0
@@ -313,6 +323,7 @@ class Ranks:
         self.procs: dict[int, subprocess.Popen] = {}
         self.tees: list[_Tee] = []
         self.signalled: signal.Signals | None = None
+        self.rank0_log: IO[bytes] | None = None
 
     def log(self, rank: int) -> Path:
         return self.folder / f"rank{rank}.log"
@@ -338,6 +349,7 @@ class Ranks:
                     command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                 )  # fmt: skip
+                self.rank0_log = log
                 lock = threading.Lock()
                 self.tees = [
                     _Tee(proc.stdout, sys.stdout, log, lock),
@@ -388,8 +400,10 @@ class Ranks:
                 self.send(signal.SIGTERM)
                 stop_at, kill_at = float("inf"), now + FAILURE_GRACE_S
             time.sleep(POLL_S)
-        for tee in self.tees:
-            tee.join()
+        for tee in self.tees:  # a process that inherited rank 0's pipes may hold them open
+            tee.join(timeout=TEE_JOIN_S)
+        if self.rank0_log is not None:
+            self.rank0_log.close()
         return failure or self._failed()
 
     def report(self, failure: Failure) -> str:
@@ -422,7 +436,12 @@ def launch(config: RunConfig, argv: list[str], prog: str) -> int:
         file=sys.stderr,
         flush=True,
     )
-    previous = {sig: signal.signal(sig, ranks.forward) for sig in FORWARDED}
+    previous = {
+        sig: signal.signal(sig, ranks.forward)
+        for sig in config.training.exit_signals
+        if signal.getsignal(sig)
+        is not signal.SIG_IGN  # nohup's SIGHUP stays ignored, in the ranks too
+    }
     try:
         ranks.start(os.environ)
         if ranks.signalled is not None:  # it came before there were ranks to forward it to

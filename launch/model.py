@@ -267,7 +267,8 @@ class Llama(nn.Module):
         # Selective offload: the first ``offload`` share of the recomputed layers (of all, without
         # checkpointing) keep what backward needs (with checkpointing, just their inputs) in host
         # memory, copied back when backward comes.
-        offloaded = round(ctx.offload * (self.checkpointed_layers or len(self.layers)))
+        held = self.checkpointed_layers if self.activation_checkpointing else len(self.layers)
+        offloaded = round(ctx.offload * held)
         for i, layer in enumerate(self.layers):
             with (
                 torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)

@@ -6,20 +6,21 @@ Note [Recomputing the fewest layers]
 ------------------------------------
 Without ``--activation-checkpointing`` or ``--no-activation-checkpointing``, a run recomputes
 nothing where ``--max-seq`` fits the ranks without it. Where it does not, it recomputes the first
-``k`` decoder layers only, ``k`` the fewest with which a step plans as it would with every layer
-recomputed: in the same sync mode, and with a rank's share of a step's tokens in as few waves
-(:func:`fewest_checkpointed_layers`). Each layer kept whole saves a forward in backward (about a
-quarter of its time) and costs memory for its activations: a layer's working set instead of its
-input. The cost model prices both (Note [What a layer costs] in :mod:`hdp.compute`, the memory in
-``docs/cost_model.md``); fewer recomputed layers always hold fewer tokens, so a bisection finds
-``k``.
+``k`` decoder layers only, ``k`` the fewest with which a step plans as it would with all but the
+last recomputed: in the same sync mode, and with a rank's share of a step's tokens in as few
+waves (:func:`fewest_checkpointed_layers`). Each layer kept whole saves a forward in backward
+(about a quarter of its time) and costs memory for its activations: a layer's working set instead
+of its input. The cost model prices both (Note [What a layer costs] in :mod:`hdp.compute`, the
+memory in ``docs/cost_model.md``). Keeping the last layer whole never costs memory (its
+activations are alive only as long as a recomputed layer's would be, and its input need not be
+kept), so ``L - 1`` recomputed layers hold the most tokens; below it, fewer recomputed layers
+always hold fewer, so a bisection finds ``k``.
 
 Worked example, llama-1b (16 layers) on one rank priced as an H100, ``--max-seq 64K
 --tokens-per-step 128K``: without recompute a rank holds 33,536 tokens, less than one sequence.
 With all 16 layers recomputed it holds 301,568, so a step takes one wave; with 13, 147,712 (one
 wave); with 12, 117,120 (two). The run recomputes 13 layers: the dense work of a step is priced
-3.53 s instead of 3.65 s. (Keeping the last layer whole never costs memory: its activations are
-alive only as long as a recomputed layer's would be, while its input need not be kept.)
+3.53 s instead of 3.65 s.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def fewest_checkpointed_layers(
     config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
 ) -> int:
     """Note [Recomputing the fewest layers]: the fewest first layers to recompute such that a
-    step plans as with every layer recomputed, in the same sync mode and as few waves."""
+    step plans as with all but the last recomputed (the most tokens a rank holds), in the same
+    sync mode and as few waves."""
     strategy = get_strategy(config.planning.strategy)
     share = -(-(config.data.tokens_per_step or 0) // world)  # a rank's tokens of a step
 
@@ -181,10 +183,11 @@ def fewest_checkpointed_layers(
             return None
         return sync, -(-share // cap)
 
-    every = settled(spec.layers)
+    most = max(spec.layers - 1, 1)
+    every = settled(most)
     if every is None:
         return spec.layers  # planning says why once training plans
-    low, high = -1, spec.layers  # settled(high) == every; fewer layers never plan better
+    low, high = -1, most  # settled(high) == every; fewer layers hold fewer tokens
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if settled(mid) == every else (mid, high)

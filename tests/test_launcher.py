@@ -120,6 +120,8 @@ def test_a_node_layout_from_the_flags_or_from_slurm():
     assert layout.environment(11)["LOCAL_RANK"] == "3"
     with pytest.raises(ValueError, match="--nnodes 2 needs --rdzv-endpoint"):
         node_layout(LauncherConfig(nproc_per_node=8, nnodes=2), {})
+    with pytest.raises(ValueError, match="srun started 16 tasks on 2 nodes"):
+        node_layout(LauncherConfig(nproc_per_node=8), {**under_srun, "SLURM_STEP_NUM_TASKS": "16"})
     with pytest.raises(ValueError, match="expected HOST or HOST:PORT"):
         node_layout(LauncherConfig(nproc_per_node=8, rdzv_endpoint="gpu07:http"), {})
 
@@ -317,3 +319,27 @@ def test_a_launcher_killed_outright_leaves_no_ranks(tmp_path):
     while any(running(pid) for pid in ranks):
         assert time.monotonic() < deadline, "ranks outlived their launcher"
         time.sleep(0.1)
+
+
+def test_under_nohup_a_hangup_reaches_no_rank(tmp_path):
+    """A launcher started with SIGHUP ignored (``nohup``) leaves it ignored in its ranks: a
+    hangup to all of them changes nothing, and SIGTERM still saves and exits 0."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    flags = ["--nproc-per-node", "2", "--steps", "200", "--checkpoint-dir", str(ck)]
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with open(tmp_path / "screen.txt", "w") as out:
+            job = start([*flags, "--metrics", str(metrics)], out)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    deadline = time.monotonic() + patient(300)
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    for pid in [job.pid, *children(job.pid)]:
+        os.kill(pid, signal.SIGHUP)
+    time.sleep(1.5)
+    assert job.poll() is None and len(children(job.pid)) == 2
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=patient(300)) == 0
+    assert checkpoint.select(ck) is not None
