@@ -173,14 +173,14 @@ class CostModel:
             self.loss_chunk_tokens,
             self.attention_backend,
             self.tensor_parallel,
-            self.recomputed_layers / self.model.layers if self.activation_checkpointing else 1.0,
+            self.recomputed_layers / self.model.layers,
         )
 
     @property
     def attn_fwd_share(self) -> float:
         """Part of a layer's attention time spent in the forward pass: backward does 2.5x the
         forward's FLOPs, and with checkpointing also the forward again."""
-        return 1.0 / (3.5 + self.recomputed_layers / self.model.layers)
+        return 1.0 / (3.5 + self.compute.recomputed)
 
     @staticmethod
     def causal_pairs(start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:

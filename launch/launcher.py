@@ -99,9 +99,8 @@ def reports_errors(environ: Mapping[str, str] = os.environ) -> bool:
         return True
     if "RANK" in environ:
         return environ["RANK"] == "0"
-    if "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ:
-        return environ["SLURM_PROCID"] == "0"
-    return True
+    slurm = slurm_rank_environment(environ)
+    return slurm is None or slurm["RANK"] == "0"
 
 
 def first_host(nodelist: str) -> str:
@@ -344,26 +343,25 @@ class Ranks:
             log = open(self.log(rank), "ab")  # the rank's own: it writes there until it ends
             log.write(f"{HEADER} {datetime.now():%Y-%m-%d %H:%M:%S}: {command}\n".encode())
             log.flush()
-            if rank == 0:
-                proc = subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                )  # fmt: skip
-                self.rank0_log = log
-                lock = threading.Lock()
-                self.tees = [
-                    _Tee(proc.stdout, sys.stdout, log, lock),
-                    _Tee(proc.stderr, sys.stderr, log, lock),
-                ]
-                for tee in self.tees:
-                    tee.start()
-            else:
-                proc = subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
-                log.close()  # the rank has its own copy
+            shown = rank == 0  # its output to the screen too, through two tees
+            proc = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if shown else log,
+                stderr=subprocess.PIPE if shown else subprocess.STDOUT,
+            )
             self.procs[rank] = proc
+            if not shown:
+                log.close()  # the rank has its own copy
+                continue
+            self.rank0_log, lock = log, threading.Lock()
+            self.tees = [
+                _Tee(proc.stdout, sys.stdout, log, lock),
+                _Tee(proc.stderr, sys.stderr, log, lock),
+            ]
+            for tee in self.tees:
+                tee.start()
 
     def forward(self, signum: int, frame=None) -> None:
         """A signal handler: the signal to every rank still running."""

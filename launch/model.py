@@ -104,7 +104,9 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], *, fused: bool) -> 
 class Attention(nn.Module):
     """Grouped-query self-attention through :func:`hdp.attention.dist_attn`; ``backend`` names its
     kernels (``None``: the fastest for the device and dtype,
-    :func:`hdp.attention.select_backend`)."""
+    :func:`hdp.attention.select_backend`). Its layer calls it in parts, :meth:`qkv`,
+    :meth:`attend` and ``o_proj``, so the parts around attention can be compiled and recomputed
+    apart from it (Note [Compiled layers])."""
 
     def __init__(self, spec: ModelSpec, backend: str | None = None) -> None:
         super().__init__()
@@ -118,10 +120,6 @@ class Attention(nn.Module):
         if spec.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
             self.q_norm = RMSNorm(hd, spec.norm_eps)
             self.k_norm = RMSNorm(hd, spec.norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
-        out = self.attend(*self.qkv(x, rope), ctx)
-        return self.o_proj(out.reshape(x.shape[0], out.shape[1] * out.shape[2]))
 
     def qkv(self, x: torch.Tensor, rope: RopeAngles):
         """Queries and keys (rotated) and values of ``x``: ``[T, heads or kv_heads, head_dim]``."""

@@ -171,14 +171,12 @@ def fewest_checkpointed_layers(
     sync mode and as few waves."""
     strategy = get_strategy(config.planning.strategy)
     share = -(-(config.data.tokens_per_step or 0) // world)  # a rank's tokens of a step
+    pricing = build_pricing(config, spec=spec, world=world, per_node=per_node, device=device)
 
     def settled(layers: int) -> tuple[str, int] | None:
-        with_layers = config.resolved(planning={"checkpointed_layers": layers})
-        pricing = build_pricing(
-            with_layers, spec=spec, world=world, per_node=per_node, device=device
-        )
+        cost = replace(pricing.cost, checkpointed_layers=layers)
         try:
-            _, sync, cap = pricing.settle(strategy, config.data.max_seq)
+            _, sync, cap = replace(pricing, cost=cost).settle(strategy, config.data.max_seq)
         except PlanningError:
             return None
         return sync, -(-share // cap)

@@ -174,8 +174,7 @@ def _job_time(ctx: Context, length: int, degree: int) -> float:
         return float(split_times(cost, np.array([length]), np.array([degree]), ctx.sync)[0][0])
     m = cost.model
     attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0]) / degree
-    share = cost.recomputed_layers / m.layers
-    comm = float(ulysses.comm_time(m, cost.cluster, length, degree, share))
+    comm = float(ulysses.comm_time(m, cost.cluster, length, degree, cost.compute.recomputed))
     dense = float(cost.dense_time(np.array([-(-length // degree)]))[0])
     return m.layers * (attn + comm) + dense
 

@@ -203,7 +203,7 @@ def head_split_times(
     d = parts[rep]
     whole = cost.attn_time(np.zeros(lengths.size), lengths)[rep]
     compute = m.layers * whole / d + cost.dense_time(held)
-    ckpt = cost.recomputed_layers / m.layers
+    ckpt = cost.compute.recomputed
     comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
     n = lengths.size
     busy, height, most = _jobs(cost, sync, n, rep, held, compute, comm)
@@ -235,7 +235,7 @@ def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray
     g = np.arange(least, ulysses.most_members(m, n) + 1, dtype=np.float64)
     if g.size == 0:
         return np.zeros(0), np.zeros(0)
-    links = ulysses.links(m, cost.cluster, length, g, cost.recomputed_layers / m.layers)
+    links = ulysses.links(m, cost.cluster, length, g, cost.compute.recomputed)
     comm = ulysses.link_seconds(cost.cluster.gpu, links)
     attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0])
     per_token = cost.compute.least_dense_s_per_token(off_cap)
