@@ -15,6 +15,7 @@ from hdp import Plan, StepReport
 from hdp.workloads import Workload
 
 from . import PlanningError, StepPricing, get_strategy, plan_and_evaluate
+from .breakdown import SlowestRank, slowest_rank
 from .hybridcp import scheduler_name
 
 RESULT_KEYS = (
@@ -40,12 +41,18 @@ class StrategyResult:
     first_report: StepReport | None = None
     first_plan: Plan | None = None
     error: str | None = None
+    slowest: list[SlowestRank] = field(default_factory=list)
 
     def mean(self) -> dict[str, float]:
         if not self.per_step:
             return {}
         keys = self.per_step[0].keys()
         return {k: float(np.mean([s[k] for s in self.per_step])) for k in keys}
+
+    def slowest_mean(self) -> SlowestRank | None:
+        """Each step's slowest rank, broken down, and the parts' mean over the steps, as the
+        table's columns are means (``None`` before any step)."""
+        return SlowestRank.mean(self.slowest) if self.slowest else None
 
 
 @dataclass
@@ -54,13 +61,20 @@ class SimResult:
     results: dict[str, StrategyResult]
 
     def to_json(self) -> dict:
-        out: dict = {"config": self.config, "results": {}, "per_step": {}}
+        out: dict = {"config": self.config, "results": {}, "per_step": {}, "slowest_rank": {}}
         for name, r in self.results.items():
             if r.error is not None:
                 out["results"][name] = {"error": r.error}
                 continue
             out["results"][name] = r.mean()
             out["per_step"][name] = r.per_step
+            # (a mean over the steps, rank null, and each step's own beside it)
+            slowest = r.slowest_mean()
+            if slowest is not None:
+                out["slowest_rank"][name] = {
+                    **slowest.to_json(),
+                    "per_step": [b.to_json() for b in r.slowest],
+                }
         return out
 
 
@@ -114,6 +128,7 @@ def simulate(
             summary["num_waves"] = float(plan.num_waves)
             summary["sequences"] = float(lens.size)
             r.per_step.append(summary)
+            r.slowest.append(slowest_rank(plan, report, priced[name].cost))
             if r.first_report is None:
                 r.first_report, r.first_plan = report, plan
             if progress and time.perf_counter() - t_start > 2.0:
@@ -232,7 +247,19 @@ def format_table(sim: SimResult) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"{r[0]}: {r[2]}" for r in failed]
-    return "\n".join(lines + planned_by(sim))
+    return "\n".join(lines + slowest_lines(sim) + planned_by(sim))
+
+
+def slowest_lines(sim: SimResult) -> list[str]:
+    """A line per strategy under the table: what its slowest rank's step (a mean over the
+    steps) is made of, so a reader can see why one strategy is slower than another."""
+    out = []
+    width = max((len(name) for name in sim.results), default=0) + 1
+    for name, r in sim.results.items():
+        slowest = r.slowest_mean() if r.error is None else None
+        if slowest is not None:
+            out.append(f"{name + ':':<{width}} {slowest.describe()}")
+    return out
 
 
 def planned_by(sim: SimResult) -> list[str]:
