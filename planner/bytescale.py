@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 
 import numpy as np
 
@@ -26,12 +27,15 @@ from .common import Context, PlanBuilder, PlanningError
 NATIVE_SYNC = "peer"
 
 
-def ranks_for(ctx: Context, length: int) -> tuple[int, float]:
-    """(ranks, offload fraction) of a sequence: fewest ranks whose offload hides under compute."""
+def ranks_for(ctx: Context, length: int, offload: bool = True) -> tuple[int, float]:
+    """(ranks, offload fraction) of a sequence: fewest ranks whose offload hides under compute
+    (without ``offload``: ``ceil(length / capacity)``)."""
     cost = ctx.cost
     cap = ctx.capacity
     if length <= cap:
         return 1, 0.0
+    if not offload:
+        return -(-length // cap), 0.0
     cap_off = max(cost.offload_capacity(ctx.sync), cap)
     lo = -(-length // cap_off)
     hi = -(-length // cap)
@@ -52,7 +56,30 @@ def ranks_for(ctx: Context, length: int) -> tuple[int, float]:
     return hi, 0.0
 
 
-def plan_bytescale(ctx: Context) -> Plan:
+def _best_fit(used: list[int], cap: int, length: int, offloading: list[int]) -> int:
+    """The micro-batch of a rank (``used``: its tokens in each) with the least room that still
+    holds ``length`` tokens, not one of the ``offloading`` ones; a new one where none does."""
+    best, best_room = -1, None
+    for w, tokens in enumerate(used):
+        room = cap - tokens
+        if room >= length and (best_room is None or room < best_room) and w not in offloading:
+            best, best_room = w, room
+    if best < 0:
+        used.append(0)
+        best = len(used) - 1
+    return best
+
+
+def plan_bytescale(ctx: Context, capacity: int | None = None) -> Plan:
+    """ByteScale's plan with ``capacity`` tokens per rank (``None``: what memory holds). Below
+    what memory holds a rank has room to spare, so nothing is offloaded."""
+    offload = capacity is None or capacity >= ctx.capacity
+    if capacity is not None:
+        if capacity > ctx.capacity:
+            raise PlanningError(
+                f"bytescale: {capacity} tokens per rank do not fit; memory holds {ctx.capacity}"
+            )
+        ctx = replace(ctx, capacity=capacity)
     lens = ctx.seq_lens
     n, cap = ctx.num_ranks, ctx.capacity
     cost = ctx.cost
@@ -70,7 +97,7 @@ def plan_bytescale(ctx: Context) -> Plan:
         L = int(lens[i])
         if L == 0:
             continue
-        d, frac = ranks_for(ctx, L)
+        d, frac = ranks_for(ctx, L, offload)
         if d > n:
             raise PlanningError(
                 f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, "
@@ -103,19 +130,7 @@ def plan_bytescale(ctx: Context) -> Plan:
             short_heap = [(float(load[r]), r) for r in range(n)]
             heapq.heapify(short_heap)
         _, r = heapq.heappop(short_heap)
-        # Best fit: the micro-batch of this rank with the least room that still holds L.
-        best, best_room = -1, None
-        for w, used in enumerate(wave_tokens[r]):
-            room = cap - used
-            if (
-                room >= L
-                and (best_room is None or room < best_room)
-                and (w, r) not in builder.offload
-            ):
-                best, best_room = w, room
-        if best < 0:
-            wave_tokens[r].append(0)
-            best = len(wave_tokens[r]) - 1
+        best = _best_fit(wave_tokens[r], cap, L, [w for w, rr in builder.offload if rr == r])
         wave_tokens[r][best] += L
         load[r] += whole_time[i]
         placed_short.append((best, r, i))
@@ -126,6 +141,7 @@ def plan_bytescale(ctx: Context) -> Plan:
         w, r, s = (np.asarray(c, dtype=np.int64) for c in zip(*placed_short))
         builder.add(w, r, s, 0, lens[s])
     builder.info = {
+        "capacity": float(ctx.capacity),
         "long_sequences": float(len(long_ids)),
         "offloading_cells": float(len(builder.offload)),
     }

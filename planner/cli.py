@@ -190,6 +190,13 @@ def sim_parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default: {','.join(STRATEGIES)})",
     )
     p.add_argument(
+        "--untuned",
+        action="store_true",
+        help="run each baseline's knobs not set by a flag at its system's rule, instead of "
+        "searching them for the least mean step (what each baseline was searched over is "
+        "printed under the table)",
+    )
+    p.add_argument(
         "--steps", type=integer(1, 100_000), default=3, help="global batches to sample (default 3)"
     )
     p.add_argument(
@@ -253,6 +260,7 @@ def sim_main(argv: list[str] | None = None) -> int:
             tokens_per_step=args.tokens_per_step,
             options={s: options_from_flags(STRATEGIES[s], args) for s in args.strategies},
             progress=stderr_progress,
+            tune_knobs=not args.untuned,
         )
         errors = {r.error for r in sim.results.values()}
         if len(errors) == 1 and None not in errors:  # the setup fails every strategy alike

@@ -279,6 +279,13 @@ def option_flag(default: str, *, flag: str, choices: tuple[str, ...], help: str)
     return field(default=default, metadata={"flag": flag, "choices": choices, "help": help})
 
 
+def knob_flag(*, flag: str, metavar: str, help: str) -> Any:
+    """A baseline's knob (a size in tokens or ranks, ``None``: not set) that is also a flag of
+    ``hdp-sim`` and ``hdp-plan``; ``hdp-sim`` searches a knob that is not set
+    (:mod:`hdp.planner.tuning`)."""
+    return field(default=None, metadata={"flag": flag, "metavar": metavar, "help": help})
+
+
 def fewest_micro_batches(ctx: Context) -> int:
     """The fewest micro-batches of at most ``ranks x capacity`` tokens that hold the batch."""
     return -(-int(ctx.seq_lens.sum()) // (ctx.num_ranks * max(ctx.capacity, 1)))

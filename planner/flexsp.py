@@ -15,8 +15,9 @@ a MILP per step, over length buckets from dynamic programming, with a time limit
 3. Groups take aligned consecutive ranks, largest first; each size class spreads its sequences
    over its groups by LPT (for one micro-batch, to groups that still hold them: Note [FlexSP's
    micro-batches]); a group packs its sequences first-fit into micro-batches of at most
-   ``g * capacity`` tokens and runs them one after another (``peer`` sync: groups do not wait for
-   each other).
+   ``g * capacity`` tokens and runs them one after another. FlexSP shards parameters with ZeRO-3
+   and gathers them for every micro-batch, so its ranks run micro-batches in step (``wave``
+   sync, the capacity of sharded parameters) where memory allows nothing else.
 
 Note [FlexSP's micro-batches]
 -----------------------------
@@ -55,34 +56,44 @@ from .common import (
 from .solver import make_solver, solver_name
 from .splits import split_times
 
-NATIVE_SYNC = "peer"
+NATIVE_SYNC = "wave"  # ZeRO-3, as its code runs
 MAX_BUCKETS = 16
+CUTS_PER_OCTAVE = 64  # bins of lengths within 1.1% of each other share a bucket
 BISECTION_STEPS = 8
 TIME_LIMIT_S = 10.0  # per feasibility MILP: a safety net; the node limit decides
 
 
 def length_buckets(lengths: np.ndarray, max_buckets: int = MAX_BUCKETS) -> list[np.ndarray]:
     """Indices of ``lengths`` in at most ``max_buckets`` runs of the sorted order (DP on the
-    attention overestimate of pricing every sequence at its bucket's longest)."""
+    attention overestimate of pricing every sequence at its bucket's longest). Runs are cut only
+    between lengths of different :data:`CUTS_PER_OCTAVE` bins, so the DP is over a few hundred
+    bins instead of every sequence; a bucket's overestimate is still exact."""
     order = np.argsort(lengths, kind="stable")
     L = lengths[order].astype(np.float64)
     n = L.size
     if n <= max_buckets:
         return [order[i : i + 1] for i in range(n)]
     sq = np.concatenate([[0.0], np.cumsum(L * L)])
-    best = np.full((max_buckets + 1, n + 1), np.inf)
-    cut = np.zeros((max_buckets + 1, n + 1), dtype=np.int64)
-    best[0, 0] = 0.0
+    binned = np.floor(np.log2(np.maximum(L, 1.0)) * CUTS_PER_OCTAVE)
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(binned)) + 1, [n]])  # run boundaries
+    # cost[i, j]: the overestimate of a bucket from cut i to cut j (i < j).
+    first, last = cuts[:, None], cuts[None, :]
+    top = L[np.maximum(last - 1, 0)] ** 2
+    cost = (last - first) * top - (sq[last] - sq[first])
+    cost = np.where(first < last, cost, np.inf)
+    best = np.full(cuts.size, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((max_buckets + 1, cuts.size), dtype=np.int64)
+    layers = [best]
     for k in range(1, max_buckets + 1):
-        for j in range(k, n + 1):
-            i = np.arange(k - 1, j)  # the bucket is sequences i..j-1, priced at L[j-1]
-            c = best[k - 1, i] + (j - i) * L[j - 1] ** 2 - (sq[j] - sq[i])
-            a = int(np.argmin(c))
-            best[k, j], cut[k, j] = c[a], i[a]
-    out, j = [], n
-    for k in range(max_buckets, 0, -1):
-        i = int(cut[k, j])
-        out.append(order[i:j])
+        total = layers[-1][:, None] + cost
+        choice[k] = np.argmin(total, axis=0)
+        layers.append(total[choice[k], np.arange(cuts.size)])
+    k = int(np.argmin([layer[-1] for layer in layers[1:]])) + 1  # fewest buckets at the least
+    out, j = [], cuts.size - 1
+    for kk in range(k, 0, -1):
+        i = int(choice[kk, j])
+        out.append(order[cuts[i] : cuts[j]])
         j = i
     return [b for b in reversed(out) if b.size]
 

@@ -22,6 +22,7 @@ import heapq
 import importlib.metadata
 import warnings
 from collections import deque
+from dataclasses import replace
 from math import ceil, log2
 
 import numpy as np
@@ -254,10 +255,20 @@ def megatron_available() -> bool:
     return True
 
 
-def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
+def plan_hybridcp(
+    ctx: Context, implementation: str = "auto", max_tokens_per_rank: int | None = None
+) -> Plan:
     """Plan with Megatron's scheduler (``implementation``: ``megatron``, megatron-core's own;
-    ``ours`` or ``auto``, :class:`BalancedCPSchedule`). ``plan.predicted["megatron_scheduler"]``
+    ``ours`` or ``auto``, :class:`BalancedCPSchedule`) at ``max_seqlen_per_dp_cp_rank =
+    max_tokens_per_rank`` (``None``: the capacity). ``plan.predicted["megatron_scheduler"]``
     says which ran (1.0: megatron-core's)."""
+    if max_tokens_per_rank is not None:
+        if max_tokens_per_rank > ctx.capacity:
+            raise PlanningError(
+                f"hybridcp: {max_tokens_per_rank} tokens per rank do not fit; memory holds "
+                f"{ctx.capacity}"
+            )
+        ctx = replace(ctx, capacity=max_tokens_per_rank)
     lens = ctx.seq_lens
     n, cap = ctx.num_ranks, ctx.capacity
     positive = lens[lens > 0]
@@ -280,6 +291,7 @@ def plan_hybridcp(ctx: Context, implementation: str = "auto") -> Plan:
     plan = plan_from_sample_id_groups(ctx, id_groups, nz, "hybridcp")
     plan.predicted["groups"] = float(len(id_groups))
     plan.predicted["megatron_scheduler"] = float(use_megatron)
+    plan.predicted["max_tokens_per_rank"] = float(cap)
     return plan
 
 

@@ -14,9 +14,10 @@ import numpy as np
 from hdp import Plan, StepReport
 from hdp.workloads import Workload
 
-from . import PlanningError, StepPricing, get_strategy, plan_and_evaluate
+from . import PlanningError, StepPricing, get_strategy
 from .breakdown import SlowestRank, slowest_rank
 from .hybridcp import scheduler_name
+from .tuning import Tuned, tune
 
 RESULT_KEYS = (
     "step_time_s",
@@ -42,6 +43,8 @@ class StrategyResult:
     first_plan: Plan | None = None
     error: str | None = None
     slowest: list[SlowestRank] = field(default_factory=list)
+    tuned: Tuned | None = None  # its plans of every step, with the search of its knobs
+    limit: str = ""  # what its design stops it spreading a sequence past (Strategy.scaling_limit)
 
     def mean(self) -> dict[str, float]:
         if not self.per_step:
@@ -89,40 +92,45 @@ def simulate(
     options: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
     batches: list[np.ndarray] | None = None,
+    tune_knobs: bool = True,
 ) -> SimResult:
     """Plan ``steps`` seeded global batches with each strategy and evaluate them, all priced by
     ``pricing`` (``options``: a strategy's ``Options`` by its name, else its defaults; the K/V
     exchange of ``pricing`` is hdp's, the baselines keep their own). ``batches``: the global
     batches to plan instead (lengths, none above ``max_seq``); ``steps``, ``seed`` and
-    ``tokens_per_step`` then do not apply."""
+    ``tokens_per_step`` then do not apply. ``tune_knobs``: search each strategy's unset knobs
+    over the batches and keep the value of the least mean step (Note [Tuning the baselines] in
+    :mod:`hdp.planner.tuning`); else they take their systems' rules."""
     max_seq = int(max_seq or workload.max_seq)
     tokens_per_step = int(tokens_per_step or workload.tokens_per_step)
     if batches is not None:
         steps, tokens_per_step = _batch_sizes(batches)
-    cost, options = pricing.cost, options or {}
+    options = dict(options or {})
     # An unknown name fails before any planning.
     priced = {n: pricing.for_strategy(get_strategy(n)) for n in strategies}
     rng = np.random.default_rng(seed)
     results = {s: StrategyResult(s) for s in strategies}
     t_start = time.perf_counter()
-    source = _global_batches(workload, rng, steps, tokens_per_step, max_seq, batches)
-    for k, (lens, budget) in enumerate(source):
+    source = list(_global_batches(workload, rng, steps, tokens_per_step, max_seq, batches))
+    for name in strategies:
+        try:
+            results[name].tuned = tune(
+                get_strategy(name),
+                priced[name],
+                source,
+                options.get(name),
+                max_seq,
+                progress,
+                search=tune_knobs,
+            )
+        except PlanningError as e:
+            results[name].error = str(e)
+    for k, (lens, _) in enumerate(source):
         for name in strategies:
             r = results[name]
-            if r.error is not None:
+            if r.tuned is None:
                 continue
-            try:
-                plan, report = plan_and_evaluate(
-                    lens,
-                    priced[name],
-                    name,
-                    max_seq=max_seq,
-                    tokens_per_step=budget,
-                    options=options.get(name),
-                )
-            except PlanningError as e:
-                r.error = str(e)
-                continue
+            plan, report = r.tuned.planned[k]
             summary = {key: float(plan.predicted[key]) for key in RESULT_KEYS}
             summary["step_over_bound"] = summary["step_time_s"] / summary["lower_bound_s"]
             summary["num_waves"] = float(plan.num_waves)
@@ -131,13 +139,35 @@ def simulate(
             r.slowest.append(slowest_rank(plan, report, priced[name].cost))
             if r.first_report is None:
                 r.first_report, r.first_plan = report, plan
+                r.limit = get_strategy(name).scaling_limit(plan, priced[name].cost)
             if progress and time.perf_counter() - t_start > 2.0:
                 progress(
                     f"step {k + 1}/{steps}: {name:<9} planned in {summary['plan_time_s']:.2f} s, "
                     f"predicted {summary['step_time_s']:.2f} s"
                 )
+    config = _config(workload, pricing, max_seq, tokens_per_step, steps, seed, batches)
+    config["strategies"] = strategies
+    config["tuned"] = {
+        n: r.tuned.summary(get_strategy(n))
+        for n, r in results.items()
+        if r.tuned is not None and r.tuned.searched
+    }
+    return SimResult(config, results)
+
+
+def _config(
+    workload: Workload,
+    pricing: StepPricing,
+    max_seq: int,
+    tokens_per_step: int,
+    steps: int,
+    seed: int,
+    batches: list[np.ndarray] | None,
+) -> dict:
+    """The setting of a simulation, as ``hdp-sim --json`` writes it."""
+    cost = pricing.cost
     tp = cost.tensor_parallel
-    config = {
+    return {
         "workload": workload.name,
         "gpus": pricing.cluster.num_ranks * tp,
         "gpus_per_node": pricing.cluster.ranks_per_node * tp,
@@ -151,11 +181,9 @@ def simulate(
         "capacity_wave": cost.capacity("wave"),
         "steps": steps,
         "seed": seed if batches is None else None,
-        "strategies": strategies,
         "sync": pricing.sync or "native",
         "kv_exchange": pricing.kv_exchange,
     }
-    return SimResult(config, results)
 
 
 def _batch_sizes(batches: list[np.ndarray]) -> tuple[int, int]:
@@ -247,7 +275,7 @@ def format_table(sim: SimResult) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"{r[0]}: {r[2]}" for r in failed]
-    return "\n".join(lines + slowest_lines(sim) + planned_by(sim))
+    return "\n".join(lines + slowest_lines(sim) + planned_by(sim) + tuned_lines(sim))
 
 
 def slowest_lines(sim: SimResult) -> list[str]:
@@ -278,6 +306,18 @@ def planned_by(sim: SimResult) -> list[str]:
             else "--hybridcp-impl megatron runs megatron-core's own"
         )
         lines.append(f"hybridcp: planned by {scheduler_name(plan)} ({hint})")
+    return lines
+
+
+def tuned_lines(sim: SimResult) -> list[str]:
+    """Lines naming the knobs each baseline ran with, what was searched, and the limit a
+    baseline's design sets on the ranks a sequence may span, where the cluster is past it."""
+    lines = []
+    for name, r in sim.results.items():
+        if r.tuned is not None and r.tuned.searched:
+            lines.append(f"{name}: tuned to {r.tuned.summary(get_strategy(name))}")
+        if r.limit:
+            lines.append(f"{name}: {r.limit}")
     return lines
 
 

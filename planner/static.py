@@ -57,13 +57,12 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def plan_static(ctx: Context, name: str = "static") -> Plan:
-    """The static mesh of ``name`` (``static``: Megatron's CP; ``ulysses``: DeepSpeed's SP)."""
-    lens = ctx.seq_lens
+def memory_size(ctx: Context, name: str = "static") -> int:
+    """The smallest CP (SP) size at which a packed micro-batch of ``max_seq`` tokens fits, with
+    TE's padding of each document to a multiple of ``2 * size``; PlanningError where the
+    cluster (or, for ``ulysses``, the heads) cannot reach it."""
     n = ctx.num_ranks
-    # Ulysses splits heads: each member of a group takes an equal share.
-    most = min(n, ulysses.max_degree(ctx.cost.model)) if name == "ulysses" else n
-    # TE pads every document to a multiple of 2 * CP: a padded micro-batch of max_seq must fit.
+    most = largest_size(ctx, name)
     cp_mem = next_pow2(ctx.max_seq / ctx.capacity)
     while cp_mem <= n and 2 * -(-ctx.max_seq // (2 * cp_mem)) > ctx.capacity:
         cp_mem *= 2
@@ -78,16 +77,44 @@ def plan_static(ctx: Context, name: str = "static") -> Plan:
             f"{name}: a packed micro-batch of max_seq = {ctx.max_seq} tokens needs a group of "
             f"{cp_mem} ranks at {ctx.capacity} tokens per rank, but {limit}; {fix}"
         )
-    # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch. Packing
-    # counts the padding (compute is not charged for it), so a rank never holds more than
-    # budget / CP <= capacity tokens.
-    cp = cp_mem
-    while True:
+    return cp_mem
+
+
+def largest_size(ctx: Context, name: str = "static") -> int:
+    """The largest CP size the cluster allows (SP size: Ulysses splits heads evenly)."""
+    n = ctx.num_ranks
+    return min(n, ulysses.max_degree(ctx.cost.model)) if name == "ulysses" else n
+
+
+def plan_static(ctx: Context, name: str = "static", size: int | None = None) -> Plan:
+    """The static mesh of ``name`` (``static``: Megatron's CP; ``ulysses``: DeepSpeed's SP), of
+    CP (SP) ``size`` ranks, or where ``None`` the smallest at which every replica gets a
+    micro-batch."""
+    lens = ctx.seq_lens
+    n = ctx.num_ranks
+    most = largest_size(ctx, name)
+    cp_mem = memory_size(ctx, name)
+    if size is not None:
+        if size & (size - 1) or not cp_mem <= size <= most:
+            raise PlanningError(
+                f"{name}: a group of {size} ranks does not run this batch: it must be a power of "
+                f"two from {cp_mem} (a micro-batch of max_seq = {ctx.max_seq} tokens at "
+                f"{ctx.capacity} tokens per rank) to {most}"
+            )
+        cp = size
         padded = -(-lens // (2 * cp)) * (2 * cp)
         bins = first_fit_decreasing(padded, max(ctx.max_seq, int(padded.max(initial=0))))
-        if n // cp <= len(bins) or 2 * cp > most:
-            break
-        cp *= 2
+    else:
+        # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch.
+        # Packing counts the padding (compute is not charged for it), so a rank never holds more
+        # than budget / CP <= capacity tokens.
+        cp = cp_mem
+        while True:
+            padded = -(-lens // (2 * cp)) * (2 * cp)
+            bins = first_fit_decreasing(padded, max(ctx.max_seq, int(padded.max(initial=0))))
+            if n // cp <= len(bins) or 2 * cp > most:
+                break
+            cp *= 2
     dp = n // cp
     # Micro-batches to replicas: largest first, to the replica with the fewest tokens.
     bin_tokens = [int(padded[b].sum()) for b in bins]

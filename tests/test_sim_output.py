@@ -1,5 +1,5 @@
-"""What hdp-sim prints under its table: what planned each baseline, and for ``hybridcp`` which
-scheduler formed its groups."""
+"""What hdp-sim prints under its table: what planned each baseline, for ``hybridcp`` which
+scheduler formed its groups, and what each baseline's knobs were searched over."""
 
 import re
 
@@ -13,7 +13,7 @@ from hdp.planner.strategies import STRATEGIES
 from hdp.workloads import get_workload
 
 
-def simulated(strategies: list[str], implementation: str = "auto"):
+def simulated(strategies: list[str], implementation: str = "auto", tune_knobs: bool = False):
     pricing = StepPricing.build(model_preset("llama-7b"), ClusterSpec.preset("h100", 16))
     hybridcp = STRATEGIES["hybridcp"].options(implementation=implementation)
     return simulate(
@@ -23,6 +23,7 @@ def simulated(strategies: list[str], implementation: str = "auto"):
         steps=1,
         tokens_per_step=1 << 20,
         options={"hybridcp": hybridcp},
+        tune_knobs=tune_knobs,
     )
 
 
@@ -50,7 +51,7 @@ def test_megatron_core_s_scheduler_is_named_and_plans_the_same_groups():
     plan = theirs.results["hybridcp"].first_plan
     assert plan.predicted["megatron_scheduler"] == 1.0
     assert plan.to_json()["waves"] == ours.first_plan.to_json()["waves"]
-    *_, line = format_table(theirs).splitlines()
+    (line,) = [x for x in format_table(theirs).splitlines() if x.startswith("hybridcp: planned")]
     assert re.match(r"hybridcp: planned by megatron-core [0-9.]+'s BalancedCPScheduler", line)
     assert "--hybridcp-impl ours" in line
 
@@ -67,3 +68,18 @@ def test_hdp_plan_names_the_scheduler_of_a_hybridcp_plan(tmp_path, capsys):
     assert first.endswith("; planned by hdp's copy of Megatron's BalancedCPScheduler"), first
     assert plan_main([*args, "--strategy", "static"]) == 0
     assert "planned by" not in capsys.readouterr().out
+
+
+def test_each_searched_knob_is_named_with_every_value_tried():
+    """Tuning keeps the value of the least mean step, and says so: the line lists every value
+    with its step, and the chosen value's step is the table's."""
+    sim = simulated(["static", "bytescale", "hybridcp", "hdp"], tune_knobs=True)
+    lines = format_table(sim).splitlines()
+    for name, knob in (("bytescale", "tokens per rank"), ("hybridcp", "max_seqlen_per_dp_cp_rank")):
+        (line,) = [x for x in lines if x.startswith(f"{name}: tuned to {knob} ")]
+        tried = dict(re.findall(r"(\d+): ([0-9.]+) s", line.split("(of ", 1)[1]))
+        chosen = line.split(f"tuned to {knob} ", 1)[1].split(" ", 1)[0]
+        step = sim.results[name].mean()["step_time_s"]
+        assert float(tried[chosen]) == pytest.approx(step, abs=0.05)
+        assert float(tried[chosen]) == min(float(t) for t in tried.values())
+    assert not [x for x in lines if x.startswith("hdp: tuned")]  # hdp searches per step itself
