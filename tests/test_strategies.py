@@ -70,7 +70,7 @@ def test_random_batches_give_valid_plans(strategy, n, rpn, cap, sync, data):
         assert any(x in str(e) for x in ("needs a group of", "needs CP =", "power of two")), e
         return
     check_plan(plan, lens, n, cap)
-    assert plan.sync == (sync or "peer")
+    assert plan.sync == (sync or STRATEGIES[strategy].native_sync)
     assert plan.predicted["step_time_s"] >= plan.predicted["lower_bound_s"] * (1 - 1e-9)
 
 
