@@ -3,6 +3,7 @@ error is measured against the published figure or the nearer end of a published 
 
 import gzip
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -35,32 +36,101 @@ def test_error_against_a_figure_or_a_range(simulated, published, expected):
 
 
 def test_every_row_is_simulated_or_says_why_not(capsys):
-    """One global batch of the cheapest rows (ByteScale's at 256K context, FlexSP's over
-    Megatron-LM on two meshes) and the rows not modelled: the table's shape, not its figures,
+    """One global batch of a cheap row (FlexSP's over Megatron-LM at 192K, two meshes) and the
+    rows not modelled: the table's shape, its citations and the figures dropped, not its figures,
     which docs/benchmarks.md records."""
     megatron = next(k for k, r in enumerate(papers.ROWS, 1) if "Megatron" in r.setting)
-    chosen = [1, megatron] + [k for k, r in enumerate(papers.ROWS, 1) if r.not_modelled]
+    chosen = [megatron] + [k for k, r in enumerate(papers.ROWS, 1) if r.not_modelled]
     assert papers.main(["--steps", "1", "--rows", ",".join(map(str, chosen))]) == 0
-    lines = [
-        x for x in capsys.readouterr().out.splitlines() if x.startswith("| ") and "---" not in x
-    ]
-    rows = lines[1:]
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("| ") and "---" not in x]
+    header, rows = lines[0], lines[1:]
+    assert "cited from" in header and "other figures" in header
     assert len(rows) == len(chosen)
     for row, line in zip([papers.ROWS[k - 1] for k in chosen], rows):
         cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[3] == row.cited and cells[4] == (row.others or "-")
         if row.not_modelled:
-            assert cells[3] == f"not modelled: {row.not_modelled}"
+            assert cells[5] == f"not modelled: {row.not_modelled}"
         else:
-            assert cells[3].endswith("x") and float(cells[3][:-1]) > 0
             assert cells[5].endswith("x") and float(cells[5][:-1]) > 0
+            assert cells[7].endswith("x") and float(cells[7][:-1]) > 0
+    for paper, figures, _, why in papers.DROPPED:
+        assert f"- {paper}: {figures[0]:.2f}x" in out and why in out
 
 
-def test_bytescales_github_row_is_within_the_goal(capsys):
-    """The cheapest row within 15% of its paper: ByteScale's 7.89x over the static mesh on GitHub
-    data at 2M context, 1,024 GPUs, over 4 seeded global batches (the script's 12 give +14%)."""
-    (k,) = [k for k, r in enumerate(papers.ROWS, 1) if "GitHub data, 2M" in r.setting]
-    out = papers.run_row(papers.ROWS[k - 1], steps=4, seed=0, progress=lambda m: None)
-    assert abs(out["error"]) <= papers.TOLERANCE, out
+def test_bytescale_rows_simulate_its_own_7b():
+    """ByteScale's LLaMA-7B as its Table 1 has it: 32 layers, 32 heads, 8 KV groups, hidden
+    4096, and 7B parameters within 5%; a quarter of the K/V of the llama-7b preset (Llama-2 7B,
+    full multi-head attention). Every simulated ByteScale row runs it."""
+    from hdp import model_preset
+
+    m = papers.BYTESCALE_7B
+    assert (m.layers, m.heads, m.kv_heads, m.hidden) == (32, 32, 8, 4096)
+    assert m.heads * m.head_dim == m.hidden
+    assert abs(m.total_params / 7e9 - 1) < 0.05, m.total_params
+    llama2 = model_preset("llama-7b")
+    assert llama2.kv_heads * llama2.head_dim == 4 * m.kv_heads * m.head_dim
+    rows = [r for r in papers.ROWS if r.paper.startswith("ByteScale") and not r.not_modelled]
+    assert rows and all(r.model is papers.BYTESCALE_7B for r in rows)
+
+
+def test_bytescale_beats_the_static_mesh_on_its_own_7b_and_more_on_a_slower_ring():
+    """One GitHub 2M batch on 1,024 GPUs with the paper's 7B: ByteScale beats the static mesh,
+    and by more where the ring runs at the 10.5 GB/s a GPU the paper's Fig. 18(a) implies, the
+    network its 2M rows miss for (the script's 12 batches give 4.69x against the paper's
+    6.21-7.89x, and 1.56x against 3.69x on Byted data)."""
+    from dataclasses import replace
+
+    from hdp import gpu_preset
+
+    (row,) = [r for r in papers.ROWS if "GitHub data, 2M" in r.setting and not r.not_modelled]
+    slow = replace(row, gpu=replace(gpu_preset("h100"), name="slow-ring", nic_bw=16.8e6 / 1.6e-3))
+
+    def ratio(r):
+        static, bytescale = (
+            papers.mean_step(r, s, (2, None), steps=1, seed=0, progress=lambda m: None)
+            for s in ("static", "bytescale")
+        )
+        return static / bytescale
+
+    profile = ratio(row)
+    assert profile > 1
+    assert ratio(slow) > profile
+
+
+def test_every_row_cites_where_its_figure_is_printed():
+    """Each row names the table, figure or section that prints its figure (DistCA's, whose text
+    was not found, says that it cites the abstract as ../shared/REFERENCES.md quotes it), and no
+    row cites a figure listed as dropped at its paper."""
+    for row in papers.ROWS:
+        named = re.search(r"\b(Table|Fig\.|Sec\.) \d+", row.cited)
+        quoted = "abstract" in row.cited and "REFERENCES.md" in row.cited
+        assert named or quoted, row.setting
+        low, high = row.published
+        assert 1 < low <= high, row.setting
+    for paper, figures, _, why in papers.DROPPED:
+        assert why
+        for row in papers.ROWS:
+            if row.paper == paper:
+                assert not set(figures) & set(row.published), (paper, row.setting)
+
+
+def test_flexsps_figures_are_fig_4s_labels_at_each_setting():
+    """FlexSP's rows cite Fig. 4's labels at GPT-7B on Wikipedia: 1.98x and 1.72x over
+    Megatron-LM and DeepSpeed at 192K, 1.77x and 1.46x at 384K."""
+    expected = {
+        ("192K", "Megatron"): 1.98,
+        ("192K", "DeepSpeed"): 1.72,
+        ("384K", "Megatron"): 1.77,
+        ("384K", "DeepSpeed"): 1.46,
+    }
+    rows = [r for r in papers.ROWS if r.system == "flexsp"]
+    assert len(rows) == len(expected)
+    for (context, baseline), figure in expected.items():
+        (row,) = [r for r in rows if context in r.setting and baseline in r.setting]
+        assert row.published == (figure, figure)
+        assert row.cited.startswith("Fig. 4,") and context in row.cited
 
 
 def test_flexsp_rows_plan_the_papers_own_batches():
@@ -122,7 +192,7 @@ def test_a_head_parallel_plan_keeps_its_own_capacity():
     from hdp.planner import plan_step
     from hdp.specs import gpu_preset
 
-    row = papers.ROWS[8]
+    row = next(r for r in papers.ROWS if r.system == "flexsp" and r.max_seq == 192 << 10)
     model = row.model if not isinstance(row.model, str) else model_preset(row.model)
     gpu = gpu_preset(row.gpu) if isinstance(row.gpu, str) else row.gpu
     pricing = StepPricing.build(
