@@ -394,6 +394,8 @@ def mean_step(
         tokens_per_step=row.tokens_per_step,
         progress=progress,
         batches=trace_batches(row, steps) if row.trace_batches else None,
+        # The paper's own settings (its meshes, its capacity), not hdp-sim's search for the best.
+        tune_knobs=False,
     )
     r = sim.results[strategy]
     if r.error is not None:
