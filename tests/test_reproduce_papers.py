@@ -75,28 +75,26 @@ def test_bytescale_rows_simulate_its_own_7b():
     assert rows and all(r.model is papers.BYTESCALE_7B for r in rows)
 
 
-def test_bytescale_beats_the_static_mesh_on_its_own_7b_and_more_on_a_slower_ring():
-    """One GitHub 2M batch on 1,024 GPUs with the paper's 7B: ByteScale beats the static mesh,
-    and by more where the ring runs at the 10.5 GB/s a GPU the paper's Fig. 18(a) implies, the
-    network its 2M rows miss for (the script's 12 batches give 4.69x against the paper's
-    6.21-7.89x, and 1.56x against 3.69x on Byted data)."""
-    from dataclasses import replace
+def test_bytescale_rows_run_on_the_ring_speed_the_paper_measured():
+    """The ByteScale rows' NIC is what Fig. 18(a)'s ring steps imply: a 16.8 MB block a GPU
+    (8K tokens of 8 groups of 128, K and V in bf16, halved by TP 2) in 1.4-1.9 ms."""
+    block = 8192 * 8 * 128 * 2 * 2 / 2
+    assert block == pytest.approx(16.8e6, rel=0.01)
+    rows = [r for r in papers.ROWS if r.paper.startswith("ByteScale") and not r.not_modelled]
+    assert rows
+    for row in rows:
+        assert block / 1.9e-3 <= row.gpu.nic_bw <= block / 1.4e-3
 
-    from hdp import gpu_preset
 
+def test_bytescale_beats_the_static_mesh_on_its_own_7b():
+    """One GitHub 2M batch on 1,024 GPUs with the paper's 7B and network: ByteScale's step is
+    shorter than the static mesh's (docs/benchmarks.md records the 12-batch means)."""
     (row,) = [r for r in papers.ROWS if "GitHub data, 2M" in r.setting and not r.not_modelled]
-    slow = replace(row, gpu=replace(gpu_preset("h100"), name="slow-ring", nic_bw=16.8e6 / 1.6e-3))
-
-    def ratio(r):
-        static, bytescale = (
-            papers.mean_step(r, s, (2, None), steps=1, seed=0, progress=lambda m: None)
-            for s in ("static", "bytescale")
-        )
-        return static / bytescale
-
-    profile = ratio(row)
-    assert profile > 1
-    assert ratio(slow) > profile
+    static, bytescale = (
+        papers.mean_step(row, s, (2, None), steps=1, seed=0, progress=lambda m: None)
+        for s in ("static", "bytescale")
+    )
+    assert static > bytescale
 
 
 def test_every_row_cites_where_its_figure_is_printed():
