@@ -6,11 +6,15 @@
 * Selective offload: a long sequence's ranks may hold more than ``C`` tokens by offloading part
   of their checkpointed activations to host memory; the offload ratio is the smallest that fits,
   and the number of ranks is the smallest whose offload copy still hides under the compute.
-* Balance scheduler: sequences longest first; a long sequence goes to the ranks that lag the most
-  (least loaded) in its first wave where all of them have room; each short sequence to the least
-  loaded rank, best-fit into one of its micro-batches (a new one when none has room). Ranks run
-  different numbers of micro-batches (``peer`` sync) and the loss is normalised by the step's
-  global token count.
+* Balance scheduler: sequences longest first; a long sequence goes to the ranks free earliest,
+  in a micro-batch after each one's earlier ones, and starts when all of them are free (so a
+  rank's time counts its waits); then each short sequence to the rank free earliest, best-fit
+  into one of its micro-batches after its long ones (a new one when none has room), so no short
+  sequence delays a long one's start. Ranks run different numbers of micro-batches (``peer``
+  sync) and the loss is normalised by the step's global token count.
+* ``C`` is what memory holds, or a smaller capacity a user sets (then nothing is offloaded): a
+  smaller one spreads long sequences wider (Note [Tuning the baselines] in
+  :mod:`hdp.planner.tuning`).
 """
 
 from __future__ import annotations
@@ -56,13 +60,13 @@ def ranks_for(ctx: Context, length: int, offload: bool = True) -> tuple[int, flo
     return hi, 0.0
 
 
-def _best_fit(used: list[int], cap: int, length: int, offloading: list[int]) -> int:
-    """The micro-batch of a rank (``used``: its tokens in each) with the least room that still
-    holds ``length`` tokens, not one of the ``offloading`` ones; a new one where none does."""
+def _best_fit(used: list[int], cap: int, length: int, first: int) -> int:
+    """The micro-batch of a rank (``used``: its tokens in each), from index ``first`` on, with
+    the least room that still holds ``length`` tokens; a new one where none does."""
     best, best_room = -1, None
-    for w, tokens in enumerate(used):
-        room = cap - tokens
-        if room >= length and (best_room is None or room < best_room) and w not in offloading:
+    for w in range(first, len(used)):
+        room = cap - used[w]
+        if room >= length and (best_room is None or room < best_room):
             best, best_room = w, room
     if best < 0:
         used.append(0)
@@ -83,17 +87,15 @@ def plan_bytescale(ctx: Context, capacity: int | None = None) -> Plan:
     lens = ctx.seq_lens
     n, cap = ctx.num_ranks, ctx.capacity
     cost = ctx.cost
-    order = np.argsort(-lens, kind="stable")
-    whole_time = ctx.whole_s
-    load = np.zeros(n)
-    wave_tokens: list[list[int]] = [
-        [] for _ in range(n)
-    ]  # tokens in each of a rank's micro-batches
+    # When each rank is free: the end of its chain of long sequences, waits for the other
+    # members included, then of its short ones. The balance scheduler feeds the ranks that lag.
+    ready = np.zeros(n)
+    used: list[list[int]] = [[] for _ in range(n)]  # tokens in each of a rank's micro-batches
     builder = PlanBuilder(ctx, "bytescale")
     long_ids, long_members, long_waves = [], [], []
     short_heap: list[tuple[float, int]] | None = None
     placed_short: list[tuple[int, int, int]] = []  # (wave, rank, seq)
-    for i in order.tolist():
+    for i in np.argsort(-lens, kind="stable").tolist():  # long sequences first
         L = int(lens[i])
         if L == 0:
             continue
@@ -101,40 +103,35 @@ def plan_bytescale(ctx: Context, capacity: int | None = None) -> Plan:
         if d > n:
             raise PlanningError(
                 f"bytescale: a sequence of {L} tokens needs {d} ranks (at most {cap} tokens each, "
-                "more with offload) "
-                f"but the cluster has {n}"
+                f"more with offload) but the cluster has {n}"
             )
         if d > 1 or frac > 0:
-            members = np.argsort(load, kind="stable")[:d]
-            members.sort()
-            per_rank = -(-L // d)
-            wave = 0
-            while any(wave < len(wave_tokens[r]) and wave_tokens[r][wave] > 0 for r in members):
-                wave += 1
+            members = np.sort(np.argsort(ready, kind="stable")[:d])
+            wave = max(len(used[r]) for r in members.tolist())
             t = float(
                 cost.model.layers * cost.attn_time(np.array([0]), np.array([L]))[0] / d
-                + cost.dense_time(np.array([per_rank]))[0]
+                + cost.dense_time(np.array([-(-L // d)]))[0]
             )
+            ready[members] = ready[members].max() + t  # it starts when all of them are free
             for r in members.tolist():
-                while len(wave_tokens[r]) <= wave:
-                    wave_tokens[r].append(0)
-                wave_tokens[r][wave] = per_rank
-                load[r] += t
+                used[r].extend([0] * (wave + 1 - len(used[r])))
+                used[r][wave] = -(-L // d)
                 if frac > 0:
                     builder.offload[(wave, r)] = frac
             long_ids.append(i)
             long_members.append(members)
             long_waves.append(wave)
             continue
-        if short_heap is None:
-            short_heap = [(float(load[r]), r) for r in range(n)]
+        if short_heap is None:  # short sequences after every long one, where they delay none
+            first = [len(u) for u in used]
+            short_heap = [(float(ready[r]), r) for r in range(n)]
             heapq.heapify(short_heap)
         _, r = heapq.heappop(short_heap)
-        best = _best_fit(wave_tokens[r], cap, L, [w for w, rr in builder.offload if rr == r])
-        wave_tokens[r][best] += L
-        load[r] += whole_time[i]
+        best = _best_fit(used[r], cap, L, first[r])
+        used[r][best] += L
+        ready[r] += ctx.whole_s[i]
         placed_short.append((best, r, i))
-        heapq.heappush(short_heap, (float(load[r]), r))
+        heapq.heappush(short_heap, (float(ready[r]), r))
     if long_ids:
         builder.add_zigzag(long_ids, long_waves, long_members)
     if placed_short:
