@@ -7,6 +7,8 @@ The runtime (launch/model.py) runs, per decoder layer and micro-batch of ``T`` t
 - seven GEMMs (q, k, v, o projections; gate, up, down of the SwiGLU MLP), each priced by the
   profile's GEMM table at ``T`` tokens;
 - attention calls, priced per call by the attention table (:meth:`ComputeModel.attn_time`);
+  a baseline running TransformerEngine's ring makes one call per ring step instead (Note [One
+  kernel call per ring step] in :mod:`hdp.ring`);
 - memory-bound ops: two RMSNorms and two residual adds over ``hidden``, SwiGLU over ``ffn``,
   RoPE over the query and key widths;
 - a fixed overhead (``layer_overhead_s``: launches and Python, not proportional to tokens).

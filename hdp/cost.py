@@ -5,6 +5,9 @@ Everything is per training step of one global batch. Units: seconds, bytes, FLOP
 Compute: each layer's GEMMs, attention calls and memory-bound ops priced by the GPU profile's
 measured tables, with recompute under activation checkpointing (Note [What a layer costs] in
 :mod:`hdp.compute`); the LM head and loss once per micro-batch, the optimizer once per step.
+hdp's runtime calls attention once per K/V block; the baselines that run TransformerEngine's
+ring call it once per ring step over all their chunks (Note [One kernel call per ring step] in
+:mod:`hdp.ring`).
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
@@ -33,64 +36,21 @@ is free and take the slowest member's time; barriers (Megatron hybrid CP) align 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
 
-from . import collectives, traffic, ulysses
+from . import collectives, ring, traffic, ulysses
 from .compute import ComputeModel
 from .exchange import KV_EXCHANGES, RELAY_SLOTS
 from .exchange_cost import price_exchange
 from .plan import BLOCK_TOKENS, DEFAULT_KV_BLOCK_TOKENS, Plan
+from .report import StepReport
 from .specs import ClusterSpec, ModelSpec
 from .traffic import KVTraffic, wave_components
 
 __all__ = ["CostModel", "KVTraffic", "StepReport", "wave_components"]
-
-
-@dataclass
-class StepReport:
-    """What the cost model predicts for one plan. Per-cell arrays are ``[num_waves, num_ranks]``."""
-
-    step_time_s: float
-    lower_bound_s: float
-    imbalance: float
-    exposed_comm_s: float
-    comm_bytes: float
-    nic_bytes: float
-    nvlink_bytes: float
-    param_comm_bytes: float
-    peak_mem_bytes: float
-    mfu: float
-    model_flops: float
-    num_waves: int
-    sync: str
-    compute_s: np.ndarray
-    busy_s: np.ndarray
-    start_s: np.ndarray
-    mem_bytes: np.ndarray
-    tokens: np.ndarray
-    plan_time_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def summary(self) -> dict[str, float]:
-        """The scalar results, with the keys of ``hdp-sim --json``."""
-        return {
-            "step_time_s": self.step_time_s,
-            "lower_bound_s": self.lower_bound_s,
-            "imbalance": self.imbalance,
-            "exposed_comm_s": self.exposed_comm_s,
-            "comm_bytes": self.comm_bytes,
-            "nic_bytes": self.nic_bytes,
-            "nvlink_bytes": self.nvlink_bytes,
-            "param_comm_bytes": self.param_comm_bytes,
-            "peak_mem_bytes": self.peak_mem_bytes,
-            "plan_time_s": self.plan_time_s,
-            "mfu": self.mfu,
-            "num_waves": float(self.num_waves),
-            **self.extra,
-        }
 
 
 @dataclass(frozen=True)
@@ -502,12 +462,16 @@ class CostModel:
     def cell_compute(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` s."""
         W, N = plan.num_waves, plan.num_ranks
-        cell = plan.wave * N + plan.rank
-        per_shard = self.attn_time(plan.start, plan.end)
-        if plan.kv_exchange == "ulysses":  # members attend over the whole sequence, some heads
-            whole = lambda lens: self.attn_time(np.zeros_like(lens), lens)  # noqa: E731
-            per_shard = ulysses.shard_attention(plan, ulysses.Groups.of(plan), whole, per_shard)
-        attn = np.bincount(cell, weights=per_shard, minlength=W * N).reshape(W, N)
+        if ring.runs_ring(plan):  # one kernel call per ring step (Note in hdp.ring)
+            attn = ring.cell_attention(self.compute, plan)
+        else:
+            cell = plan.wave * N + plan.rank
+            per_shard = self.attn_time(plan.start, plan.end)
+            if plan.kv_exchange == "ulysses":  # members attend over the whole sequence
+                whole = lambda lens: self.attn_time(np.zeros_like(lens), lens)  # noqa: E731
+                groups = ulysses.Groups.of(plan)
+                per_shard = ulysses.shard_attention(plan, groups, whole, per_shard)
+            attn = np.bincount(cell, weights=per_shard, minlength=W * N).reshape(W, N)
         tokens = plan.tokens_per_cell()
         compute = self.model.layers * attn.astype(np.float64)
         busy = np.nonzero(tokens > 0)  # most cells of a large peer plan are empty

@@ -277,6 +277,14 @@ class KernelTables:
         rate = np.interp(np.log2(L), _MESH_AXIS, mesh)
         return causal_pairs(L) * heads * head_dim / np.exp(rate)
 
+    def causal_rate(self, length, heads: int, head_dim: int, backend: str) -> np.ndarray:
+        """Query-key pairs per second of causal documents of ``length`` tokens: the rate
+        :meth:`causal_time` prices them at (below the shortest measured, the shortest's)."""
+        L = np.maximum(np.asarray(length, np.float64), 1.0)
+        shortest, mesh = self._causal_mesh(backend, head_dim)
+        rate = np.interp(np.log2(np.maximum(L, shortest)), _MESH_AXIS, mesh)
+        return np.exp(rate) / (heads * head_dim)
+
     def full_time(self, q, k, heads: int, head_dim: int, backend: str) -> np.ndarray:
         """Forward + backward of ``q`` queries against ``k`` earlier keys (no mask), seconds.
         Fewer queries than one tile take as long as a tile."""
@@ -285,6 +293,14 @@ class KernelTables:
         mesh = self._full_mesh(backend, head_dim, heads)
         rate = _mesh_interp(mesh, np.log2(q), np.log2(k))
         return q * k * heads * head_dim / np.exp(rate)
+
+    def full_rate(self, q, k, heads: int, head_dim: int, backend: str) -> np.ndarray:
+        """Query-key pairs per second of a block of ``q`` queries (at least a tile) against
+        ``k`` keys: the rate :meth:`full_time` prices it at."""
+        q = np.maximum(np.asarray(q, np.float64), TILE_TOKENS)
+        k = np.maximum(np.asarray(k, np.float64), 1.0)
+        mesh = self._full_mesh(backend, head_dim, heads)
+        return np.exp(_mesh_interp(mesh, np.log2(q), np.log2(k))) / (heads * head_dim)
 
     # The planner prices millions of shards: rates are tabulated once per (backend, head_dim,
     # heads) on a mesh of 1/8 octaves, where the measured sizes (powers of two) are mesh points.

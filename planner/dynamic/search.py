@@ -201,10 +201,11 @@ class CandidateSearch:
 
     def consider(self, name: str, plan: Plan) -> None:
         """Keep ``plan``, baseline ``name``'s, where it is faster than the best so far; it is
-        then hdp's plan, and ``predicted["from_<name>"]`` says where it came from."""
+        then hdp's plan, and ``predicted["from_<name>"]`` says where it came from. It is priced
+        as hdp's runtime would run it, not as the baseline's system does."""
+        plan.strategy = "hdp"
         t = self.ctx.cost.evaluate(plan).step_time_s
         if t < self.best_s:
-            plan.strategy = "hdp"
             plan.predicted[f"from_{name}"] = 1.0
             self.best_s, self.best_plan = t, plan
 
