@@ -11,11 +11,12 @@ ring call it once per ring step over all their chunks (Note [One kernel call per
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
-and returns dK/dV partials (``dkv_bytes`` per element, fp32 by default) to the owners. Traffic
-between ranks of one node uses NVLink, the rest the NIC; both directions and both links run
-concurrently, so a rank's transfer time is the largest of its four (in/out x NVLink/NIC) byte
-counts over the link bandwidth, plus one latency per block. It overlaps with the rank's
-attention compute of the same layer and pass; only the excess is exposed.
+and returns dK/dV partials (``dkv_bytes`` per element: fp32 for hdp, the compute dtype for the
+baselines) to the owners. Traffic between ranks of one node uses NVLink, the rest the NIC; both
+directions and both links run concurrently, so a rank's transfer time is the largest of its four
+(in/out x NVLink/NIC) byte counts over the link bandwidth, plus one latency per block. It
+overlaps with the rank's attention compute of the same layer and pass; only the excess is
+exposed.
 
 Parameter traffic (FSDP2 over all ranks): in ``wave`` sync every wave all-gathers the parameters
 forward and backward and reduce-scatters the gradients (ZeRO-3: nothing unsharded survives a
@@ -75,8 +76,9 @@ class CostModel:
             split over the group (sequence parallelism).
         dkv_bytes: bytes per element of the dK/dV partials the P2P exchanges (``rank``,
             ``node``) send back to a block's owner: 4 for hdp's ``dist_attn``, which sums them
-            in fp32; 2 to price a runtime that sends them in the compute dtype, as
-            TransformerEngine's ring attention (Megatron's context parallelism) does.
+            in fp32; the model's ``dtype_bytes`` for every baseline, whose systems send them in
+            the compute dtype as TransformerEngine's ring attention does (the rule
+            :meth:`StepPricing.cost_for <hdp.planner.StepPricing.cost_for>` applies).
     """
 
     model: ModelSpec

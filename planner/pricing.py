@@ -6,6 +6,7 @@ metrics row's predictions come from the model that made the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from hdp import ClusterSpec, CostModel, ModelSpec
@@ -67,8 +68,9 @@ class StepPricing:
         ``tensor_parallel`` > 1 a rank of the plans is a tensor-parallel group of that many GPUs
         of one node: the cost model prices one GPU's shard of the model, ``capacity`` counts
         the group's tokens, and ValueError says where the model or the nodes do not split.
-        ``dkv_bytes``: :class:`~hdp.CostModel`'s (2 prices a baseline on TransformerEngine's
-        ring, which returns dK/dV in bf16). ``checkpointed_layers``: :class:`~hdp.CostModel`'s."""
+        ``dkv_bytes``: :class:`~hdp.CostModel`'s, for hdp's plans; every baseline's are priced
+        in the model's compute dtype (:meth:`cost_for`). ``checkpointed_layers``:
+        :class:`~hdp.CostModel`'s."""
         cost = CostModel(
             model.tensor_shard(tensor_parallel),
             cluster.tensor_groups(tensor_parallel),
@@ -91,11 +93,39 @@ class StepPricing:
 
     def for_strategy(self, strategy: Strategy) -> StepPricing:
         """The pricing ``strategy`` plans with: this one where the K/V exchange asked for applies
-        to it (:attr:`Strategy.takes_kv_exchange`), else this one with the baseline's own
-        exchange (``auto``)."""
+        to it (:attr:`Strategy.takes_kv_exchange`), else the baseline's own: its own exchange
+        (``auto``) and its cost model (:meth:`cost_for`)."""
         if strategy.takes_kv_exchange:
             return self
-        return replace(self, kv_exchange="auto")
+        return replace(self, cost=self.cost_for(strategy), kv_exchange="auto")
+
+    def cost_for(
+        self, strategy: Strategy, exchange: str = "auto", options: Any = None
+    ) -> CostModel:
+        """The cost model of ``strategy``'s plans in ``exchange`` (``auto``: its own). hdp's is
+        :attr:`cost`. A baseline in its own exchange runs as its system does, and every one of
+        them (TransformerEngine's ring under the static mesh, hybridcp and ByteScale; the
+        all-to-alls of Ulysses and FlexSP) returns gradients in the model's compute dtype: its
+        dK/dV partials are priced at ``dtype_bytes`` per element, where hdp's ``dist_attn``
+        sums them in fp32. A baseline's placement in another exchange (FlexSP's in ``rank``)
+        runs on hdp's runtime and is priced as hdp's plans are."""
+        dkv = self.model.dtype_bytes
+        own = strategy.exchanges(strategy.options(options))[0]
+        if (
+            strategy.takes_kv_exchange
+            or exchange not in ("auto", own)
+            or self.cost.dkv_bytes == dkv
+        ):
+            return self.cost
+        if dkv not in self._baseline_costs:
+            other = replace(self.cost, dkv_bytes=dkv)
+            other.__dict__["compute"] = self.cost.compute  # the same kernels: share the tables
+            self._baseline_costs[dkv] = other
+        return self._baseline_costs[dkv]
+
+    @cached_property
+    def _baseline_costs(self) -> dict[int, CostModel]:
+        return {}
 
     def exchange(self, strategy: Strategy, options: Any) -> str:
         """The K/V exchange ``strategy`` plans in: :attr:`kv_exchange`, where ``auto`` means
@@ -117,7 +147,8 @@ class StepPricing:
         """The cost model in ``exchange`` (``auto`` prices ``rank``), and the sync mode and
         capacity ``strategy`` plans sequences of up to ``longest`` tokens with. Raises
         PlanningError with what to change where no mode holds them."""
-        cost = self.cost.with_exchange("rank" if exchange == "auto" else exchange)
+        own = self.cost_for(strategy, exchange, options)
+        cost = own.with_exchange("rank" if exchange == "auto" else exchange)
         offload = strategy.offloads(strategy.options(options))
         sync, capacity = _choose_sync(cost, strategy.native_sync, longest, self.sync, offload)
         return Settled(cost, sync, capacity)

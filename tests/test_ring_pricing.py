@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
+from hdp.planner import STRATEGIES, StepPricing, plan_step
 from hdp.profile import TILE_TOKENS
 
 MODEL = model_preset("llama-7b")
@@ -115,3 +116,17 @@ def test_a_cp_group_of_one_runs_one_causal_call_and_hdp_keeps_its_blocks():
         2 * diag + float(t.full_time(2048, 2048, h, d, b) + t.full_time(2048, 4096, h, d, b))
     )
     assert attn[0] == pytest.approx(np.array(want) * (1 + 1 / 3.5), rel=1e-9)
+
+
+def test_every_baseline_returns_dk_dv_in_the_compute_dtype():
+    """Priced for fp32 dK/dV (hdp's), a baseline still prices its own in bf16; hdp keeps
+    fp32. Static on 2 ranks, one 8,192-token document: rank 1 fetches chunk 0 (2,048 tokens),
+    rank 0 chunks 1 and 2 (4,096); each token's K/V moves forward and again backward, and its
+    dK/dV (as many bf16 bytes) back: 3 x 6,144 tokens' K/V bytes a layer."""
+    pricing = StepPricing.build(MODEL, ClusterSpec.preset("h100", 2), capacity=4096, dkv_bytes=4)
+    for name, strategy in STRATEGIES.items():
+        want = 4 if name == "hdp" else 2
+        assert pricing.for_strategy(strategy).cost.dkv_bytes == want, name
+    plan = plan_step(np.array([8192]), pricing, "static")
+    want = 3 * 6144 * MODEL.kv_bytes_per_token * MODEL.layers
+    assert plan.predicted["comm_bytes"] == pytest.approx(want)
