@@ -204,6 +204,16 @@ class ModelSpec:
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+# The shares of a link FlexSP's all-to-alls attain, from the bandwidths its solver uses, which
+# it measured on its cluster of 8 nodes of 8 A100s with two 200 Gb/s NICs a node ("4k seq,
+# 2 IB"): 96.5 GB/s per member at 8 ranks and 4.87 GB/s at 64, each over the member's whole
+# share of the tensor. A member sends (g - 1) / g of that: 84.4 GB/s, 35% of the A100's NVLink
+# (240 GB/s); at 64 ranks 56 of its 63 peers are off the node, 4.26 GB/s of the 5.6 GB/s a
+# GPU's share of the NICs carries at 90% of their rate (76%).
+FLEXSP_ALLTOALL_NVLINK_SHARE = 0.35
+FLEXSP_ALLTOALL_NIC_SHARE = 0.76
+
+
 @dataclass(frozen=True)
 class GPUProfile:
     """One accelerator model and its links; its compute comes from measured kernel tables.
@@ -215,8 +225,10 @@ class GPUProfile:
     ``activation_memory_scale`` is what a training step's activations measure over what the cost
     model counts for them on this device (``scripts/bench_fidelity.py metrics`` reports it).
     ``alltoall_nic_share`` and ``alltoall_nvlink_share``: the share of ``nic_bw`` and
-    ``nvlink_bw`` a head-parallel all-to-all attains, where it was measured (every member sends
-    to every other at once, so it may move slower than a ring).
+    ``nvlink_bw`` a head-parallel all-to-all attains (every member sends to every other at once,
+    so it moves slower than a ring). A profile states them where it measured them; the others,
+    every shipped preset among them (ours are not measured yet), take FlexSP's measurements
+    (:data:`FLEXSP_ALLTOALL_NVLINK_SHARE`, :data:`FLEXSP_ALLTOALL_NIC_SHARE`).
     """
 
     name: str
@@ -232,8 +244,8 @@ class GPUProfile:
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
     activation_memory_scale: float = 1.0
-    alltoall_nic_share: float = 1.0
-    alltoall_nvlink_share: float = 1.0
+    alltoall_nic_share: float = FLEXSP_ALLTOALL_NIC_SHARE
+    alltoall_nvlink_share: float = FLEXSP_ALLTOALL_NVLINK_SHARE
     attention_backend: str = "torch_flash"
     tables: KernelTables = field(default_factory=KernelTables)
     source: str = ""

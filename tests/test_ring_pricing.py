@@ -3,12 +3,15 @@ TransformerEngine's ring makes one kernel call per ring step, every baseline ret
 the compute dtype, and all-to-alls move at the share of a link FlexSP measured. Each expected
 figure is counted by hand from the kernel tables' whole-document prices."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from hdp import ClusterSpec, CostModel, Plan, model_preset
+from hdp import ClusterSpec, CostModel, GPUProfile, Plan, gpu_preset, model_preset, ulysses
 from hdp.planner import STRATEGIES, StepPricing, plan_step
 from hdp.profile import TILE_TOKENS
+from hdp.specs import GPU_PRESETS
 
 MODEL = model_preset("llama-7b")
 
@@ -130,3 +133,22 @@ def test_every_baseline_returns_dk_dv_in_the_compute_dtype():
     plan = plan_step(np.array([8192]), pricing, "static")
     want = 3 * 6144 * MODEL.kv_bytes_per_token * MODEL.layers
     assert plan.predicted["comm_bytes"] == pytest.approx(want)
+
+
+def test_shipped_presets_take_flexsp_all_to_all_shares_and_a_profile_keeps_its_own():
+    """FlexSP measured 35% of NVLink inside a node and 76% of a NIC across nodes; every
+    shipped preset takes them, and a profile that states its own keeps them."""
+    for name, gpu in GPU_PRESETS.items():
+        assert (gpu.alltoall_nvlink_share, gpu.alltoall_nic_share) == (0.35, 0.76), name
+    data = gpu_preset("h100").to_json()
+    data["alltoall_nvlink_share"], data["alltoall_nic_share"] = 1.0, 0.5
+    own = GPUProfile.from_json(data, "own.json")
+    assert (own.alltoall_nvlink_share, own.alltoall_nic_share) == (1.0, 0.5)
+    # 8 ranks of one node: the bytes of a member cross NVLink at 35% of its bandwidth.
+    gpu = gpu_preset("h100")
+    bytes_ = ulysses.bytes_per_member(MODEL, 8192, 8, True)
+    seconds = ulysses.comm_time(MODEL, ClusterSpec(8, 8, gpu), 8192, 8, True)
+    full = ulysses.comm_time(
+        MODEL, ClusterSpec(8, 8, replace(gpu, alltoall_nvlink_share=1.0)), 8192, 8, True
+    )
+    assert seconds - full == pytest.approx(bytes_ / gpu.nvlink_bw * (1 / 0.35 - 1))
