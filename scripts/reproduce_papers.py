@@ -61,7 +61,6 @@ class Row:
     # counts, as the papers tuned their baselines by hand.
     baseline_meshes: tuple[tuple[int, int | None], ...] = ((1, None),)
     baseline_sync: str | None = None  # None: as memory allows
-    baseline_dkv_bytes: int = 4  # 2: the baseline's ring returns dK/dV in bf16 (TransformerEngine)
     checkpointing: bool = True
     system_tp: int = 1
     # The paper's own batches, where it states them: (sequences per batch, first batch, batches)
@@ -164,7 +163,7 @@ _FLEXSP_192K = (
 # ring attention is TransformerEngine's, which returns dK/dV in bf16. DeepSpeed's is "among
 # SP=64 or SP=32 with ZeRO-3". A mesh is set by its tokens per rank: 384K over 48K-token TP-8
 # groups is CP 8, 192K over them CP 4 x DP 2.
-_MEGATRON = dict(baseline="static", baseline_sync="peer", baseline_dkv_bytes=2)
+_MEGATRON = dict(baseline="static", baseline_sync="peer")
 _DEEPSPEED = dict(baseline="ulysses", baseline_sync="wave")
 
 
@@ -388,7 +387,6 @@ def mean_step(
         activation_checkpointing=row.checkpointing,
         sync=sync,
         tensor_parallel=tp,
-        dkv_bytes=row.baseline_dkv_bytes if is_baseline else 4,
     )
     sim = simulate(
         get_workload(row.workload),
