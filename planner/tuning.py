@@ -19,8 +19,9 @@ fastest over all the setting's steps (one value for the whole run, as a job is c
 Halvings stop where the cluster no longer holds a ``max_seq``-token sequence or at
 :data:`~hdp.planner.strategies.SMALLEST_CAPACITY` tokens a rank. The search plans every global
 batch of the setting with each value and prices it with the one cost model. Example: github-2m on
-1,024 H100s holds 69,376 tokens a rank, so ``bytescale`` tries 69,376 (with offload), 34,688,
-17,344, 8,672, 4,336 and 2,168 tokens a rank; a 2M-token sequence then spans 31 to 968 ranks.
+1,024 H100s holds 70,144 tokens a rank for a baseline (its dK/dV buffers are bf16), so
+``bytescale`` tries 70,144 (with offload), 35,072, 17,536, 8,768, 4,384 and 2,192 tokens a rank;
+a 2M-token sequence then spans from about 30 ranks (offloading) to 957.
 """
 
 from __future__ import annotations
