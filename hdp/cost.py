@@ -79,6 +79,9 @@ class CostModel:
             in fp32; the model's ``dtype_bytes`` for every baseline, whose systems send them in
             the compute dtype as TransformerEngine's ring attention does (the rule
             :meth:`StepPricing.cost_for <hdp.planner.StepPricing.cost_for>` applies).
+        own_runtimes: price a baseline's plan as its own system runs it (a ring baseline's one
+            kernel call per ring step, Note [One kernel call per ring step] in :mod:`hdp.ring`);
+            False where hdp's runtime runs every plan, as training does.
     """
 
     model: ModelSpec
@@ -93,6 +96,7 @@ class CostModel:
     tensor_parallel: int = 1
     dkv_bytes: int = 4
     checkpointed_layers: int | None = None
+    own_runtimes: bool = True
 
     def __post_init__(self) -> None:
         if self.dkv_bytes not in (2, 4):
@@ -464,7 +468,9 @@ class CostModel:
     def cell_compute(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """(attention per layer, total compute) of every cell, ``[num_waves, num_ranks]`` s."""
         W, N = plan.num_waves, plan.num_ranks
-        if ring.runs_ring(plan):  # one kernel call per ring step (Note in hdp.ring)
+        if self.own_runtimes and ring.runs_ring(
+            plan
+        ):  # one kernel call per ring step (Note in hdp.ring)
             attn = ring.cell_attention(self.compute, plan)
         else:
             cell = plan.wave * N + plan.rank

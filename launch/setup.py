@@ -145,6 +145,7 @@ def build_pricing(
         capacity=planning.capacity,
         sync=planning.sync,
         kv_exchange=planning.kv_exchange,
+        own_runtimes=False,  # dist_attn runs every strategy's plans
     )
     return pricing.for_strategy(get_strategy(planning.strategy))
 

@@ -62,6 +62,7 @@ class StepPricing:
         kv_exchange: str = "auto",
         tensor_parallel: int = 1,
         dkv_bytes: int = 4,
+        own_runtimes: bool = True,
     ) -> StepPricing:
         """The pricing of ``model`` on ``cluster`` running ``attention_backend``'s kernels (the
         profile's measured rows of that backend; ``None``: the profile's own). With
@@ -70,7 +71,8 @@ class StepPricing:
         the group's tokens, and ValueError says where the model or the nodes do not split.
         ``dkv_bytes``: :class:`~hdp.CostModel`'s, for hdp's plans; every baseline's are priced
         in the model's compute dtype (:meth:`cost_for`). ``checkpointed_layers``:
-        :class:`~hdp.CostModel`'s."""
+        :class:`~hdp.CostModel`'s. ``own_runtimes`` False: every plan runs on hdp's runtime, as
+        training runs a baseline's plan, and is priced so (one rule for all: hdp's)."""
         cost = CostModel(
             model.tensor_shard(tensor_parallel),
             cluster.tensor_groups(tensor_parallel),
@@ -80,6 +82,7 @@ class StepPricing:
             capacity_override=capacity,
             tensor_parallel=tensor_parallel,
             dkv_bytes=dkv_bytes,
+            own_runtimes=own_runtimes,
         )
         return cls(cost, sync, kv_exchange)
 
@@ -107,12 +110,14 @@ class StepPricing:
         them (TransformerEngine's ring under the static mesh, hybridcp and ByteScale; the
         all-to-alls of Ulysses and FlexSP) returns gradients in the model's compute dtype: its
         dK/dV partials are priced at ``dtype_bytes`` per element, where hdp's ``dist_attn``
-        sums them in fp32. A baseline's placement in another exchange (FlexSP's in ``rank``)
+        sums them in fp32. A baseline's placement in another exchange (FlexSP's in ``rank``),
+        or any plan where the cost model prices no runtime but hdp's (``own_runtimes`` False),
         runs on hdp's runtime and is priced as hdp's plans are."""
         dkv = self.model.dtype_bytes
         own = strategy.exchanges(strategy.options(options))[0]
         if (
-            strategy.takes_kv_exchange
+            not self.cost.own_runtimes
+            or strategy.takes_kv_exchange
             or exchange not in ("auto", own)
             or self.cost.dkv_bytes == dkv
         ):
