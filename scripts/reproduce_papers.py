@@ -2,7 +2,7 @@
 """The simulator held to the published tables: each paper's own speed-up, simulated on the
 paper's own model at the paper's setting, beside hdp's predicted margin over that paper's system.
 
-    python scripts/reproduce_papers.py                # ~10 minutes on 2 cores
+    python scripts/reproduce_papers.py                # ~18 minutes on 2 cores
     python scripts/reproduce_papers.py --steps 3 --rows 1,3,4 --json out/papers.json
 
 A row's ratio is the mean step time of the paper's baseline over the mean step time of the
@@ -62,6 +62,7 @@ class Row:
     baseline_meshes: tuple[tuple[int, int | None], ...] = ((1, None),)
     baseline_sync: str | None = None  # None: as memory allows
     checkpointing: bool = True
+    checkpointed_layers: int | None = None  # with checkpointing, layers recomputed (None: all)
     system_tp: int = 1
     # The paper's own batches, where it states them: (sequences per batch, first batch, batches)
     # taken in order from the workload's trace (:func:`trace_batches`); else seeded samples.
@@ -89,6 +90,14 @@ BYTESCALE_7B = ModelSpec(
 # of 64, GPT-2's vocabulary; a SwiGLU MLP of 11008 channels has the FLOPs of its 4h GELU MLP.
 GPT_7B = ModelSpec(
     "gpt-7b", layers=32, hidden=4096, heads=64, kv_heads=64, head_dim=64, ffn=11008, vocab=50257
+)
+# Its GPT-13B and GPT-30B (Table 5; gpt-13b.json, gpt-30b.json): 40 layers, hidden 5120, 64 heads
+# of 80; 60, 6656, 64 of 104. SwiGLU widths: LLaMA-13B's and -30B's, about 8h/3 as the 7B's.
+GPT_13B = ModelSpec(
+    "gpt-13b", layers=40, hidden=5120, heads=64, kv_heads=64, head_dim=80, ffn=13824, vocab=50257
+)
+GPT_30B = ModelSpec(
+    "gpt-30b", layers=60, hidden=6656, heads=64, kv_heads=64, head_dim=104, ffn=17920, vocab=50257
 )
 # FlexSP's cluster (Section 6.1): 8 nodes of 8 A100-40GB, "interconnected by 400Gbps
 # InfiniBand": two 200 Gb/s NICs a node in its scripts (NCCL_IB_HCA), so 50 Gb/s per GPU where
@@ -149,7 +158,7 @@ _FLEXSP_PAPER = "FlexSP (arXiv 2412.01523)"
 # Fig. 4's bar labels, printed at each setting: legible in the copy of the figure its authors'
 # repository carries (Hetu-Galvatron, branch flexsp, figs/main-result.jpg, whose figures agree
 # with every one the text quotes: 1.98x, 1.72x, 1.77x, 1.63x, and FlexSP-BatchAda's 1.34x, 1.60x).
-_FIG4 = "Fig. 4, GPT-7B, Wikipedia, {context}: FlexSP over {baseline}"
+_FIG4 = "Fig. 4, {model}, Wikipedia, {context}: FlexSP over {baseline}"
 _FIG4_OTHERS = (
     "FlexSP {other_figure:.2f}x over {other}; FlexSP-BatchAda (one SP size a batch) "
     "{ada_mine:.2f}x over {baseline}, {ada_other:.2f}x over {other} (Fig. 4)"
@@ -167,19 +176,25 @@ _MEGATRON = dict(baseline="static", baseline_sync="peer")
 _DEEPSPEED = dict(baseline="ulysses", baseline_sync="wave")
 
 
-def _flexsp_fig4(context: str, baseline: str) -> dict:
-    """The citation and the other figures of one of FlexSP's Fig. 4 settings (GPT-7B,
+_FIG4_LABELS = {  # (FlexSP, FlexSP-BatchAda) over (DeepSpeed, Megatron-LM)
+    ("GPT-7B", "192K"): ((1.72, 1.98), (1.34, 1.54)),
+    ("GPT-7B", "384K"): ((1.46, 1.77), (1.32, 1.60)),
+    ("GPT-13B", "192K"): ((1.59, 1.79), (1.31, 1.48)),
+    ("GPT-13B", "384K"): ((1.43, 1.77), (1.21, 1.50)),
+    ("GPT-30B", "192K"): ((1.64, 1.95), (1.23, 1.47)),
+    ("GPT-30B", "384K"): ((1.53, 1.85), (1.18, 1.43)),
+}
+
+
+def _flexsp_fig4(context: str, baseline: str, model: str = "GPT-7B") -> dict:
+    """The citation and the other figures of one of FlexSP's Fig. 4 settings (``model`` on
     Wikipedia): FlexSP's and FlexSP-BatchAda's labels over DeepSpeed and Megatron-LM."""
-    labels = {  # (FlexSP, FlexSP-BatchAda) over (DeepSpeed, Megatron-LM)
-        "192K": ((1.72, 1.98), (1.34, 1.54)),
-        "384K": ((1.46, 1.77), (1.32, 1.60)),
-    }
-    (flex_ds, flex_mg), (ada_ds, ada_mg) = labels[context]
+    (flex_ds, flex_mg), (ada_ds, ada_mg) = _FIG4_LABELS[model, context]
     mine = baseline == "DeepSpeed"
     other = "Megatron-LM" if mine else "DeepSpeed"
     return dict(
         published=(flex_ds, flex_ds) if mine else (flex_mg, flex_mg),
-        cited=_FIG4.format(context=context, baseline=baseline),
+        cited=_FIG4.format(model=model, context=context, baseline=baseline),
         others=_FIG4_OTHERS.format(
             other=other,
             other_figure=flex_mg if mine else flex_ds,
@@ -190,6 +205,10 @@ def _flexsp_fig4(context: str, baseline: str) -> dict:
     )
 
 
+# FlexSP's solver (optimizer_param_dict, flexsp_solver/solver.py) plans 4.48, 4.22 and 3.42 MB
+# of activations a token for its 7B, 13B and 30B: ours for the 7B with no layer recomputed (4.52),
+# for the 13B and 30B with the first 17 of 40 and 48 of 60; baselines recompute more as needed.
+_BIGGER = {"GPT-13B": (GPT_13B, 17), "GPT-30B": (GPT_30B, 48)}
 ROWS = [
     Row(
         _BYTESCALE_PAPER,
@@ -307,6 +326,39 @@ ROWS = [
     ),
 ]
 
+
+def _flexsp_bigger(model: str, context: str, baseline: str) -> Row:
+    """Fig. 4's ``model`` on Wikipedia at ``context`` over ``baseline``, on the 7B row's meshes
+    there: the text found here names the paper's meshes (Appendix B) per system, not per model."""
+    cited = _FIG4.format(model="GPT-7B", context=context, baseline=baseline)
+    (seven,) = [r for r in ROWS if r.cited == cited]
+    spec, recomputed = _BIGGER[model]
+    return replace(
+        seven,
+        setting=seven.setting.replace("GPT-7B", model)[:-1] + "; the 7B's meshes)",
+        model=spec,
+        checkpointing=True,
+        checkpointed_layers=recomputed,
+        **_flexsp_fig4(context, baseline, model),
+        gap=_GAPS.get((model, context, baseline), ""),
+        not_modelled=_TP8_FULL if (spec, baseline) == (GPT_30B, "Megatron-LM") else "",
+    )
+
+
+_TP8_FULL = (
+    "at TP 8 its bf16 weights and fp32 gradients take 24.6 of 40 GB: our memory model fits 21K "
+    "tokens a group recomputing every layer, under each TP 8 mesh the paper names (TP 16 spans "
+    "two nodes, which a TP group here cannot)"
+)
+_RING = "as at 7B, a TP 8 x CP 8 ring crosses all 8 nodes at 50 Gb/s a GPU: our Megatron-LM"
+_GAPS = {("GPT-13B", "384K", "Megatron-LM"): _RING + " step is 27.6 s to FlexSP's 9.8 s"}
+ROWS += [
+    _flexsp_bigger(model, context, baseline)
+    for model in _BIGGER
+    for context in ("192K", "384K")
+    for baseline in ("Megatron-LM", "DeepSpeed")
+]
+
 # Figures once cited here that the papers do not state at the row's setting: (paper, figures,
 # where they were cited, why they are not).
 DROPPED = (
@@ -380,11 +432,14 @@ def mean_step(
     is_baseline = strategy == row.baseline
     sync = row.baseline_sync if is_baseline else None
     model = row.model if isinstance(row.model, ModelSpec) else model_preset(row.model)
+    cluster = ClusterSpec(row.gpus, 8, gpu)
+    layers = _recomputed(row, model, cluster, mesh) if is_baseline else row.checkpointed_layers
     pricing = StepPricing.build(
         model,
-        ClusterSpec(row.gpus, 8, gpu),
+        cluster,
         capacity=capacity or row.capacity,
         activation_checkpointing=row.checkpointing,
+        checkpointed_layers=layers,
         sync=sync,
         tensor_parallel=tp,
     )
@@ -405,6 +460,22 @@ def mean_step(
     if r.error is not None:
         raise PlanningError(f"{strategy} on {_mesh_name(mesh)}: {r.error}")
     return r.mean()["step_time_s"]
+
+
+def _recomputed(row: Row, model: ModelSpec, cluster: ClusterSpec, mesh: tuple) -> int | None:
+    """Layers a baseline's mesh recomputes: the row's, or as few more as its tokens per rank need
+    in our memory model, as the papers tuned their baselines to run (PlanningError where even all
+    leave too little room); rows recomputing all or none (None) are left as they are."""
+    tp, tokens = mesh
+    if row.checkpointed_layers is None or tokens is None:
+        return row.checkpointed_layers
+    for layers in range(row.checkpointed_layers, model.layers + 1):
+        cost = StepPricing.build(
+            model, cluster, checkpointed_layers=layers, sync=row.baseline_sync, tensor_parallel=tp
+        ).cost
+        if cost.capacity(row.baseline_sync or "peer") >= tokens:
+            return layers
+    raise PlanningError(f"{_mesh_name(mesh)} does not fit with every layer recomputed")
 
 
 def _mesh_name(mesh: tuple[int, int | None]) -> str:
@@ -456,13 +527,8 @@ def _published(row: Row) -> str:
 def _print_row(row: Row, out: dict | None) -> dict:
     """Print the row's line of the table; return its JSON record."""
     head = f"| {row.paper} | {row.setting} | {_published(row)} | {row.cited} | {row.others or '-'}"
-    record = {
-        "paper": row.paper,
-        "setting": row.setting,
-        "published": list(row.published),
-        "cited": row.cited,
-        "others": row.others,
-    }
+    record = dict(paper=row.paper, setting=row.setting, published=list(row.published))
+    record.update(cited=row.cited, others=row.others)
     if out is None:
         print(f"{head} | not modelled: {row.not_modelled} | | |", flush=True)
         return {**record, "not_modelled": row.not_modelled}
@@ -500,21 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="global batches per row: this many sampled, or at most this many of the paper's "
-        "own (default: 12 sampled, or all the paper's own)",
-    )
+    about = "global batches per row: this many sampled, or at most this many of the paper's own"
+    p.add_argument("--steps", type=int, help=about + " (default: 12 sampled, or all its own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    p.add_argument(
-        "--rows",
-        default=None,
-        metavar="N,...",
-        help=f"only these rows, numbered from 1 (of {len(ROWS)}; default all)",
-    )
+    p.add_argument("--rows", metavar="N,...", help=f"only these rows, from 1 (of {len(ROWS)})")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error("--steps must be >= 1")
