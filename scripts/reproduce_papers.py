@@ -2,7 +2,7 @@
 """The simulator held to the published tables: each paper's own speed-up, simulated on the
 paper's own model at the paper's setting, beside hdp's predicted margin over that paper's system.
 
-    python scripts/reproduce_papers.py                # ~18 minutes on 2 cores
+    python scripts/reproduce_papers.py                # ~17 minutes on 2 cores
     python scripts/reproduce_papers.py --steps 3 --rows 1,3,4 --json out/papers.json
 
 A row's ratio is the mean step time of the paper's baseline over the mean step time of the
