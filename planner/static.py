@@ -94,27 +94,22 @@ def plan_static(ctx: Context, name: str = "static", size: int | None = None) -> 
     n = ctx.num_ranks
     most = largest_size(ctx, name)
     cp_mem = memory_size(ctx, name)
-    if size is not None:
-        if size & (size - 1) or not cp_mem <= size <= most:
-            raise PlanningError(
-                f"{name}: a group of {size} ranks does not run this batch: it must be a power of "
-                f"two from {cp_mem} (a micro-batch of max_seq = {ctx.max_seq} tokens at "
-                f"{ctx.capacity} tokens per rank) to {most}"
-            )
-        cp = size
+    if size is not None and (size & (size - 1) or not cp_mem <= size <= most):
+        raise PlanningError(
+            f"{name}: a group of {size} ranks does not run this batch: it must be a power of "
+            f"two from {cp_mem} (a micro-batch of max_seq = {ctx.max_seq} tokens at "
+            f"{ctx.capacity} tokens per rank) to {most}"
+        )
+    # Unless given, the smallest CP (>= the memory minimum) at which every replica gets a
+    # micro-batch. Packing counts the padding (compute is not charged for it), so a rank never
+    # holds more than budget / CP <= capacity tokens.
+    cp = size or cp_mem
+    while True:
         padded = -(-lens // (2 * cp)) * (2 * cp)
         bins = first_fit_decreasing(padded, max(ctx.max_seq, int(padded.max(initial=0))))
-    else:
-        # The smallest CP (>= the memory minimum) at which every replica gets a micro-batch.
-        # Packing counts the padding (compute is not charged for it), so a rank never holds more
-        # than budget / CP <= capacity tokens.
-        cp = cp_mem
-        while True:
-            padded = -(-lens // (2 * cp)) * (2 * cp)
-            bins = first_fit_decreasing(padded, max(ctx.max_seq, int(padded.max(initial=0))))
-            if n // cp <= len(bins) or 2 * cp > most:
-                break
-            cp *= 2
+        if size is not None or n // cp <= len(bins) or 2 * cp > most:
+            break
+        cp *= 2
     dp = n // cp
     # Micro-batches to replicas: largest first, to the replica with the fewest tokens.
     bin_tokens = [int(padded[b].sum()) for b in bins]
