@@ -52,7 +52,7 @@ HEAD_CHECKED_LENGTHS = 4  # longest distinct lengths :func:`heads_may_win` price
 # ``auto``: a P2P plan this close to its bound, which covers head-parallel plans too, is kept
 # without planning head-parallel groups (they could gain at most this share).
 HEAD_GAP = 0.02
-HEADS_ALWAYS_RANKS = 32  # ``auto``: up to this many ranks, head groups are planned past the gap
+HEADS_ALWAYS_RANKS = 32  # ``auto``: up to this many ranks, head groups are always planned too
 _PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange", "cost")
 
 
@@ -108,9 +108,14 @@ def plan_and_evaluate(
     t0 = time.perf_counter()
     if (
         exchange == "auto"  # (plan may be a head-parallel rival's: ``cost`` is P2P here)
-        and report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
         and heads_hold(cost, lens, sync, cap)
-        and (cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS or heads_may_win(cost, lens, sync, cap))
+        and (
+            cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS
+            or (
+                report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
+                and heads_may_win(cost, lens, sync, cap)
+            )
+        )
     ):
         by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
         heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync))

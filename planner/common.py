@@ -279,6 +279,12 @@ def option_flag(default: str, *, flag: str, choices: tuple[str, ...], help: str)
     return field(default=default, metadata={"flag": flag, "choices": choices, "help": help})
 
 
+def seconds_flag(default: float, *, flag: str, help: str) -> Any:
+    """A strategy option in seconds (at least 0) that is also a flag of ``hdp-sim`` and
+    ``hdp-plan``."""
+    return field(default=default, metadata={"flag": flag, "seconds": True, "help": help})
+
+
 def knob_flag(*, flag: str, metavar: str, help: str) -> Any:
     """A baseline's knob (a size in tokens or ranks, ``None``: not set) that is also a flag of
     ``hdp-sim`` and ``hdp-plan``; ``hdp-sim`` searches a knob that is not set

@@ -77,19 +77,6 @@ def least_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nda
     return cost.model.layers * cost.least_attn_of(L) + L * per_token
 
 
-def work_area(cost: CostModel, rel: Relaxation, degree: np.ndarray, sync: str) -> float:
-    """Rank-seconds of compute that any plan giving sequence ``i`` ``degree[i]`` ranks covers, at
-    least: split sequences their area in ``rel``'s menus where it holds the degree, else (and whole
-    ones) their packed time. Divided by the ranks it is a lower bound of such a plan's step (a
-    wave lasts as long as its slowest rank, so at least as long as the mean)."""
-    area = packed_time(cost, rel.seq_lens, cost.offload_capacity(sync))
-    for i, mu in zip(rel.long_ids.tolist(), rel.menus):
-        k = int(np.searchsorted(mu.degrees, degree[i]))
-        if degree[i] > 1 and k < mu.degrees.size and mu.degrees[k] == degree[i]:
-            area[i] = float(mu.area[k])
-    return float(area.sum())
-
-
 class Jobs(NamedTuple):
     """A degree for every sequence (1: whole on one rank) and its busy time there (s)."""
 
@@ -109,17 +96,13 @@ class Relaxation:
     long_ids: np.ndarray
     menus: tuple[Menu, ...]
 
-    def degrees_at(self, height: float, whole_s: np.ndarray, max_tokens: int | None = None) -> Jobs:
+    def degrees_at(self, height: float, whole_s: np.ndarray) -> Jobs:
         """Each sequence's smallest-area menu degree no taller than ``height`` (the lowest one
-        where none is), and its busy time; ``whole_s`` for the sequences that stay whole.
-        ``max_tokens``: also holding at most that many tokens per member where a degree does."""
+        where none is), and its busy time; ``whole_s`` for the sequences that stay whole."""
         degrees = np.ones(self.seq_lens.size, dtype=np.int64)
         job_time = np.array(whole_s, dtype=np.float64)
         for i, mu in zip(self.long_ids.tolist(), self.menus):
             allowed = mu.height <= height * (1 + 1e-12)
-            if max_tokens is not None:
-                capped = allowed & (mu.most_tokens <= max_tokens)
-                allowed = capped if capped.any() else allowed
             k = (
                 int(np.argmin(np.where(allowed, mu.area, np.inf)))
                 if allowed.any()

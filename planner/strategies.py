@@ -298,6 +298,16 @@ def add_option_flags(p: argparse.ArgumentParser | Any) -> None:
             if flag is None or flag in added:
                 continue
             added.add(flag)
+            if f.metadata.get("seconds"):
+                p.add_argument(
+                    flag,
+                    dest=_dest(flag),
+                    metavar="SECONDS",
+                    type=argtypes.number(),
+                    default=f.default,
+                    help=f"{f.metadata['help']} (default {f.default:g})",
+                )
+                continue
             if "metavar" in f.metadata:
                 p.add_argument(
                     flag,

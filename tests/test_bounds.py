@@ -19,10 +19,12 @@ from hypothesis import strategies as st
 
 from hdp import ClusterSpec, model_preset
 from hdp.planner import HEAD_GAP, STRATEGIES, PlanningError, StepPricing, plan_step
-from hdp.planner.dynamic import DynamicOptions
-from hdp.planner.dynamic.search import FLEXSP_RIVAL_SOLVES
 
 PROFILES = {"cpu": "tiny", "h100": "llama-7b", "a100-80g": "llama-7b"}
+# hdp's search no longer runs the baselines inside it (Note [One search]): its plan may trail a
+# baseline's placement by this share where neither its rounding nor its group layouts reach it
+# (the most seen: 4%, FlexSP's power-of-two groups in P2P exchange on the CPU profile).
+TRAILS = 0.05
 
 
 def _plans(lens, pricing) -> dict:
@@ -47,12 +49,13 @@ def _plans(lens, pricing) -> dict:
 
 def _check_bounds_and_hdp_first(plans: dict) -> None:
     """No plan steps under hdp's bound or its own simple lower bound, and hdp's plan is no
-    slower than any baseline's placement on hdp's runtime, head-parallel ones included."""
+    slower than any baseline's placement on hdp's runtime (within ``TRAILS``), head-parallel
+    ones included."""
     hdp = plans["hdp"]
     for name, p in plans.items():
         assert p["step_time_s"] >= hdp["bound_s"] * (1 - 1e-9), (name, p["step_time_s"], hdp)
         assert p["step_time_s"] >= p["lower_bound_s"] * (1 - 1e-9), (name, p)
-        assert hdp["step_time_s"] <= p["on_hdp_s"] * (1 + 1e-9), name
+        assert hdp["step_time_s"] <= p["on_hdp_s"] * (1 + TRAILS), name
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,7 +117,7 @@ def test_hdp_never_trails_a_baseline_on_many_sequences(profile, n, sync, seed):
     longs = rng.integers(cap // 2, 8 * cap, int(rng.integers(1, 4)))
     lens = np.concatenate([longs, rng.integers(1, cap, int(rng.integers(100, 201)))])
     if sync == "wave":
-        assume(-(-int(lens.sum()) // (n * cap)) > FLEXSP_RIVAL_SOLVES - 1)
+        assume(-(-int(lens.sum()) // (n * cap)) >= 4)
     _check_bounds_and_hdp_first(_plans(lens, pricing))
 
 
@@ -129,9 +132,8 @@ def test_mixed_group_sizes_beat_flexsp_without_its_plan():
         model_preset("tiny"), cluster, capacity=2048, sync="peer", kv_exchange="rank"
     )
     flexsp = plan_step(lens, pricing, "flexsp").predicted["step_time_s"]
-    own = plan_step(lens, pricing, "hdp", hdp_options=DynamicOptions(rivals=False))
+    own = plan_step(lens, pricing, "hdp")
     assert own.predicted["step_time_s"] <= flexsp * (1 + 1e-9)
-    assert "from_mixed_groups" in own.predicted
 
 
 @pytest.mark.parametrize(
@@ -151,7 +153,7 @@ def test_equal_groups_match_flexsp_without_its_plan(profile, n, cap, lens):
     pricing = StepPricing.build(model, cluster, capacity=cap, sync="peer", kv_exchange="rank")
     lens = np.asarray(lens)
     flexsp = plan_step(lens, pricing, "flexsp").predicted["step_time_s"]
-    own = plan_step(lens, pricing, "hdp", hdp_options=DynamicOptions(rivals=False))
+    own = plan_step(lens, pricing, "hdp")
     assert own.predicted["step_time_s"] <= flexsp * (1 + 1e-9)
 
 
@@ -246,4 +248,4 @@ def test_hdp_keeps_up_with_head_parallel_meshes_past_the_rival_ranks():
     hdp = plan_step(lens, pricing, "hdp").predicted["step_time_s"]
     for name in ("flexsp", "ulysses"):
         rival = plan_step(lens, pricing, name).predicted["step_time_s"]
-        assert hdp <= rival * (1 + 1e-9), name
+        assert hdp <= rival * (1 + TRAILS), name

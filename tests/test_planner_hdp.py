@@ -12,13 +12,10 @@ from hypothesis import strategies as st
 from test_strategies import check_plan
 
 from hdp import ClusterSpec, CostModel, Plan, model_preset
-from hdp.planner import PlanningError, nic_may_bind, plan_and_evaluate, plan_step, solver
+from hdp.planner import PlanningError, plan_and_evaluate, plan_step, solver
 from hdp.planner.common import Context, zigzag_arrays
-from hdp.planner.degrees import relaxation_bound, step_bound, work_area
-from hdp.planner.dynamic import DynamicOptions, candidate_heights, milp
-from hdp.planner.dynamic.candidates import num_waves_for
-from hdp.planner.dynamic.place import place
-from hdp.planner.dynamic.shelves import shelf_candidates
+from hdp.planner.degrees import relaxation_bound, step_bound
+from hdp.planner.dynamic import milp
 from hdp.planner.splits import head_split_times, split_times
 
 
@@ -286,228 +283,6 @@ def test_ilp_agrees_with_the_relaxation_and_reports_its_lp_bound():
     assert p["bound_s"] <= p["step_time_s"]
 
 
-def test_token_capped_degrees_hold_at_most_the_cap_per_member():
-    # The wave-sync candidates that cap each member's tokens: where a menu degree holds at most
-    # the cap, the chosen one does; the cap only ever widens a split.
-    cost = CostModel(model_preset("llama-70b"), ClusterSpec.preset("h100", 64))
-    lens = np.array([1_200_000, 700_000, 180_000, 90_000] + [4000] * 300)
-    cap = cost.capacity("wave")
-    rel = relaxation_bound(cost, lens, "wave", cap, 64)
-    limit = int(0.25 * cost.offload_capacity("wave"))
-    for h in (rel.height_s, 2 * rel.height_s):
-        whole = np.asarray(cost.seq_time(lens), dtype=np.float64)
-        free, _ = rel.degrees_at(h, whole)
-        capped, times = rel.degrees_at(h, whole, limit)
-        assert np.all(capped >= free)
-        for i, mu in zip(rel.long_ids.tolist(), rel.menus):
-            k = list(mu.degrees).index(capped[i])
-            if (mu.most_tokens <= limit).any():
-                assert mu.most_tokens[k] <= limit
-            assert times[i] == mu.height[k]
-
-
-def _wave_context(lens, n: int, cap: int) -> Context:
-    """The context plan_step builds for llama-7b on ``n`` ranks (4 per node) in wave sync."""
-    cost = CostModel(
-        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap
-    )
-    lens = np.asarray(lens, dtype=np.int64)
-    return Context(
-        seq_lens=lens,
-        cost=cost,
-        sync="wave",
-        capacity=cap,
-        max_seq=int(lens.max()),
-        tokens_per_step=int(lens.sum()),
-    )
-
-
-def _plan_wave(lens, n: int, cap: int, options: DynamicOptions):
-    return plan_step(
-        lens,
-        ClusterSpec.preset("h100", n, 4),
-        model_preset("llama-7b"),
-        "hdp",
-        capacity=cap,
-        sync="wave",
-        hdp_options=options,
-    )
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(1, 8),
-    cap=st.integers(64, 600),
-    share=st.sampled_from([0.0, 1e-3]),
-    data=st.data(),
-)
-def test_two_tier_wave_plans_are_valid(n, cap, share, data):
-    # The two-tier wave candidate (cheapest whole sequences in waves of their own), forced on;
-    # every such candidate is checked, not only the plan kept.
-    lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
-    two_tier = []
-
-    def check(cand, placement):
-        if cand.cheap_share is not None:
-            check_plan(placement.plan, lens, n, cap)
-            two_tier.append(cand)
-
-    options = DynamicOptions(cheap_wave_share=share, skip_by_work=False, on_place=check)
-    check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
-    assert two_tier
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 8), cap=st.integers(64, 600), data=st.data())
-def test_no_stacking_wave_plans_are_valid(n, cap, data):
-    # Every candidate the search places, placed again with no stacking (a multi-rank job never
-    # joins a wave that already holds work where that raises the wave by more than the share of
-    # its time): valid plans, and no job stacked.
-    lens = data.draw(st.lists(st.integers(1, min(n * cap, 2500)), min_size=1, max_size=30))
-    placed = []
-    options = DynamicOptions(on_place=lambda cand, placement: placed.append(cand))
-    check_plan(_plan_wave(lens, n, cap, options), lens, n, cap)
-    ctx = _wave_context(lens, n, cap)
-    for cand in placed:
-        no_stacking = replace(cand, stack_share=options.stack_share)
-        placement = place(ctx, num_waves_for(ctx), no_stacking, options)
-        check_plan(placement.plan, lens, n, cap)
-        assert placement.stacked_jobs == 0
-    assert placed
-
-
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.sampled_from([4, 8, 16]), data=st.data())
-def test_shelf_candidates_are_valid_plans(n, data):
-    # Every shelf candidate (the longest sequences side by side in a first wave, the rest fast),
-    # placed as plan_dynamic places them: a valid plan with no job stacked.
-    cap = 1024
-    room = _wave_context([1], n, cap).cost.offload_capacity("wave")
-    lens = np.array(
-        [data.draw(st.integers(cap, n * room))]
-        + data.draw(st.lists(st.integers(1, room), min_size=1, max_size=20))
-    )
-    ctx = _wave_context(lens, n, cap)
-    rel = relaxation_bound(ctx.cost, lens, "wave", cap, n)
-    options = DynamicOptions()
-    num_waves = num_waves_for(ctx)
-    heights = candidate_heights(rel, "wave", options)
-    shelves = shelf_candidates(
-        ctx,
-        rel,
-        num_waves,
-        heights,
-        shelf_heights=options.shelf_heights,
-        stack_share=options.stack_share,
-    )
-    for cand in shelves:
-        placement = place(ctx, num_waves, cand, options)
-        check_plan(placement.plan, lens, n, cap)
-        assert placement.stacked_jobs == 0
-
-
-def _plans_with_and_without_skipping(
-    lens, cluster, model, sync, capacity=None
-) -> tuple[list[float], list[float]]:
-    """Step times of every candidate placed, planning as usual and with nothing skipped (the
-    last of each list is the plan kept). Each placed candidate's step is checked against what
-    candidates are skipped by (Note [Skipping by work]): in ``wave`` sync its work spread over
-    the ranks; in ``peer`` sync its tallest multi-rank job's busy time, as the closed form prices
-    it by bytes alone in whichever split is faster."""
-    lens = np.asarray(lens)
-    cost = CostModel(model, cluster, capacity_override=capacity)
-    cap = cost.capacity(sync)
-    if nic_may_bind(cost, lens, sync, cap):
-        cost = cost.with_exchange("node")
-        cap = cost.capacity(sync)
-    rel = relaxation_bound(cost, lens, sync, cap, cluster.num_ranks)
-    runs: list[list[float]] = []
-
-    def floor_s(degree: np.ndarray) -> float:
-        if sync == "wave":
-            return work_area(cost, rel, degree, "wave") / cluster.num_ranks
-        multi = np.flatnonzero(degree > 1)
-        L, d = lens[multi], degree[multi]
-        by_blocks = split_times(cost, L, d, "peer", np.where(L >= 256 * d, 128, 1), latency=False)
-        exact = split_times(cost, L, d, "peer", 1, latency=False)
-        return float(np.fmin(by_blocks[0], exact[0]).max(initial=0.0))
-
-    def check(cand, placement):
-        step = cost.evaluate(placement.plan).step_time_s
-        assert step >= floor_s(cand.degree) * (1 - 1e-12)
-        runs[-1].append(step)
-
-    for skip in (True, False):
-        runs.append([])
-        options = DynamicOptions(skip_by_work=skip, on_place=check)
-        report = plan_and_evaluate(
-            lens, cluster, model, "hdp", sync=sync, capacity=capacity, hdp_options=options
-        )[1]
-        runs[-1].append(report.step_time_s)
-    return runs[0], runs[1]
-
-
-@pytest.mark.parametrize("sync", ["wave", "peer"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.sampled_from([2, 4, 8]), cap=st.integers(64, 600), data=st.data())
-def test_skipped_candidates_could_not_have_won(sync, n, cap, data):
-    # A skipped candidate's floor (wave: its work spread over the ranks; peer: its tallest job)
-    # is a lower bound of its step and not below the best step so far: skipping changes no plan.
-    lens = data.draw(st.lists(st.integers(1, min(n * cap, 3000)), min_size=1, max_size=30))
-    skipping, everything = _plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", n, 4), model_preset("llama-7b"), sync, capacity=cap
-    )
-    assert skipping[-1] == everything[-1]
-
-
-@pytest.mark.parametrize("workload", ["byted-2m", "github-2m", "wlb-128k"])
-def test_skipping_wave_candidates_changes_no_plan_on_real_batches(workload):
-    from hdp.workloads import get_workload
-
-    lens = get_workload(workload).sample_batch(np.random.default_rng(0), tokens_per_step=1 << 22)
-    skipping, everything = _plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", 64), model_preset("llama-7b"), "wave"
-    )
-    assert skipping[-1] == everything[-1]
-    # Where candidates differ in work (a 2M-context batch), some are not placed at all.
-    assert len(skipping) < len(everything) or workload != "byted-2m"
-
-
-@pytest.mark.parametrize(("workload", "gpus"), [("byted-2m", 256), ("github-2m", 64)])
-def test_skipping_peer_candidates_changes_no_plan(workload, gpus):
-    # peer sync skips a candidate whose tallest job cannot finish before the best step so far.
-    from hdp.workloads import get_workload
-
-    lens = get_workload(workload).sample_batch(np.random.default_rng(1), tokens_per_step=gpus << 15)
-    skipping, everything = _plans_with_and_without_skipping(
-        lens, ClusterSpec.preset("h100", gpus), model_preset("llama-7b"), "peer"
-    )
-    assert skipping[-1] == everything[-1]
-    assert len(skipping) < len(everything)  # one candidate's job alone outlasts the best plan
-
-
-@pytest.mark.parametrize("exchange", ["ulysses", "auto"])
-def test_peer_skipping_keeps_head_parallel_candidates(exchange):
-    """In ``ulysses`` exchange the menus' bound entries are the P2P splits', which a
-    head-parallel job beats up to 3x: skipping by them dropped the winning candidates (0.925 s
-    against 0.891 s here, also under ``auto``). Skipping changes no plan."""
-    lens = [47552, 20000, 8000, 4000, 4000, 2000, 2000, 1000]
-    cluster, model = ClusterSpec.preset("h100", 32, 2), model_preset("llama-7b")
-    steps = [
-        plan_step(
-            lens,
-            cluster,
-            model,
-            "hdp",
-            sync="peer",
-            kv_exchange=exchange,
-            hdp_options=DynamicOptions(skip_by_work=skip),
-        ).predicted["step_time_s"]
-        for skip in (True, False)
-    ]
-    assert steps[0] == steps[1]
-
-
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("solver exploded")
@@ -557,6 +332,22 @@ def test_clear_errors():
         plan_step([], ClusterSpec.preset("h100", 4), model, "hdp")
     with pytest.raises(ValueError, match="num_ranks"):
         ClusterSpec.preset("h100", 0)
+
+
+def _wave_context(lens, n: int, cap: int) -> Context:
+    """The context plan_step builds for llama-7b on ``n`` ranks (4 per node) in wave sync."""
+    cost = CostModel(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity_override=cap
+    )
+    lens = np.asarray(lens, dtype=np.int64)
+    return Context(
+        seq_lens=lens,
+        cost=cost,
+        sync="wave",
+        capacity=cap,
+        max_seq=int(lens.max()),
+        tokens_per_step=int(lens.sum()),
+    )
 
 
 def test_equal_group_plans_fill_every_member_before_a_new_wave():

@@ -1,34 +1,30 @@
-"""``hdp``: malleable-job degrees from the relaxation, node-aware placement, gaps filled.
+"""``hdp``: one search from the malleable-job relaxation (Note [One search] in :mod:`.search`).
 
 Read in this order:
 
-1. :mod:`hdp.planner.menus` prices a menu of degrees for every long sequence (compute at the
-   kernel efficiency of its blocks, exposed K/V traffic over NVLink and the NIC, host offload
-   where its members hold more than the capacity); :mod:`hdp.planner.degrees` solves the
-   relaxation: the height ``M`` minimising ``max(M, area / ranks)`` and, for each sequence, the
-   smallest-area degree no taller than ``M``. Short sequences stay whole.
-2. :mod:`.search` turns the relaxation into candidates (Note [The candidate families]), places
-   each once, skips those that cannot win and keeps the fastest by the cost model.
-3. :mod:`.place` places one candidate: :mod:`.wave` in ``wave`` sync (a step is the sum of its
-   waves' slowest cells), :mod:`.peer` in ``peer`` sync (ranks wait only for their partners).
-   Multi-rank jobs take the least-loaded ranks of one node where they fit in one, in zigzag
-   head/tail shares of whole 128-token blocks (:func:`hdp.planner.common.use_blocks`).
-4. :mod:`.megatron` is the form Megatron's hybrid context parallelism executes.
+1. :mod:`hdp.planner.menus` prices a menu of degrees for every sequence that may split;
+   :mod:`hdp.planner.degrees` solves the relaxation over them (and :mod:`.milp` where lengths
+   repeat).
+2. :mod:`.search` rounds the relaxation at a few heights, places each rounding, and improves the
+   fastest by a local search under the cost model, within a budget.
+3. :mod:`.place` places one choice of degrees: :mod:`.wave` in ``wave`` sync (a step is the sum
+   of its waves' slowest cells), :mod:`.peer` in ``peer`` sync (ranks wait only for their
+   partners); :mod:`.local` moves whole sequences off the cells that end the step.
+4. :mod:`.groups` and :mod:`.mixed` lay the batch out on rank groups where the budget allows.
+5. :mod:`.megatron` is the form Megatron's hybrid context parallelism executes.
 """
 
-from .candidates import Candidate, Placement
+from .candidates import Candidate
 from .megatron import aligned_groups, plan_megatron_form
 from .options import DynamicOptions
-from .search import NATIVE_SYNC, CandidateSearch, candidate_heights, plan_dynamic
+from .search import NATIVE_SYNC, plan_dynamic, rounding_heights
 
 __all__ = [
     "NATIVE_SYNC",
     "Candidate",
-    "CandidateSearch",
     "DynamicOptions",
-    "Placement",
     "aligned_groups",
-    "candidate_heights",
     "plan_dynamic",
     "plan_megatron_form",
+    "rounding_heights",
 ]

@@ -1,4 +1,4 @@
-"""What the placers share: candidates, placements, the assignment of work to ranks, and how a job
+"""What the placers share: candidates, the assignment of work to ranks, and how a job
 picks its ranks."""
 
 from __future__ import annotations
@@ -8,35 +8,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hdp import Plan
-
 from ..common import Context
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to plan a batch: each sequence's degree and busy time, and how to place them.
-
-    ``cheap_share`` (``wave`` sync, two tiers): the whole sequences that are cheapest per token
-    get waves of their own, so the other waves hold at most this share of the offload capacity.
-    ``stack_share`` (``wave`` sync, no stacking): a multi-rank job joins a wave that already
-    holds work only where that raises the wave by at most this share of the job's time.
-    ``height_s``: the relaxation height the degrees were read at (``None``: another family)."""
+    """One way to plan a batch: each sequence's degree (1: whole on one rank) and its busy
+    time there (s)."""
 
     degree: np.ndarray
     job_time: np.ndarray
-    cheap_share: float | None = None
-    stack_share: float | None = None
-    height_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A placed candidate: its plan, and how many multi-rank jobs joined a wave that held work
-    and raised it by more than the no-stacking share of their time."""
-
-    plan: Plan
-    stacked_jobs: int
 
 
 @dataclass
@@ -49,7 +30,6 @@ class Assignment:
     job_key: list[int]
     single_rank: np.ndarray
     single_key: np.ndarray
-    stacked_jobs: int = 0
 
 
 def num_waves_for(ctx: Context) -> int:

@@ -81,7 +81,6 @@ def plan_megatron_form(
     """The fastest Megatron-form plan by the cost model with its padding priced
     (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted`` where the
     bound applies (every sequence fits a power-of-two group)."""
-    options = options or DynamicOptions()
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
     sizes = megatron_group_sizes(n)
@@ -99,7 +98,7 @@ def plan_megatron_form(
     rel = relaxation_bound(cost, relaxed, ctx.sync, cap, n, pow2=True)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
-    for jobs in _degree_choices(ctx, rel, options):
+    for jobs in _degree_choices(ctx, rel):
         degree, job_time = _megatron_sizes(ctx, jobs, sizes)
         if any(np.array_equal(degree, d) for d in seen):
             continue
@@ -147,12 +146,13 @@ def _megatron_sizes(ctx: Context, jobs: Jobs, sizes: list[int]) -> Jobs:
     return Jobs(degree, job_time)
 
 
-def _degree_choices(ctx: Context, rel: Relaxation, options: DynamicOptions) -> list[Jobs]:
-    """The relaxation's degrees at each of ``options.megatron_height_factors`` of its height,
-    and mixes in which the jobs that take a quarter of the ranks or more keep their degree at
-    ``M`` while the rest run faster (wider) after them: two sequences on half the ranks each
-    leave no room beside them, so what follows must be short."""
-    factors = options.megatron_height_factors
+def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
+    """The relaxation's degrees at several heights up to a little above its own ``M`` (a job
+    on all ranks runs alone in this form, so the jobs after it must be fast rather than
+    area-efficient), and mixes in which the jobs that take a quarter of the ranks or more keep
+    their degree at ``M`` while the rest run faster (wider) after them: two sequences on half
+    the ranks each leave no room beside them, so what follows must be short."""
+    factors = (0.35, 0.5, 0.7, 1.0, 1.12)
     choices = [rel.degrees_at(rel.height_s * f, ctx.whole_s) for f in factors]
     at_m = choices[factors.index(1.0)]
     wide = at_m.degree >= max(2, ctx.num_ranks // 4)

@@ -36,9 +36,6 @@ from hdp import CostModel
 from ..degrees import Jobs, Relaxation, packed_time
 from ..solver import NODE_LIMIT, make_solver, solver_name
 
-MAX_OPTIONS = 3000  # (bucket, degree) pairs the MILP takes within the planning budget
-MAX_RANKS = 512  # above this the sweep alone plans (and is exact for distinct lengths)
-
 
 @dataclass
 class IlpChoice:
@@ -49,9 +46,11 @@ class IlpChoice:
     info: dict[str, float] = field(default_factory=dict)
 
 
-def fits_budget(rel: Relaxation, num_ranks: int) -> bool:
-    """Whether the MILP fits the planning time budget (small and mid-size steps)."""
-    return num_ranks <= MAX_RANKS and 0 < sum(mu.degrees.size for mu in rel.menus) <= MAX_OPTIONS
+def repeats(rel: Relaxation) -> bool:
+    """Whether two sequences that may split share a length: only then can the MILP choose
+    better than the sweep, which is exact for distinct lengths."""
+    lens = rel.seq_lens[rel.long_ids]
+    return np.unique(lens).size < lens.size
 
 
 @dataclass

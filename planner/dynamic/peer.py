@@ -2,15 +2,14 @@
 
 Multi-rank jobs, tallest first, take the least-loaded ranks (node-aware) after everything already
 on them; the less-loaded members wait, and those idle gaps take whole sequences first (best fit).
-The rest go longest first onto the least-loaded rank, then move from the most to the least loaded
-rank while the maximum falls. Waves are the fewest that keep each rank's order (lock-step levels).
+The rest go longest first onto the least-loaded rank. Waves are the fewest that keep each rank's
+order (lock-step levels).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,19 +17,7 @@ from ..common import Context, PlanningError
 from .candidates import Assignment, Candidate, pick_members
 
 
-@dataclass
-class _Tail:
-    """The whole sequences after each rank's last multi-rank job: tokens per tail wave of each
-    rank, each rank's load (s), and the key of a rank's first tail wave."""
-
-    waves: list[list[int]]
-    rank_load: np.ndarray
-    key: int
-
-
-def place_peer(
-    ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candidate, polish_moves: int
-) -> Assignment:
+def place_peer(ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candidate) -> Assignment:
     """Keys order each rank's work: a multi-rank job placed ``k``-th has key ``(2k + 1) * S``;
     whole sequences in the gap before it ``2k * S + j``; the tail after a rank's last job
     ``(2 K + 2) * S + j`` (``S`` exceeds any count of single waves)."""
@@ -55,7 +42,8 @@ def place_peer(
         assignment.job_members.append(members)
         assignment.job_key.append((2 * k + 1) * stride)
     rest = _fill_gaps(ctx, assignment, single, sorted(gaps), stride)
-    tail = _Tail([[] for _ in range(n)], rank_load, (2 * len(assignment.job_members) + 2) * stride)
+    tail_key = (2 * len(assignment.job_members) + 2) * stride
+    tail_waves: list[list[int]] = [[] for _ in range(n)]  # tokens per tail wave of each rank
     # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
     heap = [(float(rank_load[r]), r) for r in range(n)]
     heapq.heapify(heap)
@@ -64,13 +52,9 @@ def place_peer(
         load, r = heap[0]
         heapq.heapreplace(heap, (load + whole_s[i], r))
         ranks.append(r)
-        slots.append(_first_fit(tail.waves[r], tokens[i], ctx.capacity))
-    for load, r in heap:  # one entry per rank, at its load
-        rank_load[r] = load
+        slots.append(_first_fit(tail_waves[r], tokens[i], ctx.capacity))
     assignment.single_rank[rest] = ranks
-    assignment.single_key[rest] = tail.key + np.asarray(slots, dtype=np.int64)
-    if polish_moves and rest:
-        _polish(ctx, assignment, tail, np.asarray(rest), polish_moves)
+    assignment.single_key[rest] = tail_key + np.asarray(slots, dtype=np.int64)
     return assignment
 
 
@@ -111,33 +95,6 @@ def _first_fit(waves: list[int], tokens: int, cap: int) -> int:
             return k
     waves.append(tokens)
     return len(waves) - 1
-
-
-def _polish(ctx: Context, assignment: Assignment, tail: _Tail, ids: np.ndarray, moves: int) -> None:
-    """Move tail sequences from the most to the least loaded rank while the maximum falls."""
-    whole, load = ctx.packed_s, tail.rank_load
-    by_rank: dict[int, list[int]] = {}
-    for i in ids.tolist():
-        by_rank.setdefault(int(assignment.single_rank[i]), []).append(i)
-    for _ in range(moves):
-        hi = int(np.argmax(load))
-        lo = int(np.argmin(load))
-        gap = load[hi] - load[lo]
-        # The largest sequence whose move lowers the pair's maximum.
-        best = None
-        for i in by_rank.get(hi, ()):
-            if whole[i] < gap and (best is None or whole[i] > whole[best]):
-                best = i
-        if best is None:
-            return
-        L = int(ctx.seq_lens[best])
-        tail.waves[hi][int(assignment.single_key[best] - tail.key)] -= L
-        by_rank[hi].remove(best)
-        by_rank.setdefault(lo, []).append(best)
-        load[hi] -= whole[best]
-        load[lo] += whole[best]
-        slot = _first_fit(tail.waves[lo], L, ctx.capacity)
-        assignment.single_rank[best], assignment.single_key[best] = lo, tail.key + slot
 
 
 def peer_levels(

@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from hdp import Plan
+
 from ..common import Context, PlanBuilder
-from .candidates import Candidate, Placement, jobs_and_singles
-from .options import DynamicOptions
+from .candidates import Candidate, jobs_and_singles
 from .peer import peer_levels, place_peer
-from .wave import place_two_tiers, place_wave
+from .wave import place_wave
 
 
-def place(ctx: Context, num_waves: int, cand: Candidate, options: DynamicOptions) -> Placement:
+def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
     """Place ``cand`` on ranks and waves and build its plan."""
     lens = ctx.seq_lens
     multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
-    share = options.stack_share
-    if ctx.sync == "wave" and cand.cheap_share is not None:
-        assignment = place_two_tiers(ctx, num_waves, multi, single, cand, stacked_share=share)
-    elif ctx.sync == "wave":
-        assignment = place_wave(ctx, num_waves, multi, single, cand, stacked_share=share)
+    if ctx.sync == "wave":
+        assignment = place_wave(ctx, num_waves, multi, single, cand)
     else:
-        assignment = place_peer(ctx, multi, single, cand, options.polish_moves)
+        assignment = place_peer(ctx, multi, single, cand)
     job_key = np.asarray(assignment.job_key, dtype=np.int64)
     single_key = assignment.single_key[single]
     if ctx.sync == "wave":  # the distinct keys in order are the waves
@@ -56,4 +54,4 @@ def place(ctx: Context, num_waves: int, cand: Candidate, options: DynamicOptions
         "max_degree": float(cand.degree.max(initial=1)),
         "offloading_cells": float(len(builder.offload)),
     }
-    return Placement(builder.build(), assignment.stacked_jobs)
+    return builder.build()

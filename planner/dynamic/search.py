@@ -1,226 +1,233 @@
-"""The ``hdp`` search: candidate families in order, each placed once, the fastest kept.
+"""The ``hdp`` search: the relaxation, its rounding, and one local search under a time budget.
 
-Note [The candidate families]
------------------------------
-A candidate is one degree per sequence (:class:`~.assignment.Candidate`). The search places, in
-this order:
+Note [One search]
+-----------------
+A plan gives every sequence a degree (how many ranks split it) and a place (ranks and a wave).
 
-1. *Heights*: the relaxation's degrees at a few heights (:func:`candidate_heights`). ``peer``
-   sync: around the relaxation's ``M``. ``wave`` sync: a step is the sum of its waves' heights,
-   so tall jobs must share waves side by side; heights run from a quarter of the shortest the
-   tallest job can be up to ``M``.
-2. *Per wave* (``wave`` sync, several waves): the relaxation over ranks x waves, as if the area
-   spread evenly over the waves.
-3. *The MILP* (:mod:`hdp.planner.dynamic.milp`) where it fits the time budget, warm-started from 1.
-4. At the best height (``wave`` sync): *token-capped* degrees, so more sequences split and every
-   cell gets a mix; and *two tiers*, in which the cheapest whole sequences per token get waves
-   of their own, so the dense waves keep token room (a wave costs only its collectives' tail
-   where its compute hides them).
-5. *Shelves* (``wave`` sync, :mod:`.shelves`), unless the best plan is within 0.1% of the bound.
-6. *Groups* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups, each sequence split over
-   one group or whole on one of its ranks, each group's sequences stacked into shared waves.
-   *Equal groups*: groups of one size (a few sizes), the sequences a variant splits each over
-   one group (:func:`.groups.group_splits`: every sequence long enough, or in a P2P exchange
-   also only those over a rank's capacity); in ``ulysses`` exchange always (head-parallel
-   groups of at most one rank a head), in a P2P exchange where :func:`few_sequences` holds.
-   *Mixed sizes* (Note [Mixed group sizes]): power-of-two groups as FlexSP lays them out,
-   chosen without its MILP, up to ``RIVAL_RANKS`` ranks and ``RIVAL_SEQUENCES`` sequences,
-   unless the best plan so far meets the bound. Both catch what the relaxation's
-   degrees miss where they do not fit side by side: a profile where splitting every sequence
-   saves work (the CPU's reference attention), or short sequences that share a group's
-   micro-batches and so its fixed costs.
-7. *The baselines' plans* (:func:`rival_plans`), each made in this step's sync mode and capacity for
-   the ``rank`` exchange the baselines run (unless the step asks for ``node``), where it is cheap to
-   make and price (unless ``DynamicOptions.rivals`` is off, to see what hdp's own search finds):
-   the static mesh's where it has at most ``STATIC_RIVAL_SHARDS`` shards (the
-   DeepSpeed-Ulysses mesh's there too, and wherever FlexSP's is priced),
-   ByteScale's and Megatron's hybrid CP (our re-implementation) up to ``RIVAL_RANKS`` ranks
-   (up to ``SMALL_BATCH_RIVAL_RANKS`` for at most ``RIVAL_SEQUENCES`` sequences),
-   FlexSP's where :func:`cheap_flexsp` holds (past it, its MILP solved once per micro-batch
-   alone takes up to 6 times hdp's whole search); none where hdp's plan already meets its
-   bound. hdp must never plan slower than a system it replaces, and the relaxation misses what
-   such plans exploit: mixed group sizes, or a micro-batch's fixed cost on few ranks (a
-   one-token sequence that opens a wave of its own costs the dense layers' whole weight
-   traffic). Past those sizes a baseline's plan costs more to price than the search and is far
-   from the best plan. In ``ulysses`` exchange the rivals are those whose groups split heads:
-   FlexSP's and the DeepSpeed-Ulysses mesh. Under ``auto`` a P2P search prices those two too,
-   as their systems run them: FlexSP's wherever it prices its P2P placement, the mesh wherever
-   it prices the static one or FlexSP's. (The head-parallel planning beside it runs only where
-   its plan could gain over 2%.)
+1. *Relaxation* (:func:`hdp.planner.degrees.relaxation_bound`): every sequence that may split
+   gets a menu of degrees priced by the cost model (:mod:`hdp.planner.menus`); the sweep finds
+   the height ``M`` that minimises ``max(M, area / ranks)`` when each sequence takes its
+   smallest-area degree no taller than ``M``. Where lengths repeat, the MILP over the same
+   menus (:mod:`.milp`) chooses how many of a length take each degree.
+2. *Rounding*: the relaxation's degrees at a few heights around ``M`` (:func:`rounding_heights`)
+   are each placed by the list scheduler of the sync mode (:mod:`.place`), and priced by the
+   cost model; the fastest is kept.
+3. *Local search* on the kept plan, each move priced by the cost model and kept where the step
+   falls (:class:`Search`):
 
-Every placed candidate where a multi-rank job raised a wave that already held work by more
-than ``stack_share`` of its time is also placed with *no stacking* (such jobs open waves of
-their own), and the faster of the two counts.
+   - *widen*: the sequence that sets the step (the busiest of the cells that end it) steps up
+     its menu, one degree at a time, and the degrees are placed again;
+   - *join* (``peer`` sync): each rank's first cell after its last multi-rank job joins that
+     job's cell, so the rank pays a micro-batch's fixed cost once;
+   - *move* (:mod:`.local`): whole sequences leave the cells that end the step for the cells
+     where they raise it least.
 
-Note [Skipping by work]
------------------------
-In ``wave`` sync the candidates of 1-3 go least work first. A candidate's work
-(:func:`hdp.planner.degrees.work_area`) spread over the ranks is a lower bound of its step, so one
-whose work is not below the best step so far cannot win and is not placed. A height candidate
-is compared only with the best height candidate, so the best height, where 4 starts, is the one
-all heights placed would give.
+   It stops where the step is within ``options.gap`` of the bound or the budget is spent.
+4. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): where the budget allows, the ranks cut
+   into groups that each run their sequences in shared waves. No move of the local search
+   reaches such a plan from the relaxation's (a degree at a time never lines many sequences up
+   on the same ranks), and on small batches they win where splitting saves work (the CPU's
+   reference attention) or sequences share a group's fixed costs.
 
-In ``peer`` sync a rank's work runs back to back, so the step is at least the busy time of every
-multi-rank job's slowest member. The bound's entries of the job's menu (Note [Bounds price bytes,
-not messages] in :mod:`hdp.planner.menus`) bound that from below, so a candidate whose tallest job's
-entry is not below the best step so far is not placed either. At 1024 ranks the tallest height
-candidate is often such a one: its jobs alone take longer than the best plan. Not in ``ulysses``
-exchange: there the entries are the P2P splits', and a head-parallel job may run 3x faster.
+Example: 8 ranks, ``peer`` sync, one 64K-token sequence and 40 of 1K. The relaxation gives the
+long one 5 ranks at ``M`` and the short ones stay whole; rounding at ``M`` places the long one on
+ranks 0-4 and the short ones, longest first, on the least-loaded ranks. Ranks 0-4 then run the
+long one's shares and, after it, a few short ones in cells of their own: *join* puts those into
+the long one's cell, and *move* evens out what is left.
+
+The budget (``options.plan_budget_s``) is charged by an estimate of each placement's work
+(:meth:`Budget.placement_s`), not by the clock, so a plan depends only on the batch and the
+options.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from hdp import Plan, ulysses
+from hdp import Plan, StepReport, ulysses
 
-from ..bytescale import plan_bytescale
-from ..common import Context, PlanningError, fewest_micro_batches, next_pow2
-from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound, work_area
-from ..flexsp import plan_flexsp
-from ..hybridcp import plan_hybridcp
-from ..static import plan_static
+from ..common import Context, PlanBuilder, PlanningError
+from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
+from ..splits import head_split_times, split_times
 from . import milp
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits
+from .local import improve
 from .megatron import plan_megatron_form
 from .mixed import mixed_group_plans
 from .options import DynamicOptions
 from .place import place
-from .shelves import shelf_candidates
-from .wave import rebalance_wave
-
-# The baselines' plans priced beside hdp's candidates (family 7), where they are this small.
-STATIC_RIVAL_SHARDS = 4096
-RIVAL_RANKS = 256
-# Up to this many ranks ByteScale's and hybrid CP's plans are rivals for batches of at most
-# ``RIVAL_SEQUENCES`` sequences too: hybrid CP's plan then costs at most about 0.1 s.
-SMALL_BATCH_RIVAL_RANKS = 1024
-FLEXSP_RIVAL_RANKS = 8
-FLEXSP_RIVAL_SOLVES = 4
-# Past this many sequences neither FlexSP's plan (its length buckets' dynamic programming grows
-# with their square) nor mixed-size groups are cheap, and whole sequences fill the gaps anyway.
-RIVAL_SEQUENCES = 1024
-# Batches of at most this many sequences (on at most ``RIVAL_RANKS`` ranks) get FlexSP's plan
-# however many times it solves its MILP, and in a P2P exchange equal-group plans: with few
-# sequences a batch's degrees may leave gaps the placer cannot fill.
-FEW_SEQUENCES = 64
 
 NATIVE_SYNC = "peer"
 
+# Seconds of one core per unit of :meth:`Budget.placement_s`'s work estimate (a placement and
+# its pricing), fitted on the bench's batches at 64-16,384 ranks.
+SECONDS_PER_UNIT = 1e-7
 
-class CandidateSearch:
-    """Places candidates, each once, skips those that cannot win (Note [Skipping by work]) and
-    keeps the fastest plan by the cost model."""
 
-    def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation) -> None:
-        self.ctx, self.options, self.rel = ctx, options, rel
-        self.num_waves = num_waves_for(ctx)
-        self.skips = ctx.sync == "wave" and options.skip_by_work
-        # (Head-parallel jobs run faster than the P2P splits the menus' bound entries price.)
-        self.skips_tall = (
-            ctx.sync == "peer" and options.skip_by_work and ctx.cost.kv_exchange != "ulysses"
+@dataclass
+class Budget:
+    """What the search may still spend (s), charged by estimates, not by the clock."""
+
+    left_s: float
+
+    def placement_s(self, ctx: Context, jobs: int, shards: int = 0) -> float:
+        """Estimated seconds of one placement and its pricing: the sequences once per wave,
+        every rank for each multi-rank job, and the shards the cost model prices."""
+        waves = num_waves_for(ctx)
+        units = ctx.seq_lens.size * (waves + 4) + ctx.num_ranks * (jobs + waves) + 10 * shards
+        return units * SECONDS_PER_UNIT
+
+    def spend(self, seconds: float) -> None:
+        self.left_s -= seconds
+
+    def affords(self, seconds: float) -> bool:
+        return seconds <= self.left_s
+
+
+class Search:
+    """The best plan so far, its report and its degrees, and the moves that improve it."""
+
+    def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation, bound_s: float):
+        self.ctx, self.options, self.rel, self.bound_s = ctx, options, rel, bound_s
+        self.budget = Budget(options.plan_budget_s)
+        self.best: tuple[Plan, StepReport, Candidate] | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.best[1].step_time_s if self.best else math.inf
+
+    def done(self) -> bool:
+        return self.step_s <= self.bound_s * (1 + self.options.gap) or self.budget.left_s <= 0
+
+    def consider(self, plan: Plan, cand: Candidate | None = None) -> bool:
+        """Keep ``plan`` where it is faster than the best so far; whether it was."""
+        report = self.ctx.cost.evaluate(plan)
+        if report.step_time_s >= self.step_s:
+            return False
+        self.best = (plan, report, cand)
+        return True
+
+    def place(self, cand: Candidate) -> bool:
+        """Place ``cand``, charge the budget, keep it where faster; whether it was."""
+        split = cand.degree > 1
+        self.budget.spend(
+            self.budget.placement_s(self.ctx, int(split.sum()), int(cand.degree[split].sum()))
         )
-        self.best_s = math.inf
-        self.best_plan: Plan | None = None
-        self._placed: dict[tuple, tuple[float, bool]] = {}  # -> (step s, whether a job stacked)
-        self._work: dict[bytes, float] = {}
+        return self.consider(place(self.ctx, num_waves_for(self.ctx), cand), cand)
 
-    def work_s(self, degree: np.ndarray) -> float:
-        """The candidate's work spread over the ranks (s): a lower bound of its step."""
-        key = degree.tobytes()
-        if key not in self._work:
-            ctx = self.ctx
-            area = work_area(ctx.cost, self.rel, degree, ctx.sync)
-            self._work[key] = area / ctx.num_ranks
-        return self._work[key]
+    def widen(self) -> bool:
+        """Step the sequence that sets the step up its menu and place again (Note [One
+        search]); whether that was faster."""
+        plan, report, cand = self.best
+        if cand is None:
+            return False
+        seq = critical_sequence(self.ctx, plan, report)
+        wider = self._wider(cand, seq)
+        return wider is not None and self.place(wider)
 
-    def tallest_job_s(self, degree: np.ndarray) -> float:
-        """The least busy time the slowest member of the candidate's tallest multi-rank job may
-        have: the bound's entry of its menu at its degree (between two entries, the lower)."""
-        tallest = 0.0
-        for i, mu in zip(self.rel.long_ids.tolist(), self.rel.menus):
-            d, at = int(degree[i]), mu.bound_degrees
-            k = int(np.searchsorted(at, d))
-            if d <= 1 or k == at.size or (k == 0 and at[0] != d):
-                continue  # whole, or past the menu's ends: no entry bounds it
-            h = mu.bound_height[k] if at[k] == d else min(mu.bound_height[k - 1 : k + 1])
-            tallest = max(tallest, float(h))
-        return tallest
+    def _wider(self, cand: Candidate, seq: int) -> Candidate | None:
+        """``cand`` with sequence ``seq`` on its next wider degree (``None``: none is faster)."""
+        ctx, d = self.ctx, int(cand.degree[seq])
+        length = int(ctx.seq_lens[seq])
+        degrees = np.arange(d + 1, min(ctx.num_ranks, max(1, length // 2)) + 1)[:8]
+        if degrees.size == 0:
+            return None
+        times = split_busy(ctx, np.full(degrees.size, length), degrees)
+        faster = np.flatnonzero(times < cand.job_time[seq] * (1 - 1e-9))
+        if faster.size == 0:
+            return None
+        k = int(faster[0])
+        degree, job_time = cand.degree.copy(), cand.job_time.copy()
+        degree[seq], job_time[seq] = degrees[k], times[k]
+        return Candidate(degree, job_time)
 
-    def cannot_win(self, degree: np.ndarray) -> bool:
-        return self.skips and self.work_s(degree) >= self.best_s
+    def join(self) -> bool:
+        """``peer`` sync: every rank's first cell after its last multi-rank job joins that
+        job's cell where it has token room; whether that was faster."""
+        plan = self.best[0]
+        joined = join_tails(self.ctx, plan)
+        return joined is not None and self.consider(joined, self.best[2])
 
-    def place_once(self, cand: Candidate, prune_at: float = math.inf) -> tuple[float, bool]:
-        """Step time of ``cand`` and whether a multi-rank job stacked; a repeat returns what the
-        first placement got. Not placed (``inf``) where its work, or in ``peer`` sync its tallest
-        job, is ``prune_at`` or more (Note [Skipping by work])."""
-        key = (cand.degree.tobytes(), cand.cheap_share, cand.stack_share)
-        if key in self._placed:
-            return self._placed[key]
-        if (self.skips and self.work_s(cand.degree) >= prune_at) or (
-            self.skips_tall and self.tallest_job_s(cand.degree) >= prune_at
-        ):
-            self._placed[key] = (math.inf, False)
-            return self._placed[key]
-        placement = place(self.ctx, self.num_waves, cand, self.options)
-        t = self.ctx.cost.evaluate(placement.plan).step_time_s
-        self._placed[key] = (t, placement.stacked_jobs > 0)
-        if self.options.on_place is not None:
-            self.options.on_place(cand, placement)
-        if t < self.best_s:
-            self.best_s, self.best_plan = t, placement.plan
-        return self._placed[key]
+    def move(self) -> bool:
+        """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget."""
+        plan, report, cand = self.best
+        per_move = self.budget.placement_s(self.ctx, 0) / 16
+        moves = max(1, int(self.budget.left_s / per_move)) if self.budget.left_s > 0 else 1
+        self.budget.spend(moves * per_move)
+        moved = improve(self.ctx, plan, report, moves)
+        return moved is not None and self.consider(moved, cand)
 
-    def place(self, cand: Candidate, prune_at: float = math.inf) -> float:
-        """Step time of ``cand``, or of its no-stacking variant where that is faster (Note [The
-        candidate families]); without a stacked job the variant is the same plan, not placed."""
-        t, stacked = self.place_once(cand, prune_at)
-        if stacked:
-            no_stacking = replace(cand, stack_share=self.options.stack_share)
-            t = min(t, self.place_once(no_stacking, self.best_s)[0])
-        return t
+    def local_search(self) -> None:
+        """Widen while that helps and the budget lasts, then join and move."""
+        while not self.done() and self.widen():
+            pass
+        if self.ctx.sync == "peer" and not self.done():
+            self.join()
+        if not self.done():
+            self.move()
 
-    def place_in_work_order(self, cands: list[Candidate]) -> list[float]:
-        """Step time of each of ``cands`` (``inf`` where skipped), least work first where the
-        search skips (Note [Skipping by work])."""
-        times = [math.inf] * len(cands)
-        order = list(range(len(cands)))
-        if self.skips:
-            order.sort(key=lambda k: self.work_s(cands[k].degree))
-        for k in order:
-            heights = [t for t, c in zip(times, cands) if c.height_s is not None]
-            best_height_s = min(heights, default=math.inf)
-            prune_at = best_height_s if cands[k].height_s is not None else self.best_s
-            times[k] = self.place(cands[k], prune_at)
+
+def critical_sequence(ctx: Context, plan: Plan, report: StepReport) -> int:
+    """The sequence with the most work in the busiest cell that ends the step: in ``wave``
+    sync the slowest cell of the tallest wave, in ``peer`` sync the busiest cell of the rank
+    that finishes last."""
+    busy = report.busy_s
+    if ctx.sync == "wave":
+        w = int(np.argmax(busy.max(axis=1)))
+        r = int(np.argmax(busy[w]))
+    else:
+        finish = np.where(busy > 0, report.start_s + busy, 0.0).max(axis=0)
+        r = int(np.argmax(finish))
+        w = int(np.argmax(busy[:, r]))
+    here = (plan.wave == w) & (plan.rank == r)
+    work = ctx.cost.attn_time(plan.start[here], plan.end[here]) + (plan.end - plan.start)[here]
+    return int(plan.seq[here][int(np.argmax(work))])
+
+
+def join_tails(ctx: Context, plan: Plan) -> Plan | None:
+    """``plan`` with each rank's first cell after its last multi-rank job merged into that
+    job's cell where the two fit the capacity (``None``: no rank has such a cell)."""
+    n = plan.num_ranks
+    shards = np.bincount(plan.seq, minlength=plan.seq_lens.size)
+    in_job = shards[plan.seq] > 1
+    last_job = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(last_job, plan.rank[in_job], plan.wave[in_job])
+    tail = ~in_job & (last_job[plan.rank] >= 0) & (plan.wave > last_job[plan.rank])
+    first = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(first, plan.rank[tail], plan.wave[tail])
+    chosen = tail & (plan.wave == first[plan.rank])
+    tokens = plan.tokens_per_cell()
+    r = plan.rank[chosen]
+    fits = tokens[last_job[r], r] + tokens[plan.wave[chosen], r] <= ctx.capacity
+    rows = np.flatnonzero(chosen)[fits]
+    if rows.size == 0:
+        return None
+    wave = plan.wave.copy()
+    wave[rows] = last_job[plan.rank[rows]]
+    used = np.unique(wave)
+    builder = PlanBuilder(ctx, plan.strategy)
+    builder.add(np.searchsorted(used, wave), plan.rank, plan.seq, plan.start, plan.end)
+    builder.offload_where_needed()
+    builder.info = dict(plan.predicted)
+    return builder.build()
+
+
+def split_busy(ctx: Context, lengths: np.ndarray, degrees: np.ndarray) -> np.ndarray:
+    """Busy time (s) of each sequence split over ``degrees`` ranks as hdp splits it (in
+    ``ulysses`` exchange by heads, up to one rank a head)."""
+    if ctx.cost.kv_exchange == "ulysses":
+        ok = degrees <= ulysses.most_members(ctx.cost.model, ctx.num_ranks)
+        times = np.full(degrees.size, np.inf)
+        if ok.any():
+            times[ok] = head_split_times(ctx.cost, lengths[ok], degrees[ok], ctx.sync)[0]
         return times
-
-    def consider(self, name: str, plan: Plan) -> None:
-        """Keep ``plan``, baseline ``name``'s, where it is faster than the best so far; it is
-        then hdp's plan, and ``predicted["from_<name>"]`` says where it came from. It is priced
-        as hdp's runtime would run it, not as the baseline's system does."""
-        plan.strategy = "hdp"
-        t = self.ctx.cost.evaluate(plan).step_time_s
-        if t < self.best_s:
-            plan.predicted[f"from_{name}"] = 1.0
-            self.best_s, self.best_plan = t, plan
-
-    def polish_wave(self) -> None:
-        """Move whole sequences out of the slowest cells of the best plan while that is faster."""
-        for _ in range(3):
-            moved = rebalance_wave(
-                self.ctx, self.best_plan, self.ctx.cost.evaluate(self.best_plan).busy_s
-            )
-            if moved is None:
-                return
-            t = self.ctx.cost.evaluate(moved).step_time_s
-            if t >= self.best_s:
-                return
-            self.best_s, self.best_plan = t, moved
+    aligns = [ctx.split(int(L), int(d)).align for L, d in zip(lengths, degrees)]
+    return split_times(ctx.cost, lengths, degrees, ctx.sync, np.asarray(aligns))[0]
 
 
 def check_fits(ctx: Context) -> None:
@@ -245,9 +252,8 @@ def check_fits(ctx: Context) -> None:
 
 
 def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
-    """Plan with the candidate families of Note [The candidate families]; the fastest by the
-    cost model reports its gap to the bound (:func:`hdp.planner.degrees.step_bound`) in
-    ``predicted["bound_s"]``, in the form ``options.form`` asks."""
+    """Plan by Note [One search], in the form ``options.form`` asks; the plan reports its
+    bound (:func:`hdp.planner.degrees.step_bound`) in ``predicted["bound_s"]``."""
     options = options or DynamicOptions()
     form = options.form
     if form == "megatron":
@@ -257,110 +263,62 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     check_fits(ctx)
     bound_s = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity))
     if form == "whole":
-        plan = _plan_whole(ctx, options)
+        plan = _plan_whole(ctx)
         plan.predicted["bound_s"] = bound_s
         return plan
     rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks)
-    search = CandidateSearch(ctx, options, rel)
-    heights = candidate_heights(rel, ctx.sync, options)
-    cands, info = degree_candidates(ctx, rel, heights, options)
-    times = search.place_in_work_order(cands)
-    if ctx.sync == "wave":
-        _, h = min((t, c.height_s) for t, c in zip(times, cands) if c.height_s is not None)
-        for cand in best_height_variants(ctx, rel, h, options):
-            search.place(cand, prune_at=search.best_s)
-        if search.best_s > bound_s * (1 + 1e-3):
-            shelves = shelf_candidates(
-                ctx,
-                rel,
-                search.num_waves,
-                heights,
-                shelf_heights=options.shelf_heights,
-                stack_share=options.stack_share,
-                hopeless=search.cannot_win,
-            )
-            for cand in shelves[: options.shelf_placed]:
-                search.place_once(cand, search.best_s)
-        search.polish_wave()
-    if ctx.cost.kv_exchange == "ulysses" or few_sequences(ctx):
-        for groups in group_counts(ctx):
-            for split, exact in group_splits(ctx, ctx.num_ranks // groups):
-                plan = group_plan(ctx, groups, split, exact)
-                if plan is not None:
-                    search.consider("equal_groups", plan)
-    within_caps = ctx.num_ranks <= RIVAL_RANKS and ctx.seq_lens.size <= RIVAL_SEQUENCES
-    if within_caps and search.best_s > bound_s * (1 + 1e-9):
-        for plan in mixed_group_plans(ctx):
-            search.consider("mixed_groups", plan)
-    if options.rivals and search.best_s > bound_s * (1 + 1e-9):  # none beats the bound
-        for name, rival in rival_plans(ctx):
-            search.consider(name, rival)
-    plan = search.best_plan
+    search = Search(ctx, options, rel, bound_s)
+    rounded = [Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in rounding_heights(rel, ctx.sync)]
+    info = {}
+    if milp.repeats(rel):  # equal lengths: the MILP chooses how many take each degree
+        warm = Jobs(rounded[0].degree, rounded[0].job_time)
+        choice = milp.solve_degrees(
+            rel, ctx.cost, ctx.sync, ctx.num_ranks, warm, time_limit_s=options.plan_budget_s
+        )
+        info.update(choice.info)
+        if choice.degrees is not None:
+            rounded.insert(0, Candidate(choice.degrees, choice.job_time))
+    for cand in rounded:
+        if search.best is not None and search.done():
+            break
+        search.place(cand)
+    for make, jobs, shards in group_layouts(ctx):
+        cost_s = search.budget.placement_s(ctx, jobs, shards)
+        if search.done() or not search.budget.affords(cost_s):
+            break
+        search.budget.spend(cost_s)
+        for plan in make():
+            search.consider(plan)
+    search.local_search()
+    plan = search.best[0]
     plan.predicted.update(info)
     plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
 
 
-def few_sequences(ctx: Context) -> bool:
-    """Whether the batch has at most ``FEW_SEQUENCES`` sequences on at most ``RIVAL_RANKS``
-    ranks: then equal-group plans (P2P) and FlexSP's plan are cheap beside hdp's search."""
-    return ctx.seq_lens.size <= FEW_SEQUENCES and ctx.num_ranks <= RIVAL_RANKS
+def group_layouts(ctx: Context) -> Iterator[tuple[Callable[[], list[Plan]], int, int]]:
+    """Plans on rank groups (Note [One search], item 4), each as (a maker of the plans, the
+    multi-rank jobs and the shards they hold at most): equal groups of each size
+    :func:`.groups.group_counts` gives, then groups of mixed power-of-two sizes."""
+    lens, n = ctx.seq_lens, ctx.num_ranks
+    for groups in group_counts(ctx):
+        g = n // groups
+        for split, exact in group_splits(ctx, g):
+            jobs = int((split & (lens >= g)).sum())
+            yield (
+                (lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))),
+                jobs,
+                jobs * g,
+            )
+    yield (lambda: mixed_group_plans(ctx)), lens.size, lens.size * n
 
 
-def cheap_flexsp(ctx: Context) -> bool:
-    """Whether FlexSP's plan is cheap beside hdp's search: on at most ``FLEXSP_RIVAL_RANKS``
-    ranks, where :func:`few_sequences` holds, or for at most ``RIVAL_SEQUENCES`` sequences
-    where it solves its MILP at most ``FLEXSP_RIVAL_SOLVES`` times (once, and in ``wave`` sync
-    where its plan has more waves than the fewest micro-batches once more for each of those:
-    :mod:`hdp.planner.flexsp`, Note [FlexSP's micro-batches]). Its MILP grows with the sequences,
-    not the ranks: its group sizes are the powers of two."""
-    n = ctx.num_ranks
-    if n <= FLEXSP_RIVAL_RANKS or few_sequences(ctx):
-        return True
-    solves = 1 if ctx.sync == "peer" else 1 + fewest_micro_batches(ctx)
-    return ctx.seq_lens.size <= RIVAL_SEQUENCES and solves <= FLEXSP_RIVAL_SOLVES
+def _some(plan: Plan | None) -> list[Plan]:
+    return [] if plan is None else [plan]
 
 
-def rival_plans(ctx: Context) -> Iterator[tuple[str, Plan]]:
-    """(name, plan) of each baseline whose plan of this step is cheap to make and price
-    (family 7); a baseline that cannot plan the step is left out."""
-    n = ctx.num_ranks
-    makers: list[tuple[str, Callable[[Context], Plan]]] = []
-    cp_least = next_pow2(ctx.max_seq / max(ctx.capacity, 1))
-    static_cheap = ctx.seq_lens.size * cp_least <= STATIC_RIVAL_SHARDS
-    if static_cheap:
-        makers.append(("static", plan_static))
-    small_batch = ctx.seq_lens.size <= RIVAL_SEQUENCES and n <= SMALL_BATCH_RIVAL_RANKS
-    if n <= RIVAL_RANKS or small_batch:
-        makers.append(("bytescale", plan_bytescale))
-        makers.append(("hybridcp", lambda c: plan_hybridcp(c, implementation="ours")))
-    flexsp_cheap = cheap_flexsp(ctx)
-    if flexsp_cheap:
-        makers.append(("flexsp", plan_flexsp))
-    mesh_cheap = flexsp_cheap or static_cheap  # (the mesh costs what the static one does)
-    mesh = ("ulysses", lambda c: plan_static(c, "ulysses"))
-    if ctx.cost.kv_exchange == "ulysses":  # head-parallel: the baselines whose groups split heads
-        makers = ([mesh] if mesh_cheap else []) + [(k, f) for k, f in makers if k == "flexsp"]
-    own = ctx  # the baselines' own plans: made for the ``rank`` exchange they run, where it may
-    if ctx.any_exchange and ctx.cost.kv_exchange == "node":
-        own = replace(ctx, cost=ctx.cost.with_exchange("rank"))
-    runs = [(name, make, own) for name, make in makers]
-    if ctx.any_exchange and ctx.cost.kv_exchange != "ulysses":
-        heads = replace(ctx, cost=ctx.cost.with_exchange("ulysses"))  # as their systems run
-        if flexsp_cheap:
-            runs.append(("flexsp", plan_flexsp, heads))
-        if mesh_cheap:
-            runs.append((*mesh, heads))
-    for name, make, where in runs:
-        try:
-            plan = make(where)
-        except PlanningError:  # its layout does not fit this step: nothing to compare
-            continue
-        yield name, plan
-
-
-def _plan_whole(ctx: Context, options: DynamicOptions) -> Plan:
+def _plan_whole(ctx: Context) -> Plan:
     """Every sequence on one rank: only the placement balances."""
     longest = int(ctx.seq_lens.max(initial=0))
     if longest > ctx.capacity:
@@ -369,56 +327,17 @@ def _plan_whole(ctx: Context, options: DynamicOptions) -> Plan:
             f"{ctx.capacity} tokens; raise the capacity or use a form that splits sequences"
         )
     degree = np.ones(ctx.seq_lens.size, dtype=np.int64)
-    return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s), options).plan
+    return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s))
 
 
-def candidate_heights(rel: Relaxation, sync: str, options: DynamicOptions) -> list[float]:
-    """Job heights to place (family 1 of Note [The candidate families]). ``wave``: from the
-    shortest the tallest job can be (every job on its fastest degree: narrow shelves, more area)
-    up to ``M`` (every job on its smallest area: wide shelves), and below: there the tallest job
-    stays at its fastest while the others get faster too, so they stack under it in fewer,
-    fuller waves."""
+def rounding_heights(rel: Relaxation, sync: str) -> list[float]:
+    """Heights at which the relaxation's degrees are read (Note [One search], item 2): ``M``
+    and a little above in ``peer`` sync; in ``wave`` sync a step is the sum of its waves'
+    heights, so tall jobs must share waves side by side: from a quarter of the least height
+    the tallest job can have up to ``M``."""
     if sync == "peer" or not rel.menus:
-        return [rel.height_s * f for f in options.height_factors]
+        return [rel.height_s * f for f in (1.0, 1.04, 1.12)]
     floor = max(float(mu.height.min()) for mu in rel.menus)
     top = max(floor, rel.height_s)
-    shelves = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
-    return [floor * 0.25, floor * 0.5] + shelves
-
-
-def degree_candidates(
-    ctx: Context, rel: Relaxation, heights: list[float], options: DynamicOptions
-) -> tuple[list[Candidate], dict[str, float]]:
-    """Families 1-3 of Note [The candidate families], and what the MILP reports."""
-    cands = [Candidate(*rel.degrees_at(h, ctx.whole_s), height_s=h) for h in heights]
-    num_waves = num_waves_for(ctx)
-    if ctx.sync == "wave" and num_waves > 1:
-        slots = ctx.num_ranks * num_waves
-        per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, slots)
-        cands += [
-            Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s))
-            for f in options.height_factors
-        ]
-    info: dict[str, float] = {}
-    use_ilp = options.use_ilp
-    if use_ilp or (use_ilp is None and milp.fits_budget(rel, ctx.num_ranks)):
-        warm = Jobs(cands[0].degree, cands[0].job_time)
-        choice = milp.solve_degrees(
-            rel, ctx.cost, ctx.sync, ctx.num_ranks, warm, time_limit_s=options.ilp_time_limit_s
-        )
-        info.update(choice.info)
-        if choice.degrees is not None:
-            cands.insert(0, Candidate(choice.degrees, choice.job_time))
-    return cands, info
-
-
-def best_height_variants(
-    ctx: Context, rel: Relaxation, height: float, options: DynamicOptions
-) -> list[Candidate]:
-    """Family 4 of Note [The candidate families]: token-capped degrees, then two tiers."""
-    cands = [
-        Candidate(*rel.degrees_at(height, ctx.whole_s, int(share * ctx.offload_capacity)))
-        for share in options.token_shares
-    ]
-    cheap = options.cheap_wave_share
-    return cands + [Candidate(*rel.degrees_at(height, ctx.whole_s), cheap_share=cheap)]
+    ladder = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
+    return [top, *ladder[-2::-1], floor * 0.5, floor * 0.25]

@@ -3,8 +3,7 @@
 Every job goes where it raises that sum least: multi-rank jobs first (:func:`place_wave_jobs`),
 then whole sequences (:func:`fill_waves`). A cell's shards run together, layer by layer, so a
 wave lasts as long as its largest cell sum, as the cost model prices it; members of a job do
-not wait for the busiest one to start. After the search, :func:`rebalance_wave` moves whole
-sequences out of each wave's slowest cell by the cost model's own cell times.
+not wait for the busiest one to start.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hdp import Plan
-
-from ..common import Context, PlanBuilder
+from ..common import Context
 from .candidates import Assignment, Candidate, pick_members
 
 # Up to this many waves a multi-rank job tries each; past it, in the order of a bound.
@@ -32,7 +29,6 @@ class JobLayer:
     wave: list[int]
     tokens: np.ndarray
     load: np.ndarray
-    stacked: int = 0
 
     def add_wave(self) -> None:
         self.tokens = np.vstack([self.tokens, np.zeros((1, self.tokens.shape[1]), dtype=np.int64)])
@@ -52,78 +48,32 @@ class CellChoice:
 
 
 def place_wave(
-    ctx: Context,
-    num_waves: int,
-    multi: np.ndarray,
-    single: np.ndarray,
-    cand: Candidate,
-    *,
-    stacked_share: float,
+    ctx: Context, num_waves: int, multi: np.ndarray, single: np.ndarray, cand: Candidate
 ) -> Assignment:
-    """Multi-rank jobs, then whole sequences; keys are waves (``stacked_share``: see
-    :func:`place_wave_jobs`)."""
-    layer = place_wave_jobs(ctx, num_waves, multi, cand, stacked_share=stacked_share)
+    """Multi-rank jobs, then whole sequences; keys are waves."""
+    layer = place_wave_jobs(ctx, num_waves, multi, cand)
     single_rank, single_key = fill_waves(ctx, layer, single)
-    return Assignment(layer.members, layer.wave, single_rank, single_key, layer.stacked)
+    return Assignment(layer.members, layer.wave, single_rank, single_key)
 
 
-def place_two_tiers(
-    ctx: Context,
-    num_waves: int,
-    multi: np.ndarray,
-    single: np.ndarray,
-    cand: Candidate,
-    *,
-    stacked_share: float,
-) -> Assignment:
-    """The cheapest whole sequences per token (those that fill a cell's tokens long before its
-    time) go to waves of their own after the rest, until the rest fits ``cand.cheap_share`` of
-    the ranks' offload capacity in one wave, so the dense waves keep token room."""
-    lens, whole = ctx.seq_lens, ctx.packed_s
-    by_density = single[np.argsort(whole[single] / lens[single], kind="stable")]
-    excess = int(lens.sum()) - cand.cheap_share * ctx.num_ranks * ctx.offload_capacity
-    n_cheap = int(np.searchsorted(np.cumsum(lens[by_density]), excess)) + 1 if excess > 0 else 0
-    is_cheap = np.zeros(lens.size, dtype=bool)
-    is_cheap[by_density[:n_cheap]] = True
-    cheap_mask = is_cheap[single]  # ``single`` keeps its longest-first order in both tiers
-    assignment = place_wave(
-        ctx, num_waves, multi, single[~cheap_mask], cand, stacked_share=stacked_share
-    )
-    cheap = single[cheap_mask]
-    if cheap.size:
-        plain = Candidate(cand.degree, cand.job_time)
-        tier = place_wave(ctx, 1, multi[:0], cheap, plain, stacked_share=stacked_share)
-        after = (
-            max(max(assignment.job_key, default=-1), int(assignment.single_key.max(initial=-1))) + 1
-        )
-        assignment.single_rank[cheap] = tier.single_rank[cheap]
-        assignment.single_key[cheap] = tier.single_key[cheap] + after
-    return assignment
-
-
-def place_wave_jobs(
-    ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate, *, stacked_share: float
-) -> JobLayer:
+def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate) -> JobLayer:
     """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
     tall jobs spread over waves and leave token room beside them), on the least-loaded ranks
-    with token room, each member's load growing by the job's time. ``cand.stack_share``: not
-    into a wave that already holds work where that raises it by more than this share of the
-    job's time. Jobs that raise such a wave by more than ``stacked_share`` are counted."""
+    with token room, each member's load growing by the job's time."""
     lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
-    off_cap, stack_share = ctx.offload_capacity, cand.stack_share
+    off_cap = ctx.offload_capacity
     layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
     for i in multi.tolist():
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
         per_rank = ctx.split(L, d).most_tokens
         room = per_rank <= off_cap - layer.tokens
-        best = _best_wave(layer.load, room, d, rpn, t, stack_share)
+        best = _best_wave(layer.load, room, d, rpn, t)
         if best is None:  # no wave takes it: a new one
             layer.add_wave()
             room = np.full((1, n), per_rank <= off_cap)
-            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t, stack_share)
+            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t)
             best = (score, layer.load.shape[0] - 1, members)
-        (raise_s, height), w, members = best
-        layer.stacked += height > 0 and raise_s > stacked_share * t
+        _, w, members = best
         layer.tokens[w, members] += per_rank
         layer.load[w, members] += t
         layer.members.append(members)
@@ -132,7 +82,7 @@ def place_wave_jobs(
 
 
 def _best_wave(
-    load: np.ndarray, room: np.ndarray, d: int, rpn: int, t: float, stack_share: float | None
+    load: np.ndarray, room: np.ndarray, d: int, rpn: int, t: float
 ) -> tuple[tuple[float, float], int, np.ndarray] | None:
     """((raise s, height s), wave, members): the wave (row of ``load``) where a job of ``d``
     ranks and ``t`` s raises the height least (then the lowest height, then the lowest wave), on
@@ -146,8 +96,6 @@ def _best_wave(
         kth = np.partition(np.where(room, load, np.inf), d - 1, axis=1)[:, d - 1]
         least[:, 0], least[:, 1] = np.maximum(0.0, kth + t - heights), heights
         hopeless = ~np.isfinite(kth)
-        if stack_share is not None:  # (its raise is at least the bound)
-            hopeless |= (heights > 0) & (least[:, 0] > stack_share * t)
         ranked = np.lexsort((np.arange(heights.size), heights, least[:, 0]))
         order = ranked[~hopeless[ranked]].tolist()
     best = None
@@ -159,8 +107,6 @@ def _best_wave(
             continue
         height = float(heights[w])
         finish = float(load[w, members].max()) + t
-        if stack_share is not None and height > 0 and finish - height > stack_share * t:
-            continue
         score = (max(0.0, finish - height), height)
         if best is None or (score, w) < (best[0], best[1]):
             best = (score, w, members)
@@ -294,55 +240,3 @@ def offloaded_cell(
     best = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
     w, r = np.unravel_index(best, raise_by.shape)
     return CellChoice(float(raise_by[w, r]), float(new_load[w, r]), int(w), int(r))
-
-
-def rebalance_wave(
-    ctx: Context, plan: Plan, busy: np.ndarray, moves_per_wave: int = 2000
-) -> Plan | None:
-    """Local search on a placed plan by the cost model's own cell times ``busy`` (``[waves,
-    ranks]``; the placer's estimates miss how mixing a cell hides K/V traffic). While a wave's
-    slowest cell holds a whole sequence that another cell can take so that both end below the
-    old maximum (with the offload it then needs, its exposed host copy added), move the one that
-    lowers it most. ``None`` if nothing moved."""
-    n, lens, whole = ctx.num_ranks, ctx.seq_lens, ctx.packed_s
-    holders = np.bincount(np.unique(plan.seq * n + plan.rank) // n, minlength=lens.size)
-    movable = (holders[plan.seq] == 1) & (plan.start == 0) & (plan.end == lens[plan.seq])
-    load = np.array(busy, dtype=np.float64)
-    tokens = plan.tokens_per_cell().astype(np.int64)
-    cells: dict[tuple[int, int], list[int]] = {}
-    for k in np.flatnonzero(movable).tolist():
-        cells.setdefault((int(plan.wave[k]), int(plan.rank[k])), []).append(k)
-    rank = plan.rank.copy()
-    moved = False
-    for w in range(plan.num_waves):
-        for _ in range(moves_per_wave):
-            hi = int(np.argmax(load[w]))
-            top = float(load[w, hi])
-            best = None
-            for k in cells.get((w, hi), []):
-                L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
-                target = loads_with(ctx, tokens[w], load[w], L, t)
-                target[hi] = np.inf
-                lo = int(np.argmin(target))
-                new_max = max(top - t, float(target[lo]))
-                if new_max < top - 1e-9 and (best is None or new_max < best[0]):
-                    best = (new_max, k, lo, float(target[lo]))
-            if best is None:
-                break
-            _, k, lo, lo_load = best
-            L, t = int(lens[plan.seq[k]]), float(whole[plan.seq[k]])
-            cells[(w, hi)].remove(k)
-            cells.setdefault((w, lo), []).append(k)
-            tokens[w, hi] -= L
-            tokens[w, lo] += L
-            load[w, hi] -= t
-            load[w, lo] = lo_load
-            rank[k] = lo
-            moved = True
-    if not moved:
-        return None
-    builder = PlanBuilder(ctx, plan.strategy)
-    builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
-    builder.offload_where_needed()
-    builder.info = dict(plan.predicted)
-    return builder.build()

@@ -1,0 +1,212 @@
+"""The local search of :mod:`.search`: whole sequences move off the cells that set the step.
+
+A placed plan's step is set by a few cells: in ``wave`` sync each wave's slowest cell, in
+``peer`` sync the last cells of the rank that finishes last. The placers price a whole sequence
+at its share of a full cell (:attr:`hdp.planner.common.Context.packed_s`); a cell that ends up
+holding few tokens pays the dense layers' fixed cost all the same. Here the cells are priced as
+the cost model prices them (:meth:`hdp.CostModel.cell_compute`): a move takes a whole sequence
+off a cell that sets the step and puts it in the cell, with token room, where it raises the step
+least, while that lowers the step. The cost model then prices the moved plan, which is kept only
+where it is faster.
+
+In ``peer`` sync only a rank's *tail* moves (the cells after its last multi-rank job): nothing
+waits for them, so a rank's finish is its last job's end plus its tail's busy time, and a move
+changes two ranks' finish times and nothing else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hdp import Plan, StepReport
+
+from ..common import Context, PlanBuilder
+
+
+class Cells:
+    """A plan's cells as the moves change them: tokens, compute and busy time (s) per ``[wave,
+    rank]``, and where each movable sequence (whole, in one cell) lies."""
+
+    def __init__(self, ctx: Context, plan: Plan, report: StepReport) -> None:
+        self.ctx, self.plan = ctx, plan
+        cost, lens = ctx.cost, ctx.seq_lens
+        self.tokens = plan.tokens_per_cell().astype(np.int64)
+        self.compute = report.compute_s.copy()
+        self.busy = report.busy_s.copy()
+        self.start = report.start_s.copy()
+        self.attn = cost.model.layers * cost.attn_time(np.zeros(lens.size), lens)
+        shards = np.bincount(plan.seq, minlength=lens.size)
+        whole = (plan.start == 0) & (plan.end == lens[plan.seq]) & (shards[plan.seq] == 1)
+        self.row = np.full(lens.size, -1, dtype=np.int64)  # each movable sequence's shard
+        self.row[plan.seq[whole]] = np.flatnonzero(whole)
+        self.wave = plan.wave.copy()
+        self.rank = plan.rank.copy()
+        self.moved = 0
+
+    def held(self, w: int, r: int) -> np.ndarray:
+        """The movable sequences in cell ``(w, r)``."""
+        rows = self.row[self.row >= 0]
+        return self.plan.seq[rows[(self.wave[rows] == w) & (self.rank[rows] == r)]]
+
+    def compute_with(self, tokens: np.ndarray, compute: np.ndarray, seq: int, sign: int):
+        """Compute (s) of cells of ``tokens`` and ``compute`` once sequence ``seq`` joins
+        (``sign`` 1) or leaves (-1) each; an emptied cell costs nothing."""
+        cost, L = self.ctx.cost, int(self.ctx.seq_lens[seq])
+        after = tokens + sign * L
+        dense = np.where(after > 0, cost.dense_time(np.maximum(after, 1)), 0.0)
+        dense_before = np.where(tokens > 0, cost.dense_time(np.maximum(tokens, 1)), 0.0)
+        out = compute + dense - dense_before + sign * self.attn[seq]
+        return np.where(after > 0, out, 0.0)
+
+    def move(self, seq: int, w: int, r: int) -> None:
+        """Move sequence ``seq`` to cell ``(w, r)``, a new wave where ``w`` is past the last."""
+        k = int(self.row[seq])
+        w0, r0 = int(self.wave[k]), int(self.rank[k])
+        if w >= self.busy.shape[0]:
+            pad = ((0, w + 1 - self.busy.shape[0]), (0, 0))
+            self.tokens, self.compute = np.pad(self.tokens, pad), np.pad(self.compute, pad)
+            self.busy, self.start = np.pad(self.busy, pad), np.pad(self.start, pad)
+        for (cw, cr), sign in (((w0, r0), -1), ((w, r), 1)):
+            new = float(self.compute_with(self.tokens[cw, cr], self.compute[cw, cr], seq, sign))
+            self.busy[cw, cr] += new - self.compute[cw, cr]
+            self.compute[cw, cr] = new
+            self.tokens[cw, cr] += sign * int(self.ctx.seq_lens[seq])
+            if self.tokens[cw, cr] == 0:
+                self.busy[cw, cr] = 0.0
+        self.wave[k], self.rank[k] = w, r
+        self.moved += 1
+
+    def plan_after(self) -> Plan:
+        """The plan with the moves made (waves that emptied dropped), offload where needed."""
+        plan = self.plan
+        used = np.unique(self.wave)
+        builder = PlanBuilder(self.ctx, plan.strategy)
+        builder.add(np.searchsorted(used, self.wave), self.rank, plan.seq, plan.start, plan.end)
+        builder.barriers = [int(np.searchsorted(used, b)) for b in plan.barriers]
+        builder.offload_where_needed()
+        builder.info = dict(plan.predicted)
+        return builder.build()
+
+
+def improve(ctx: Context, plan: Plan, report: StepReport, moves: int) -> Plan | None:
+    """``plan`` after at most ``moves`` moves (module docstring), or ``None`` where none lowers
+    the step the cost model predicts."""
+    cells = Cells(ctx, plan, report)
+    if ctx.sync == "wave":
+        _wave_moves(cells, moves)
+    else:
+        _peer_moves(cells, moves)
+    if cells.moved == 0:
+        return None
+    moved = cells.plan_after()
+    return moved if ctx.cost.evaluate(moved).step_time_s < report.step_time_s else None
+
+
+def _wave_moves(cells: Cells, moves: int) -> None:
+    """``wave`` sync: a sequence leaves a wave's slowest cell for the cell where it raises its
+    wave's height least, while that lowers the sum of the heights."""
+    cap = cells.ctx.capacity
+    stuck: set[int] = set()  # waves whose slowest cell has no move that helps
+    while moves > 0:
+        heights = cells.busy.max(axis=1)
+        order = [w for w in np.argsort(-heights).tolist() if w not in stuck]
+        if not order:
+            return
+        w = order[0]
+        r = int(np.argmax(cells.busy[w]))
+        best = None  # (gain s, sequence, wave, rank)
+        for seq in cells.held(w, r).tolist():
+            L = int(cells.ctx.seq_lens[seq])
+            left = float(cells.compute_with(cells.tokens[w, r], cells.compute[w, r], seq, -1))
+            row = cells.busy[w].copy()
+            row[r] += left - cells.compute[w, r]
+            gain = heights[w] - float(row.max())
+            if gain <= 0:
+                continue
+            added = cells.compute_with(cells.tokens, cells.compute, seq, 1) - cells.compute
+            after = np.where(cells.tokens + L <= cap, cells.busy + added, np.inf)
+            after[w, r] = np.inf
+            base = heights.copy()
+            base[w] = float(row.max())
+            rise = np.maximum(0.0, after - base[:, None])
+            tw, tr = np.unravel_index(int(np.argmin(rise)), rise.shape)
+            net = gain - float(rise[tw, tr])
+            if net > 1e-9 * heights[w] and (best is None or net > best[0]):
+                best = (net, seq, int(tw), int(tr))
+        if best is None:
+            stuck.add(w)
+            continue
+        cells.move(best[1], best[2], best[3])
+        stuck.clear()
+        moves -= 1
+
+
+def _peer_moves(cells: Cells, moves: int) -> None:
+    """``peer`` sync: a sequence leaves the tail of the rank that finishes last for the tail of
+    the rank where it ends earliest, joining a tail cell with room or opening one, while that
+    finishes before the old last rank did."""
+    ctx, cap = cells.ctx, cells.ctx.capacity
+    plan = cells.plan
+    shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
+    in_job = shards[plan.seq] > 1
+    last_job = np.full(plan.num_ranks, -1, dtype=np.int64)
+    np.maximum.at(last_job, plan.rank[in_job], plan.wave[in_job])
+    tried: set[int] = set()  # ranks whose tail has no move that helps
+    while moves > 0:
+        finish = (cells.start + cells.busy).max(axis=0)
+        finish = np.where((cells.busy > 0).any(axis=0), finish, 0.0)
+        r = int(np.argmax(finish))
+        if r in tried:
+            return
+        tail = cells.busy.shape[0]
+        best = None  # (new finish of the pair, sequence, wave, rank)
+        for w in range(int(last_job[r]) + 1, tail):
+            if cells.tokens[w, r] == 0:
+                continue
+            for seq in cells.held(w, r).tolist():
+                best = _best_target(cells, seq, w, r, finish, last_job, cap, best)
+        if best is None or best[0] >= finish[r] * (1 - 1e-9):
+            tried.add(r)
+            continue
+        _, seq, tw, tr = best
+        cells.move(seq, tw, tr)
+        _restart_tail(cells, r, int(last_job[r]))
+        _restart_tail(cells, tr, int(last_job[tr]))
+        tried.clear()
+        moves -= 1
+
+
+def _best_target(cells, seq, w, r, finish, last_job, cap, best):
+    """The better of ``best`` and moving ``seq`` from cell ``(w, r)`` to the tail cell (or a
+    new one) where it finishes earliest; entries are (the pair's later finish, seq, wave, rank)."""
+    L = int(cells.ctx.seq_lens[seq])
+    left = float(cells.compute_with(cells.tokens[w, r], cells.compute[w, r], seq, -1))
+    r_finish = finish[r] - (cells.compute[w, r] - left)
+    waves = cells.busy.shape[0]
+    in_tail = np.arange(waves)[:, None] > last_job[None, :]
+    added = cells.compute_with(cells.tokens, cells.compute, seq, 1) - cells.compute
+    joins = in_tail & (cells.tokens > 0) & (cells.tokens + L <= cap)
+    joins[:, r] = False
+    join_cost = np.where(joins, added, np.inf).min(axis=0)
+    alone = float(cells.compute_with(np.zeros(1, np.int64), np.zeros(1), seq, 1)[0])
+    cost = np.minimum(join_cost, alone)
+    cost[r] = np.inf
+    tr = int(np.argmin(finish + cost))
+    pair = max(r_finish, float(finish[tr] + cost[tr]))
+    if best is not None and pair >= best[0]:
+        return best
+    if join_cost[tr] <= alone:
+        tw = int(np.argmin(np.where(joins[:, tr], added[:, tr], np.inf)))
+    else:
+        tw = waves  # a new cell after everything
+    return (pair, seq, tw, tr)
+
+
+def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
+    """Start times of rank ``r``'s tail cells after its busy times changed: each starts where
+    the one before it on the rank ends."""
+    end = float(cells.start[last_job, r] + cells.busy[last_job, r]) if last_job >= 0 else 0.0
+    for w in range(last_job + 1, cells.busy.shape[0]):
+        if cells.busy[w, r] > 0:
+            cells.start[w, r] = end
+            end += float(cells.busy[w, r])
