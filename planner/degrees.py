@@ -123,19 +123,26 @@ def relaxation_bound(
     min_step_s: float = 0.0,
     pow2: bool = False,
     any_split: bool = False,
+    alone: bool = False,
 ) -> Relaxation:
     """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
     that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
     to the bound (parameter collectives); ``min_step_s`` floors the busy part; ``pow2`` restricts
     degrees to powers of two (Megatron's CP groups). ``any_split``: over the exact zigzag splits
     of other strategies too, not only hdp's 128-token blocks (a bound for any strategy's plan;
-    hdp plans with the relaxation of its own splits)."""
+    hdp plans with the relaxation of its own splits). ``alone``: a sequence that stays whole is
+    as tall as it runs alone in a cell (dense layers at its own speed, their fixed cost paid), so
+    one taller than the mean busy time of a rank gets a menu too: in ``peer`` sync a sequence
+    that long is often alone on its rank (not a bound: a cell it shares costs less)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     packed = packed_time(cost, lens, cost.offload_capacity(sync))
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
     # covers at least the packed area, and every M is at least the mean): they stay whole.
     simple = float(packed.sum()) / max(slots, 1)
     splittable = (lens > capacity) | (packed > simple) | _split_saves_work(cost, lens)
+    if alone:  # the mean busy time of a rank: its packed work and one cell's fixed cost
+        fixed = float(cost.dense_time(np.ones(1))[0]) - cost.compute.least_dense_s_per_token(1)
+        splittable |= np.asarray(cost.seq_time(lens)) > simple + fixed
     long_ids = np.flatnonzero(splittable)
     short = np.ones(lens.size, dtype=bool)
     short[long_ids] = False
@@ -153,7 +160,7 @@ def relaxation_bound(
     # Events: (height at which an option becomes allowed, the sequence, its area).
     ev_h, ev_seq, ev_area = [], [], []
     for j, mu in enumerate(menus):
-        h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split)
+        h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split, alone)
         if not np.isfinite(h).any():
             raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
         ev_h.append(h)
@@ -200,13 +207,14 @@ def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
 
 
 def _bound_options(
-    mu: Menu, packed: float, pow2: bool, any_split: bool
+    mu: Menu, packed: float, pow2: bool, any_split: bool, alone: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(height s, area s) of every option a bound may give a sequence with menu ``mu``.
 
     The options are its menu entries: hdp's, or with ``any_split`` the bound's (either split,
     the faster). Degree 1 counts at its ``packed`` time, since whole on one rank it may share its
-    cell as the short ones do. For each run of degrees the menu skips, a virtual option takes the
+    cell as the short ones do (``alone``: its area only; its height is the menu's, alone in a
+    cell). For each run of degrees the menu skips, a virtual option takes the
     smaller height and the smaller area of the two entries around it, so that a bound over the
     options covers every degree."""
     if any_split:
@@ -216,7 +224,8 @@ def _bound_options(
     if h.size == 0:
         return h, a
     if degrees[0] == 1:
-        h[0] = a[0] = packed
+        a[0] = packed
+        h[0] = h[0] if alone else packed
     gaps = np.flatnonzero(np.diff(degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
     # For bounds, the degrees past a cut menu's end (Note [Menus end at the floor]) at the menu's
     # least height (at most the floor, which no relaxation value goes below) and least tail area.

@@ -305,7 +305,7 @@ def add_option_flags(p: argparse.ArgumentParser | Any) -> None:
                     metavar="SECONDS",
                     type=argtypes.number(),
                     default=f.default,
-                    help=f"{f.metadata['help']} (default {f.default:g})",
+                    help=f.metadata["help"],
                 )
                 continue
             if "metavar" in f.metadata:

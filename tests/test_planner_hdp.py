@@ -15,7 +15,7 @@ from hdp import ClusterSpec, CostModel, Plan, model_preset
 from hdp.planner import PlanningError, plan_and_evaluate, plan_step, solver
 from hdp.planner.common import Context, zigzag_arrays
 from hdp.planner.degrees import relaxation_bound, step_bound
-from hdp.planner.dynamic import milp
+from hdp.planner.dynamic import DynamicOptions, milp
 from hdp.planner.splits import head_split_times, split_times
 
 
@@ -273,10 +273,16 @@ def test_megatron_form_is_never_slower_than_balanced_cp_scheduler():
             assert ours.predicted["step_time_s"] <= theirs.predicted["step_time_s"] * (1 + 1e-12)
 
 
+# A budget that affords the MILP on these batches (its default is a 50th of their step).
+MILP_BUDGET = DynamicOptions(plan_budget_s=10.0)
+
+
 def test_ilp_agrees_with_the_relaxation_and_reports_its_lp_bound():
     lens = [40000] * 6 + [9000] * 20 + [1000] * 200
     cluster = ClusterSpec.preset("h100", 16, 8)
-    plan = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer")
+    model = model_preset("llama-7b")
+    kw = dict(capacity=16384, sync="peer", hdp_options=MILP_BUDGET)
+    plan = plan_step(lens, cluster, model, "hdp", **kw)
     p = plan.predicted
     assert p["ilp_objective_s"] > 0 and "ilp_failed" not in p
     assert p["lp_bound_s"] <= p["ilp_objective_s"] * (1 + 1e-9)
@@ -292,7 +298,13 @@ def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     cluster = ClusterSpec.preset("h100", 16, 8)
     with pytest.warns(RuntimeWarning, match="keeping the heuristic"):
         plan = plan_step(
-            lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer"
+            lens,
+            cluster,
+            model_preset("llama-7b"),
+            "hdp",
+            capacity=16384,
+            sync="peer",
+            hdp_options=MILP_BUDGET,
         )
     assert plan.predicted["ilp_failed"] == 1.0  # plan_step validated the plan
 
@@ -301,12 +313,18 @@ def test_solver_timeout_falls_back_with_a_warning(monkeypatch):
     real = milp.make_solver
     monkeypatch.setattr(solver, "NODE_LIMIT", 0)
     monkeypatch.setattr(milp, "make_solver", lambda name, t, mip=True: real(name, 1e-4, mip))
-    lens = [40000 + 977 * i for i in range(12)] + [1000] * 50
+    lens = [40000] * 6 + [40977] * 6 + [1000] * 50
     cluster = ClusterSpec.preset("h100", 32, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = plan_step(
-            lens, cluster, model_preset("llama-7b"), "hdp", capacity=16384, sync="peer"
+            lens,
+            cluster,
+            model_preset("llama-7b"),
+            "hdp",
+            capacity=16384,
+            sync="peer",
+            hdp_options=MILP_BUDGET,
         )
     assert plan.num_shards > 0  # plan_step validated the plan
     if "ilp_failed" in plan.predicted:

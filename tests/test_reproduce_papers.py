@@ -228,9 +228,8 @@ def test_flexsps_rows_are_within_the_goal(context, baselines):
 
 def test_a_head_parallel_plan_keeps_its_own_capacity():
     """FlexSP's setting (GPT-7B, no activation checkpointing, 64 A100-40GB), the tenth of its
-    released batches the paper averages: hdp's head-parallel plan, planned beside its P2P one,
-    fills ranks past the P2P capacity to the Ulysses one, and was once checked against the P2P
-    one."""
+    released batches the paper averages: hdp's head-parallel plan fills ranks past the P2P
+    capacity to the Ulysses one, and was once checked against the P2P one."""
     from hdp import model_preset
     from hdp.planner import plan_step
     from hdp.specs import gpu_preset
@@ -243,6 +242,7 @@ def test_a_head_parallel_plan_keeps_its_own_capacity():
         ClusterSpec(row.gpus, 8, gpu),
         capacity=row.capacity,
         activation_checkpointing=row.checkpointing,
+        kv_exchange="ulysses",
     )
     batch = papers.trace_batches(row, 10)[9]
     plan = plan_step(batch, pricing, "hdp", max_seq=row.max_seq)  # validates the plan

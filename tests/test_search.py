@@ -11,11 +11,11 @@ from hdp import ClusterSpec, CostModel, model_preset
 from hdp.planner import plan_step
 from hdp.planner.common import Context
 from hdp.planner.degrees import relaxation_bound
-from hdp.planner.dynamic import Candidate, DynamicOptions
+from hdp.planner.dynamic import DynamicOptions
 from hdp.planner.dynamic.candidates import num_waves_for
 from hdp.planner.dynamic.local import improve
 from hdp.planner.dynamic.place import place
-from hdp.planner.dynamic.search import join_tails
+from hdp.planner.dynamic.search import join_tails, roundings
 
 
 def _context(lens, n: int, cap: int, sync: str) -> Context:
@@ -28,10 +28,12 @@ def _context(lens, n: int, cap: int, sync: str) -> Context:
 
 
 def _rounding(ctx: Context):
-    """The relaxation's degrees at its height, placed: where the search starts."""
-    rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks)
-    cand = Candidate(*rel.degrees_at(rel.height_s, ctx.whole_s))
-    return place(ctx, num_waves_for(ctx), cand)
+    """The first of the relaxation's roundings, placed: where the search starts."""
+    alone = ctx.sync == "peer"
+    rel = relaxation_bound(
+        ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks, alone=alone
+    )
+    return place(ctx, num_waves_for(ctx), roundings(ctx, rel)[0])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,3 +109,23 @@ def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
     assert plans[0].predicted["step_time_s"] <= none.predicted["step_time_s"]
     for field in ("rank", "wave", "seq", "start", "end"):
         assert np.array_equal(getattr(plans[0], field), getattr(plans[1], field))
+
+
+def test_the_worked_example_of_the_note():
+    """Note [One search]: the rounding splits 32K over 4 ranks and 24K over 3, widen gives the
+    32K one 5 ranks, join leaves one cell a rank; each step is faster than the one before."""
+    lens = np.array([32768, 24576] + [2048] * 24 + [256] * 12)
+    cluster = ClusterSpec.preset("h100", 8)
+    kw = dict(sync="peer", kv_exchange="rank")
+    model = model_preset("llama-7b")
+    ctx = Context(
+        lens, CostModel(model, cluster), "peer", CostModel(model, cluster).capacity("peer"), 1, 1
+    )
+    start = _rounding(ctx)
+    held = np.bincount(np.unique(start.seq * 8 + start.rank) // 8, minlength=lens.size)
+    assert held[:2].tolist() == [4, 3]
+    plan = plan_step(lens, cluster, model, "hdp", **kw)
+    held = np.bincount(np.unique(plan.seq * 8 + plan.rank) // 8, minlength=lens.size)
+    assert held[:2].tolist() == [5, 3]
+    assert all(np.unique(plan.wave[plan.rank == r]).size == 1 for r in range(8))
+    assert plan.predicted["step_time_s"] < ctx.cost.evaluate(start).step_time_s

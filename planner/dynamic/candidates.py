@@ -14,10 +14,12 @@ from ..common import Context
 @dataclass(frozen=True)
 class Candidate:
     """One way to plan a batch: each sequence's degree (1: whole on one rank) and its busy
-    time there (s)."""
+    time there (s). ``stack_share`` (``wave`` sync): a multi-rank job joins a wave that already
+    holds work only where that raises the wave by at most this share of the job's time."""
 
     degree: np.ndarray
     job_time: np.ndarray
+    stack_share: float | None = None
 
 
 @dataclass

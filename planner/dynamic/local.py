@@ -58,6 +58,24 @@ class Cells:
         out = compute + dense - dense_before + sign * self.attn[seq]
         return np.where(after > 0, out, 0.0)
 
+    def offload_s(self, tokens: np.ndarray, compute: np.ndarray) -> np.ndarray:
+        """The host copy compute does not hide in cells of ``tokens`` over the capacity (inf
+        where even offload leaves no room)."""
+        ctx, cost = self.ctx, self.ctx.cost
+        over = tokens > ctx.capacity
+        fits = tokens <= ctx.offload_capacity
+        need = np.where(over & fits, cost.offload_needed(np.where(fits, tokens, 0), ctx.sync), 0.0)
+        exposed = np.maximum(0.0, cost.offload_time(tokens, need) - compute)
+        return np.where(fits, exposed, np.inf)
+
+    def busy_with(self, tokens, compute, busy, seq: int, sign: int) -> np.ndarray:
+        """Busy time (s) of cells (``tokens``, ``compute``, ``busy``) once sequence ``seq``
+        joins (``sign`` 1) or leaves (-1) each, its compute and exposed host copy changed."""
+        after = self.compute_with(tokens, compute, seq, sign)
+        L = sign * int(self.ctx.seq_lens[seq])
+        copy = self.offload_s(tokens + L, after) - self.offload_s(tokens, compute)
+        return np.where(tokens + L > 0, busy + after - compute + copy, 0.0)
+
     def move(self, seq: int, w: int, r: int) -> None:
         """Move sequence ``seq`` to cell ``(w, r)``, a new wave where ``w`` is past the last."""
         k = int(self.row[seq])
@@ -67,12 +85,11 @@ class Cells:
             self.tokens, self.compute = np.pad(self.tokens, pad), np.pad(self.compute, pad)
             self.busy, self.start = np.pad(self.busy, pad), np.pad(self.start, pad)
         for (cw, cr), sign in (((w0, r0), -1), ((w, r), 1)):
-            new = float(self.compute_with(self.tokens[cw, cr], self.compute[cw, cr], seq, sign))
-            self.busy[cw, cr] += new - self.compute[cw, cr]
-            self.compute[cw, cr] = new
+            tokens, compute = self.tokens[cw, cr], self.compute[cw, cr]
+            busy = self.busy_with(tokens, compute, self.busy[cw, cr], seq, sign)
+            self.compute[cw, cr] = self.compute_with(tokens, compute, seq, sign)
+            self.busy[cw, cr] = busy
             self.tokens[cw, cr] += sign * int(self.ctx.seq_lens[seq])
-            if self.tokens[cw, cr] == 0:
-                self.busy[cw, cr] = 0.0
         self.wave[k], self.rank[k] = w, r
         self.moved += 1
 
@@ -102,43 +119,41 @@ def improve(ctx: Context, plan: Plan, report: StepReport, moves: int) -> Plan | 
     return moved if ctx.cost.evaluate(moved).step_time_s < report.step_time_s else None
 
 
-def _wave_moves(cells: Cells, moves: int) -> None:
-    """``wave`` sync: a sequence leaves a wave's slowest cell for the cell where it raises its
-    wave's height least, while that lowers the sum of the heights."""
-    cap = cells.ctx.capacity
-    stuck: set[int] = set()  # waves whose slowest cell has no move that helps
-    while moves > 0:
-        heights = cells.busy.max(axis=1)
-        order = [w for w in np.argsort(-heights).tolist() if w not in stuck]
-        if not order:
-            return
-        w = order[0]
-        r = int(np.argmax(cells.busy[w]))
-        best = None  # (gain s, sequence, wave, rank)
-        for seq in cells.held(w, r).tolist():
-            L = int(cells.ctx.seq_lens[seq])
-            left = float(cells.compute_with(cells.tokens[w, r], cells.compute[w, r], seq, -1))
-            row = cells.busy[w].copy()
-            row[r] += left - cells.compute[w, r]
-            gain = heights[w] - float(row.max())
-            if gain <= 0:
-                continue
-            added = cells.compute_with(cells.tokens, cells.compute, seq, 1) - cells.compute
-            after = np.where(cells.tokens + L <= cap, cells.busy + added, np.inf)
-            after[w, r] = np.inf
-            base = heights.copy()
-            base[w] = float(row.max())
-            rise = np.maximum(0.0, after - base[:, None])
-            tw, tr = np.unravel_index(int(np.argmin(rise)), rise.shape)
-            net = gain - float(rise[tw, tr])
-            if net > 1e-9 * heights[w] and (best is None or net > best[0]):
-                best = (net, seq, int(tw), int(tr))
-        if best is None:
-            stuck.add(w)
-            continue
-        cells.move(best[1], best[2], best[3])
-        stuck.clear()
-        moves -= 1
+def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> None:
+    """``wave`` sync: a sequence leaves a wave's slowest cell for the cell where it ends
+    soonest (offloading there where it must) without raising that cell's wave, while both
+    cells then end before the slowest one did; each wave in turn, until none of its slowest
+    cell's sequences can move. Targets are each wave's ``targets`` least busy cells."""
+    waves, n = cells.busy.shape
+    k = min(targets, n)
+    for w in range(waves):
+        while moves > 0:
+            r = int(np.argmax(cells.busy[w]))
+            top = float(cells.busy[w, r])
+            heights = cells.busy.max(axis=1)
+            heights[w] = top * (1 - 1e-9)  # in its own wave a target must end before ``top``
+            ranks = np.argpartition(cells.busy, k - 1, axis=1)[:, :k]
+            rows = np.repeat(np.arange(cells.busy.shape[0]), k)
+            cols = ranks.reshape(-1)
+            tokens, compute, busy = (
+                a[rows, cols] for a in (cells.tokens, cells.compute, cells.busy)
+            )
+            best = None  # (the later of the two cells' ends, sequence, wave, rank)
+            for seq in cells.held(w, r).tolist():
+                left = cells.busy_with(cells.tokens[w, r], cells.compute[w, r], top, seq, -1)
+                after = cells.busy_with(tokens, compute, busy, seq, 1)
+                after[(rows == w) & (cols == r)] = np.inf
+                after[after > heights[rows]] = np.inf
+                t = int(np.argmin(after))
+                tw, tr = int(rows[t]), int(cols[t])
+                end = max(float(left), float(after[t]) if tw == w else 0.0)
+                if np.isfinite(after[t]) and end < top * (1 - 1e-9):
+                    if best is None or end < best[0]:
+                        best = (end, seq, tw, tr)
+            if best is None:
+                break
+            cells.move(best[1], best[2], best[3])
+            moves -= 1
 
 
 def _peer_moves(cells: Cells, moves: int) -> None:
@@ -210,3 +225,40 @@ def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
         if cells.busy[w, r] > 0:
             cells.start[w, r] = end
             end += float(cells.busy[w, r])
+
+
+def exact_moves(ctx: Context, plan: Plan, report: StepReport, tries: int) -> Plan | None:
+    """Whole sequences of the rank that finishes last, each tried in the same wave on every
+    other rank with token room, each trial priced by the cost model in full; the best trial is
+    kept while the step falls, at most ``tries`` trials (``None``: none helped)."""
+    lens, best = ctx.seq_lens, None
+    shards = np.bincount(plan.seq, minlength=lens.size)
+    while tries > 0:
+        busy = report.busy_s
+        finish = np.where(busy > 0, report.start_s + busy, 0.0).max(axis=0)
+        r = int(np.argmax(finish))
+        tokens = plan.tokens_per_cell()
+        rows = np.flatnonzero((plan.rank == r) & (shards[plan.seq] == 1))
+        found = None  # (step, plan, report)
+        for k in rows.tolist():
+            w, L = int(plan.wave[k]), int(plan.end[k] - plan.start[k])
+            for r2 in np.argsort(finish, kind="stable").tolist():
+                if r2 == r or tokens[w, r2] + L > ctx.capacity or tries <= 0:
+                    continue
+                tries -= 1
+                rank = plan.rank.copy()
+                rank[k] = r2
+                builder = PlanBuilder(ctx, plan.strategy)
+                builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
+                builder.barriers = list(plan.barriers)
+                builder.offload_where_needed()
+                builder.info = dict(plan.predicted)
+                trial = builder.build()
+                trial_report = ctx.cost.evaluate(trial)
+                if trial_report.step_time_s < (found[0] if found else report.step_time_s):
+                    found = (trial_report.step_time_s, trial, trial_report)
+        if found is None:
+            return best
+        _, plan, report = found
+        best = plan
+    return best

@@ -22,12 +22,15 @@ class DynamicOptions:
         "(aligned power-of-two CP groups, what hdp.dataloader.megatron.HDPScheduler runs)",
     )
     # Seconds of one core the search may spend past its first placement, by its own estimates
-    # of each placement's work (so plans do not depend on the machine's load).
-    plan_budget_s: float = seconds_flag(
-        0.1,
+    # of each placement's work (so plans do not depend on the machine's load); ``None``: a
+    # 50th of the first placement's predicted step and at least a fifth of a second, so that
+    # the next step's plan is ready long before this one ends.
+    plan_budget_s: float | None = seconds_flag(
+        None,
         flag="--plan-budget",
         help="seconds of one core hdp's search may spend past its first placement, charged by "
-        "estimates of each placement's work so that plans do not depend on the machine's load",
+        "estimates of each placement's work so that plans do not depend on the machine's load "
+        "(default: a 50th of the first placement's predicted step, at least 0.2 s)",
     )
     # The search stops where the step is within this share of the bound.
     gap: float = 1e-3

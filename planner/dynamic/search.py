@@ -1,4 +1,4 @@
-"""The ``hdp`` search: the relaxation, its rounding, and one local search under a time budget.
+"""The ``hdp`` search: the relaxation, its rounding, and one local search under a budget.
 
 Note [One search]
 -----------------
@@ -9,35 +9,39 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    the height ``M`` that minimises ``max(M, area / ranks)`` when each sequence takes its
    smallest-area degree no taller than ``M``. Where lengths repeat, the MILP over the same
    menus (:mod:`.milp`) chooses how many of a length take each degree.
-2. *Rounding*: the relaxation's degrees at a few heights around ``M`` (:func:`rounding_heights`)
-   are each placed by the list scheduler of the sync mode (:mod:`.place`), and priced by the
-   cost model; the fastest is kept.
-3. *Local search* on the kept plan, each move priced by the cost model and kept where the step
-   falls (:class:`Search`):
+2. *Rounding* (:func:`roundings`): the relaxation's degrees at a few heights around ``M``
+   (in ``wave`` sync also those of the relaxation over ranks x waves), least work first, are
+   each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
+   model; the fastest is kept.
+3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
+   their sequences in shared waves. No move below reaches such a plan from the relaxation's
+   (a degree at a time never lines many sequences up on the same ranks), and on small batches
+   they win where splitting saves work (the CPU's reference attention) or where sequences
+   share a group's fixed costs.
+4. *Local search* on the kept plan, each move priced by the cost model and kept only where the
+   step falls (:class:`Search`):
 
-   - *widen*: the sequence that sets the step (the busiest of the cells that end it) steps up
-     its menu, one degree at a time, and the degrees are placed again;
+   - *widen*: every sequence as tall as the one that sets the step steps up its menu to the
+     next faster degree, and the degrees are placed again, while that helps;
+   - *unstack* (``wave`` sync): the degrees placed again with no multi-rank job raising a wave
+     that already holds work by more than 5% of its time;
    - *join* (``peer`` sync): each rank's first cell after its last multi-rank job joins that
      job's cell, so the rank pays a micro-batch's fixed cost once;
-   - *move* (:mod:`.local`): whole sequences leave the cells that end the step for the cells
-     where they raise it least.
+   - *move* (:mod:`.local`): whole sequences leave the cells that end the step for cells that
+     end sooner.
 
-   It stops where the step is within ``options.gap`` of the bound or the budget is spent.
-4. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): where the budget allows, the ranks cut
-   into groups that each run their sequences in shared waves. No move of the local search
-   reaches such a plan from the relaxation's (a degree at a time never lines many sequences up
-   on the same ranks), and on small batches they win where splitting saves work (the CPU's
-   reference attention) or sequences share a group's fixed costs.
+Every step stops where the plan is within ``options.gap`` of the bound or the budget is spent.
+The budget (``options.plan_budget_s``; by default a 50th of the first placement's predicted
+step, at least 0.2 s) is charged by estimates of each placement's, layout's and move's work
+(:class:`Budget`), not by the clock, so a plan depends only on the batch and the options. The
+first placement is free; items 2 and 3 may spend half the budget, the local search the rest.
 
-Example: 8 ranks, ``peer`` sync, one 64K-token sequence and 40 of 1K. The relaxation gives the
-long one 5 ranks at ``M`` and the short ones stay whole; rounding at ``M`` places the long one on
-ranks 0-4 and the short ones, longest first, on the least-loaded ranks. Ranks 0-4 then run the
-long one's shares and, after it, a few short ones in cells of their own: *join* puts those into
-the long one's cell, and *move* evens out what is left.
-
-The budget (``options.plan_budget_s``) is charged by an estimate of each placement's work
-(:meth:`Budget.placement_s`), not by the clock, so a plan depends only on the batch and the
-options.
+Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
+sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
+relaxation's ``M`` is 2.05 s. Its rounding splits the 32K one over 4 ranks and the 24K one
+over 3, the rest whole: 2.628 s. *widen* gives the 32K one 5 ranks: 2.626 s. The short
+sequences placed after a rank's share of a long one sit in cells of their own; *join* puts
+them in the share's cell: 2.525 s, one cell a rank, against a bound of 2.395 s.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from ..splits import head_split_times, split_times
 from . import milp
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits
-from .local import improve
+from .local import exact_moves, improve
 from .megatron import plan_megatron_form
 from .mixed import mixed_group_plans
 from .options import DynamicOptions
@@ -71,22 +75,42 @@ SECONDS_PER_UNIT = 1e-7
 
 @dataclass
 class Budget:
-    """What the search may still spend (s), charged by estimates, not by the clock."""
+    """What the search may still spend (s), charged by estimates, not by the clock. Seeds
+    (roundings past the first, the MILP's degrees, group layouts) may spend half of it; the
+    local search has the rest."""
 
     left_s: float
+    total_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.total_s = self.left_s
 
     def placement_s(self, ctx: Context, jobs: int, shards: int = 0) -> float:
-        """Estimated seconds of one placement and its pricing: the sequences once per wave,
-        every rank for each multi-rank job, and the shards the cost model prices."""
-        waves = num_waves_for(ctx)
-        units = ctx.seq_lens.size * (waves + 4) + ctx.num_ranks * (jobs + waves) + 10 * shards
+        """Estimated seconds of one placement and its pricing: every rank for each multi-rank
+        job (``wave`` sync: every cell for each sequence), and the shards the cost model
+        prices."""
+        n, seqs, waves = ctx.num_ranks, ctx.seq_lens.size, num_waves_for(ctx)
+        units = n * (jobs + waves) // 2 + 10 * (seqs + shards)
+        if ctx.sync == "wave":
+            units += seqs * waves * n // 3
         return units * SECONDS_PER_UNIT
+
+    def layout_s(self, ctx: Context, shards: int) -> float:
+        """Estimated seconds of one group layout of ``shards`` shards and its pricing: every
+        member of every split sequence priced in closed form, then by the cost model."""
+        return (10 * ctx.seq_lens.size + 60 * shards) * SECONDS_PER_UNIT
+
+    def move_s(self, ctx: Context) -> float:
+        """Estimated seconds of one move of :mod:`.local`: every cell looked at once, a few
+        sequences tried against a few cells of each wave."""
+        return (num_waves_for(ctx) * (ctx.num_ranks + 600) + 1000) * SECONDS_PER_UNIT
 
     def spend(self, seconds: float) -> None:
         self.left_s -= seconds
 
-    def affords(self, seconds: float) -> bool:
-        return seconds <= self.left_s
+    def affords(self, seconds: float, seed: bool = False) -> bool:
+        """Whether ``seconds`` more fit, for a seed within its half."""
+        return seconds <= self.left_s - (self.total_s / 2 if seed else 0.0)
 
 
 class Search:
@@ -94,7 +118,7 @@ class Search:
 
     def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation, bound_s: float):
         self.ctx, self.options, self.rel, self.bound_s = ctx, options, rel, bound_s
-        self.budget = Budget(options.plan_budget_s)
+        self.budget = Budget(math.inf if options.plan_budget_s is None else options.plan_budget_s)
         self.best: tuple[Plan, StepReport, Candidate] | None = None
 
     @property
@@ -112,39 +136,77 @@ class Search:
         self.best = (plan, report, cand)
         return True
 
-    def place(self, cand: Candidate) -> bool:
-        """Place ``cand``, charge the budget, keep it where faster; whether it was."""
+    def place(self, cand: Candidate, seed: bool = False) -> bool:
+        """Place ``cand`` where the budget affords it (a ``seed`` within its half), charge the
+        budget, keep it where faster; whether it was. The first placement is free and sets the
+        default budget (:class:`DynamicOptions`)."""
+        first = self.best is None
         split = cand.degree > 1
-        self.budget.spend(
-            self.budget.placement_s(self.ctx, int(split.sum()), int(cand.degree[split].sum()))
-        )
-        return self.consider(place(self.ctx, num_waves_for(self.ctx), cand), cand)
+        if not first:
+            jobs, shards = int(split.sum()), int(cand.degree[split].sum())
+            cost_s = self.budget.placement_s(self.ctx, jobs, shards)
+            if not self.budget.affords(cost_s, seed):
+                return False
+            self.budget.spend(cost_s)
+        kept = self.consider(place(self.ctx, num_waves_for(self.ctx), cand), cand)
+        if first and self.options.plan_budget_s is None:
+            self.budget = Budget(max(0.2, self.step_s / 50))
+        return kept
+
+    def solve_milp(self, warm: Candidate) -> dict[str, float]:
+        """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
+        affords the solve (estimated at a millisecond per count variable); what it reports."""
+        ctx, rel = self.ctx, self.rel
+        estimate_s = 1e-3 * sum(mu.degrees.size for mu in rel.menus)
+        if self.done() or not self.budget.affords(estimate_s, seed=True):
+            return {}
+        self.budget.spend(estimate_s)
+        jobs = Jobs(warm.degree, warm.job_time)
+        limit_s = max(estimate_s, self.budget.left_s)
+        choice = milp.solve_degrees(rel, ctx.cost, ctx.sync, ctx.num_ranks, jobs, limit_s)
+        if choice.degrees is not None:
+            self.place(Candidate(choice.degrees, choice.job_time), seed=True)
+        return choice.info
 
     def widen(self) -> bool:
-        """Step the sequence that sets the step up its menu and place again (Note [One
-        search]); whether that was faster."""
+        """Step every sequence as tall as the one that sets the step (within 2% of its busy
+        time) up its menu and place again (Note [One search]); whether that was faster."""
         plan, report, cand = self.best
         if cand is None:
             return False
         seq = critical_sequence(self.ctx, plan, report)
-        wider = self._wider(cand, seq)
+        tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
+        wider = self._wider(cand, tall)
         return wider is not None and self.place(wider)
 
-    def _wider(self, cand: Candidate, seq: int) -> Candidate | None:
-        """``cand`` with sequence ``seq`` on its next wider degree (``None``: none is faster)."""
-        ctx, d = self.ctx, int(cand.degree[seq])
-        length = int(ctx.seq_lens[seq])
-        degrees = np.arange(d + 1, min(ctx.num_ranks, max(1, length // 2)) + 1)[:8]
-        if degrees.size == 0:
+    def _wider(self, cand: Candidate, seqs: np.ndarray) -> Candidate | None:
+        """``cand`` with each of ``seqs`` on the next degree that runs it faster, where one of
+        the next few does (``None``: none of them has such a degree)."""
+        ctx, steps = self.ctx, 8
+        lens = ctx.seq_lens[seqs]
+        degrees = cand.degree[seqs][:, None] + np.arange(1, steps + 1)[None, :]
+        ok = (degrees <= ctx.num_ranks) & (degrees <= np.maximum(1, lens // 2)[:, None])
+        times = np.full(degrees.shape, np.inf)
+        times[ok] = split_busy(ctx, np.broadcast_to(lens[:, None], ok.shape)[ok], degrees[ok])
+        faster = times < cand.job_time[seqs][:, None] * (1 - 1e-9)
+        has = faster.any(axis=1)
+        if not has.any():
             return None
-        times = split_busy(ctx, np.full(degrees.size, length), degrees)
-        faster = np.flatnonzero(times < cand.job_time[seq] * (1 - 1e-9))
-        if faster.size == 0:
-            return None
-        k = int(faster[0])
+        k = np.argmax(faster, axis=1)[has]
+        rows = np.flatnonzero(has)
         degree, job_time = cand.degree.copy(), cand.job_time.copy()
-        degree[seq], job_time[seq] = degrees[k], times[k]
-        return Candidate(degree, job_time)
+        degree[seqs[has]] = degrees[rows, k]
+        job_time[seqs[has]] = times[rows, k]
+        return Candidate(degree, job_time, cand.stack_share)
+
+    def unstack(self) -> bool:
+        """``wave`` sync: the best degrees placed again with no job raising a wave that holds
+        work by more than 5% of its time (such jobs open waves of their own, where the whole
+        sequences then fill their cells); whether that was faster."""
+        cand = self.best[2]
+        if cand is None or cand.stack_share is not None:
+            return False
+        return self.place(Candidate(cand.degree, cand.job_time, stack_share=0.05))
 
     def join(self) -> bool:
         """``peer`` sync: every rank's first cell after its last multi-rank job joins that
@@ -156,16 +218,28 @@ class Search:
     def move(self) -> bool:
         """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget."""
         plan, report, cand = self.best
-        per_move = self.budget.placement_s(self.ctx, 0) / 16
-        moves = max(1, int(self.budget.left_s / per_move)) if self.budget.left_s > 0 else 1
+        per_move = self.budget.move_s(self.ctx)
+        moves = max(1, int(self.budget.left_s / per_move))
         self.budget.spend(moves * per_move)
         moved = improve(self.ctx, plan, report, moves)
-        return moved is not None and self.consider(moved, cand)
+        kept = moved is not None and self.consider(moved, cand)
+        if self.ctx.sync == "peer" and not self.done():
+            plan, report, cand = self.best
+            shards = plan.num_shards + self.ctx.num_ranks * plan.num_waves
+            per_try = (20_000 + 20 * shards) * SECONDS_PER_UNIT  # a plan built and priced
+            tries = int(self.budget.left_s / per_try)
+            self.budget.spend(tries * per_try)
+            exact = exact_moves(self.ctx, plan, report, tries)
+            kept = (exact is not None and self.consider(exact, cand)) or kept
+        return kept
 
     def local_search(self) -> None:
         """Widen while that helps and the budget lasts, then join and move."""
         while not self.done() and self.widen():
             pass
+        if self.ctx.sync == "wave" and not self.done() and self.unstack():
+            while not self.done() and self.widen():
+                pass
         if self.ctx.sync == "peer" and not self.done():
             self.join()
         if not self.done():
@@ -266,26 +340,24 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         plan = _plan_whole(ctx)
         plan.predicted["bound_s"] = bound_s
         return plan
-    rel = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks)
+    alone = ctx.sync == "peer"
+    rel = relaxation_bound(
+        ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks, alone=alone
+    )
     search = Search(ctx, options, rel, bound_s)
-    rounded = [Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in rounding_heights(rel, ctx.sync)]
-    info = {}
-    if milp.repeats(rel):  # equal lengths: the MILP chooses how many take each degree
-        warm = Jobs(rounded[0].degree, rounded[0].job_time)
-        choice = milp.solve_degrees(
-            rel, ctx.cost, ctx.sync, ctx.num_ranks, warm, time_limit_s=options.plan_budget_s
-        )
-        info.update(choice.info)
-        if choice.degrees is not None:
-            rounded.insert(0, Candidate(choice.degrees, choice.job_time))
-    for cand in rounded:
-        if search.best is not None and search.done():
+    rounded = roundings(ctx, rel)
+    search.place(rounded[0])
+    info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
+    for cand in rounded[1:]:
+        if search.done():
             break
-        search.place(cand)
-    for make, jobs, shards in group_layouts(ctx):
-        cost_s = search.budget.placement_s(ctx, jobs, shards)
-        if search.done() or not search.budget.affords(cost_s):
+        search.place(cand, seed=True)
+    for make, shards in group_layouts(ctx):
+        cost_s = search.budget.layout_s(ctx, shards)
+        if search.done():
             break
+        if not search.budget.affords(cost_s, seed=True):
+            continue
         search.budget.spend(cost_s)
         for plan in make():
             search.consider(plan)
@@ -297,21 +369,17 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
-def group_layouts(ctx: Context) -> Iterator[tuple[Callable[[], list[Plan]], int, int]]:
-    """Plans on rank groups (Note [One search], item 4), each as (a maker of the plans, the
-    multi-rank jobs and the shards they hold at most): equal groups of each size
-    :func:`.groups.group_counts` gives, then groups of mixed power-of-two sizes."""
+def group_layouts(ctx: Context) -> Iterator[tuple[Callable[[], list[Plan]], int]]:
+    """Plans on rank groups (Note [One search], item 3), each as (a maker of the plans, the
+    shards they hold at most): groups of mixed power-of-two sizes, then equal groups of each
+    size :func:`.groups.group_counts` gives."""
     lens, n = ctx.seq_lens, ctx.num_ranks
+    yield (lambda: mixed_group_plans(ctx)), lens.size * n
     for groups in group_counts(ctx):
         g = n // groups
         for split, exact in group_splits(ctx, g):
-            jobs = int((split & (lens >= g)).sum())
-            yield (
-                (lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))),
-                jobs,
-                jobs * g,
-            )
-    yield (lambda: mixed_group_plans(ctx)), lens.size, lens.size * n
+            shards = int((split & (lens >= g)).sum()) * g + lens.size
+            yield (lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))), shards
 
 
 def _some(plan: Plan | None) -> list[Plan]:
@@ -330,6 +398,32 @@ def _plan_whole(ctx: Context) -> Plan:
     return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s))
 
 
+def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
+    """The relaxation's degrees at each of :func:`rounding_heights`, and in ``wave`` sync with
+    several waves also those of the relaxation over ranks x waves (as if the work spread evenly
+    over the waves) at its height and a little above; least work first (:func:`work_s`), the
+    order in which a small budget places them."""
+    out = [Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in rounding_heights(rel, ctx.sync)]
+    waves = num_waves_for(ctx)
+    if ctx.sync == "wave" and waves > 1:
+        slots = ctx.num_ranks * waves
+        per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, slots)
+        for f in (1.0, 1.04, 1.12):
+            out.append(Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s)))
+    return sorted(out, key=lambda cand: work_s(ctx, rel, cand))
+
+
+def work_s(ctx: Context, rel: Relaxation, cand: Candidate) -> float:
+    """The rank-seconds of compute ``cand``'s degrees cover at least (split sequences their
+    menu area, whole ones their packed time), over the ranks."""
+    area = ctx.packed_s.copy()
+    for i, mu in zip(rel.long_ids.tolist(), rel.menus):
+        k = int(np.searchsorted(mu.degrees, cand.degree[i]))
+        if cand.degree[i] > 1 and k < mu.degrees.size and mu.degrees[k] == cand.degree[i]:
+            area[i] = float(mu.area[k])
+    return float(area.sum()) / ctx.num_ranks
+
+
 def rounding_heights(rel: Relaxation, sync: str) -> list[float]:
     """Heights at which the relaxation's degrees are read (Note [One search], item 2): ``M``
     and a little above in ``peer`` sync; in ``wave`` sync a step is the sum of its waves'
@@ -340,4 +434,4 @@ def rounding_heights(rel: Relaxation, sync: str) -> list[float]:
     floor = max(float(mu.height.min()) for mu in rel.menus)
     top = max(floor, rel.height_s)
     ladder = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
-    return [top, *ladder[-2::-1], floor * 0.5, floor * 0.25]
+    return [floor * 0.5, floor * 0.25, *ladder]

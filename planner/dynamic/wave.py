@@ -59,7 +59,9 @@ def place_wave(
 def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate) -> JobLayer:
     """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
     tall jobs spread over waves and leave token room beside them), on the least-loaded ranks
-    with token room, each member's load growing by the job's time."""
+    with token room, each member's load growing by the job's time; with ``cand.stack_share``
+    not into a wave that holds work where that raises it by more than that share of the job's
+    time."""
     lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
     off_cap = ctx.offload_capacity
     layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
@@ -67,11 +69,11 @@ def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candi
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
         per_rank = ctx.split(L, d).most_tokens
         room = per_rank <= off_cap - layer.tokens
-        best = _best_wave(layer.load, room, d, rpn, t)
+        best = _best_wave(layer.load, room, d, rpn, t, cand.stack_share)
         if best is None:  # no wave takes it: a new one
             layer.add_wave()
             room = np.full((1, n), per_rank <= off_cap)
-            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t)
+            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t, None)
             best = (score, layer.load.shape[0] - 1, members)
         _, w, members = best
         layer.tokens[w, members] += per_rank
@@ -82,7 +84,7 @@ def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candi
 
 
 def _best_wave(
-    load: np.ndarray, room: np.ndarray, d: int, rpn: int, t: float
+    load: np.ndarray, room: np.ndarray, d: int, rpn: int, t: float, stack_share: float | None
 ) -> tuple[tuple[float, float], int, np.ndarray] | None:
     """((raise s, height s), wave, members): the wave (row of ``load``) where a job of ``d``
     ranks and ``t`` s raises the height least (then the lowest height, then the lowest wave), on
@@ -96,6 +98,8 @@ def _best_wave(
         kth = np.partition(np.where(room, load, np.inf), d - 1, axis=1)[:, d - 1]
         least[:, 0], least[:, 1] = np.maximum(0.0, kth + t - heights), heights
         hopeless = ~np.isfinite(kth)
+        if stack_share is not None:  # (its raise is at least the bound)
+            hopeless |= (heights > 0) & (least[:, 0] > stack_share * t)
         ranked = np.lexsort((np.arange(heights.size), heights, least[:, 0]))
         order = ranked[~hopeless[ranked]].tolist()
     best = None
@@ -107,6 +111,8 @@ def _best_wave(
             continue
         height = float(heights[w])
         finish = float(load[w, members].max()) + t
+        if stack_share is not None and height > 0 and finish - height > stack_share * t:
+            continue
         score = (max(0.0, finish - height), height)
         if best is None or (score, w) < (best[0], best[1]):
             best = (score, w, members)
