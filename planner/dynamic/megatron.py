@@ -9,7 +9,9 @@ every candidate is priced with its padding (:func:`padded_plan`). Degrees come f
 relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Two
 placements are tried for each choice of degrees: barrier-separated groups (:func:`_place_groups`),
 and one group of start-time-ordered lists (:func:`_place_one_group`); Megatron's own
-``BalancedCPScheduler`` schedule is a candidate too where it keeps to the form.
+``BalancedCPScheduler`` schedule is a candidate too where it keeps to the form. The fastest then
+takes the local search's whole-sequence moves (:func:`.local.improve`: a whole sequence stays on
+one rank, so the form holds) within the budget of :class:`~.options.DynamicOptions`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ..common import Context, PlanBuilder, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
 from ..splits import split_times
+from .budget import Budget
+from .local import improve
 from .options import DynamicOptions
 
 
@@ -113,12 +117,28 @@ def plan_megatron_form(
         t = cost.evaluate(padded_plan(ctx, theirs, token_multiple)).step_time_s
         if t < best[0]:
             best = (t, theirs)
-    plan = best[1]
-    plan.predicted["padded_step_time_s"] = best[0]
+    plan, best_s = _moved(ctx, options or DynamicOptions(), *best[::-1], token_multiple)
+    plan.predicted["padded_step_time_s"] = best_s
     if np.array_equal(relaxed, lens):
         plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
+
+
+def _moved(
+    ctx: Context, options: DynamicOptions, plan: Plan, step_s: float, token_multiple: int
+) -> tuple[Plan, float]:
+    """``plan`` after the local search's whole-sequence moves (:func:`.local.improve`, which
+    keep every sequence on its rank group) within the budget, where that is faster with its
+    padding priced; and its step."""
+    budget_s = options.plan_budget_s
+    budget = Budget(max(0.2, step_s / 50) if budget_s is None else budget_s)
+    moves = int(budget.left_s / budget.move_s(ctx, plan.num_waves))
+    moved = improve(ctx, plan, ctx.cost.evaluate(plan), moves) if moves else None
+    if moved is None:
+        return plan, step_s
+    moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
+    return (moved, moved_s) if moved_s < step_s else (plan, step_s)
 
 
 def _balanced_cp_candidate(ctx: Context) -> Plan | None:

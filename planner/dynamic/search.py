@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,6 +57,7 @@ from ..common import Context, PlanBuilder, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from ..splits import head_split_times, split_times
 from . import milp
+from .budget import Budget
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits
 from .local import exact_moves, improve
@@ -67,50 +67,6 @@ from .options import DynamicOptions
 from .place import place
 
 NATIVE_SYNC = "peer"
-
-# Seconds of one core per unit of :meth:`Budget.placement_s`'s work estimate (a placement and
-# its pricing), fitted on the bench's batches at 64-16,384 ranks.
-SECONDS_PER_UNIT = 1e-7
-
-
-@dataclass
-class Budget:
-    """What the search may still spend (s), charged by estimates, not by the clock. Seeds
-    (roundings past the first, the MILP's degrees, group layouts) may spend half of it; the
-    local search has the rest."""
-
-    left_s: float
-    total_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.total_s = self.left_s
-
-    def placement_s(self, ctx: Context, jobs: int, shards: int = 0) -> float:
-        """Estimated seconds of one placement and its pricing: every rank for each multi-rank
-        job (``wave`` sync: every cell for each sequence), and the shards the cost model
-        prices."""
-        n, seqs, waves = ctx.num_ranks, ctx.seq_lens.size, num_waves_for(ctx)
-        units = n * (jobs + waves) // 2 + 10 * (seqs + shards)
-        if ctx.sync == "wave":
-            units += seqs * waves * n // 3
-        return units * SECONDS_PER_UNIT
-
-    def layout_s(self, ctx: Context, shards: int) -> float:
-        """Estimated seconds of one group layout of ``shards`` shards and its pricing: every
-        member of every split sequence priced in closed form, then by the cost model."""
-        return (10 * ctx.seq_lens.size + 60 * shards) * SECONDS_PER_UNIT
-
-    def move_s(self, ctx: Context) -> float:
-        """Estimated seconds of one move of :mod:`.local`: every cell looked at once, a few
-        sequences tried against a few cells of each wave."""
-        return (num_waves_for(ctx) * (ctx.num_ranks + 600) + 1000) * SECONDS_PER_UNIT
-
-    def spend(self, seconds: float) -> None:
-        self.left_s -= seconds
-
-    def affords(self, seconds: float, seed: bool = False) -> bool:
-        """Whether ``seconds`` more fit, for a seed within its half."""
-        return seconds <= self.left_s - (self.total_s / 2 if seed else 0.0)
 
 
 class Search:
@@ -218,15 +174,14 @@ class Search:
     def move(self) -> bool:
         """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget."""
         plan, report, cand = self.best
-        per_move = self.budget.move_s(self.ctx)
+        per_move = self.budget.move_s(self.ctx, plan.num_waves)
         moves = max(1, int(self.budget.left_s / per_move))
         self.budget.spend(moves * per_move)
         moved = improve(self.ctx, plan, report, moves)
         kept = moved is not None and self.consider(moved, cand)
         if self.ctx.sync == "peer" and not self.done():
             plan, report, cand = self.best
-            shards = plan.num_shards + self.ctx.num_ranks * plan.num_waves
-            per_try = (20_000 + 20 * shards) * SECONDS_PER_UNIT  # a plan built and priced
+            per_try = self.budget.trial_s(plan.num_shards + self.ctx.num_ranks * plan.num_waves)
             tries = int(self.budget.left_s / per_try)
             self.budget.spend(tries * per_try)
             exact = exact_moves(self.ctx, plan, report, tries)
