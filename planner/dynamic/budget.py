@@ -15,6 +15,8 @@ from .candidates import num_waves_for
 # Seconds of one core per unit of :meth:`Budget.placement_s`'s work estimate (a placement and
 # its pricing), fitted on the bench's batches at 64-16,384 ranks.
 SECONDS_PER_UNIT = 1e-7
+# The default budget is the first placement's predicted step over this (at least 0.2 s).
+STEP_SHARE = 100
 
 
 @dataclass
@@ -28,6 +30,12 @@ class Budget:
 
     def __post_init__(self) -> None:
         self.total_s = self.left_s
+
+    @classmethod
+    def for_step(cls, given_s: float | None, step_s: float) -> Budget:
+        """``given_s``, or where ``None`` the default of :class:`~.options.DynamicOptions` for a
+        plan whose first placement steps ``step_s``."""
+        return cls(max(0.2, step_s / STEP_SHARE) if given_s is None else given_s)
 
     def placement_s(self, ctx: Context, jobs: int, shards: int = 0) -> float:
         """Estimated seconds of one placement and its pricing: every rank for each multi-rank

@@ -131,8 +131,7 @@ def _moved(
     """``plan`` after the local search's whole-sequence moves (:func:`.local.improve`, which
     keep every sequence on its rank group) within the budget, where that is faster with its
     padding priced; and its step."""
-    budget_s = options.plan_budget_s
-    budget = Budget(max(0.2, step_s / 50) if budget_s is None else budget_s)
+    budget = Budget.for_step(options.plan_budget_s, step_s)
     moves = int(budget.left_s / budget.move_s(ctx, plan.num_waves))
     moved = improve(ctx, plan, ctx.cost.evaluate(plan), moves) if moves else None
     if moved is None:

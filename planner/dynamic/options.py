@@ -23,14 +23,14 @@ class DynamicOptions:
     )
     # Seconds of one core the search may spend past its first placement, by its own estimates
     # of each placement's work (so plans do not depend on the machine's load); ``None``: a
-    # 50th of the first placement's predicted step and at least a fifth of a second, so that
+    # 100th of the first placement's predicted step and at least a fifth of a second, so that
     # the next step's plan is ready long before this one ends.
     plan_budget_s: float | None = seconds_flag(
         None,
         flag="--plan-budget",
         help="seconds of one core hdp's search may spend past its first placement, charged by "
         "estimates of each placement's work so that plans do not depend on the machine's load "
-        "(default: a 50th of the first placement's predicted step, at least 0.2 s)",
+        "(default: a 100th of the first placement's predicted step, at least 0.2 s)",
     )
     # The search stops where the step is within this share of the bound.
     gap: float = 1e-3

@@ -31,7 +31,7 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
      end sooner.
 
 Every step stops where the plan is within ``options.gap`` of the bound or the budget is spent.
-The budget (``options.plan_budget_s``; by default a 50th of the first placement's predicted
+The budget (``options.plan_budget_s``; by default a 100th of the first placement's predicted
 step, at least 0.2 s) is charged by estimates of each placement's, layout's and move's work
 (:class:`Budget`), not by the clock, so a plan depends only on the batch and the options. The
 first placement is free; items 2 and 3 may spend half the budget, the local search the rest.
@@ -106,7 +106,7 @@ class Search:
             self.budget.spend(cost_s)
         kept = self.consider(place(self.ctx, num_waves_for(self.ctx), cand), cand)
         if first and self.options.plan_budget_s is None:
-            self.budget = Budget(max(0.2, self.step_s / 50))
+            self.budget = Budget.for_step(None, self.step_s)
         return kept
 
     def solve_milp(self, warm: Candidate) -> dict[str, float]:
