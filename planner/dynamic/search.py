@@ -12,7 +12,7 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
 2. *Rounding* (:func:`roundings`): the relaxation's degrees at a few heights around ``M``
    (in ``wave`` sync also those of the relaxation over ranks x waves), least work first, are
    each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
-   model; the fastest is kept.
+   model; the fastest is kept. These placements are always made, outside the budget.
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
    their sequences in shared waves. No move below reaches such a plan from the relaxation's
    (a degree at a time never lines many sequences up on the same ranks), and on small batches
@@ -33,8 +33,9 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
 Every step stops where the plan is within ``options.gap`` of the bound or the budget is spent.
 The budget (``options.plan_budget_s``; by default a 100th of the first placement's predicted
 step, at least 0.2 s) is charged by estimates of each placement's, layout's and move's work
-(:class:`Budget`), not by the clock, so a plan depends only on the batch and the options. The
-first placement is free; items 2 and 3 may spend half the budget, the local search the rest.
+(:class:`Budget`), not by the clock, so a plan depends only on the batch and the options. It
+starts after the roundings; the MILP and item 3 may spend half of it, the local search the
+rest.
 
 Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
 sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
@@ -81,8 +82,10 @@ class Search:
     def step_s(self) -> float:
         return self.best[1].step_time_s if self.best else math.inf
 
-    def done(self) -> bool:
-        return self.step_s <= self.bound_s * (1 + self.options.gap) or self.budget.left_s <= 0
+    def done(self, gap_only: bool = False) -> bool:
+        """Whether the plan is within ``options.gap`` of the bound (or the budget is spent)."""
+        close = self.step_s <= self.bound_s * (1 + self.options.gap)
+        return close or (not gap_only and self.budget.left_s <= 0)
 
     def consider(self, plan: Plan, cand: Candidate | None = None) -> bool:
         """Keep ``plan`` where it is faster than the best so far; whether it was."""
@@ -92,13 +95,14 @@ class Search:
         self.best = (plan, report, cand)
         return True
 
-    def place(self, cand: Candidate, seed: bool = False) -> bool:
+    def place(self, cand: Candidate, seed: bool = False, free: bool = False) -> bool:
         """Place ``cand`` where the budget affords it (a ``seed`` within its half), charge the
-        budget, keep it where faster; whether it was. The first placement is free and sets the
-        default budget (:class:`DynamicOptions`)."""
+        budget, keep it where faster; whether it was. A ``free`` placement (a rounding) is
+        neither checked nor charged; the first sets the default budget
+        (:class:`DynamicOptions`)."""
         first = self.best is None
         split = cand.degree > 1
-        if not first:
+        if not free:
             jobs, shards = int(split.sum()), int(cand.degree[split].sum())
             cost_s = self.budget.placement_s(self.ctx, jobs, shards)
             if not self.budget.affords(cost_s, seed):
@@ -301,12 +305,11 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     )
     search = Search(ctx, options, rel, bound_s)
     rounded = roundings(ctx, rel)
-    search.place(rounded[0])
-    info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
-    for cand in rounded[1:]:
-        if search.done():
+    for cand in rounded:
+        if search.best is not None and search.done(gap_only=True):
             break
-        search.place(cand, seed=True)
+        search.place(cand, free=True)
+    info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
     for make, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)
         if search.done():
