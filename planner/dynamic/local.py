@@ -229,36 +229,50 @@ def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
 
 def exact_moves(ctx: Context, plan: Plan, report: StepReport, tries: int) -> Plan | None:
     """Whole sequences of the rank that finishes last, each tried in the same wave on every
-    other rank with token room, each trial priced by the cost model in full; the best trial is
-    kept while the step falls, at most ``tries`` trials (``None``: none helped)."""
-    lens, best = ctx.seq_lens, None
-    shards = np.bincount(plan.seq, minlength=lens.size)
+    other rank with token room, then swapped with a shorter whole sequence of another rank in
+    that wave; each trial priced by the cost model in full. The best trial is kept while the
+    step falls, at most ``tries`` trials (``None``: none helped)."""
+    best = None
+    shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
     while tries > 0:
         busy = report.busy_s
         finish = np.where(busy > 0, report.start_s + busy, 0.0).max(axis=0)
         r = int(np.argmax(finish))
         tokens = plan.tokens_per_cell()
-        rows = np.flatnonzero((plan.rank == r) & (shards[plan.seq] == 1))
+        whole = shards[plan.seq] == 1
         found = None  # (step, plan, report)
-        for k in rows.tolist():
+        for k in np.flatnonzero((plan.rank == r) & whole).tolist():
             w, L = int(plan.wave[k]), int(plan.end[k] - plan.start[k])
+            trials = []
             for r2 in np.argsort(finish, kind="stable").tolist():
-                if r2 == r or tokens[w, r2] + L > ctx.capacity or tries <= 0:
-                    continue
+                if r2 != r and tokens[w, r2] + L <= ctx.capacity:
+                    trials.append([(k, r2)])
+            others = np.flatnonzero(whole & (plan.wave == w) & (plan.rank != r))
+            for k2 in others.tolist():
+                r2, L2 = int(plan.rank[k2]), int(plan.end[k2] - plan.start[k2])
+                if L2 < L and tokens[w, r2] - L2 + L <= ctx.capacity:
+                    trials.append([(k, r2), (k2, r)])
+            for trial in trials[: max(tries, 0)]:
                 tries -= 1
-                rank = plan.rank.copy()
-                rank[k] = r2
-                builder = PlanBuilder(ctx, plan.strategy)
-                builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
-                builder.barriers = list(plan.barriers)
-                builder.offload_where_needed()
-                builder.info = dict(plan.predicted)
-                trial = builder.build()
-                trial_report = ctx.cost.evaluate(trial)
-                if trial_report.step_time_s < (found[0] if found else report.step_time_s):
-                    found = (trial_report.step_time_s, trial, trial_report)
+                candidate = _with_ranks(ctx, plan, trial)
+                priced = ctx.cost.evaluate(candidate)
+                if priced.step_time_s < (found[0] if found else report.step_time_s):
+                    found = (priced.step_time_s, candidate, priced)
         if found is None:
             return best
         _, plan, report = found
         best = plan
     return best
+
+
+def _with_ranks(ctx: Context, plan: Plan, changes: list[tuple[int, int]]) -> Plan:
+    """``plan`` with shard ``k`` on rank ``r`` for each ``(k, r)`` of ``changes``."""
+    rank = plan.rank.copy()
+    for k, r in changes:
+        rank[k] = r
+    builder = PlanBuilder(ctx, plan.strategy)
+    builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
+    builder.barriers = list(plan.barriers)
+    builder.offload_where_needed()
+    builder.info = dict(plan.predicted)
+    return builder.build()

@@ -176,10 +176,12 @@ class Search:
         return joined is not None and self.consider(joined, self.best[2])
 
     def move(self) -> bool:
-        """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget."""
+        """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget, in
+        ``peer`` sync half of it, the other half for :func:`.local.exact_moves`."""
         plan, report, cand = self.best
+        share = 0.5 if self.ctx.sync == "peer" else 1.0
         per_move = self.budget.move_s(self.ctx, plan.num_waves)
-        moves = max(1, int(self.budget.left_s / per_move))
+        moves = max(1, int(share * self.budget.left_s / per_move))
         self.budget.spend(moves * per_move)
         moved = improve(self.ctx, plan, report, moves)
         kept = moved is not None and self.consider(moved, cand)
