@@ -273,16 +273,17 @@ def test_megatron_form_is_never_slower_than_balanced_cp_scheduler():
             assert ours.predicted["step_time_s"] <= theirs.predicted["step_time_s"] * (1 + 1e-12)
 
 
-# A budget that affords the MILP on these batches (its default is a 50th of their step).
-MILP_BUDGET = DynamicOptions(plan_budget_s=10.0)
+def _plan_with_milp(lens, ranks: int):
+    """llama-7b on ``ranks`` H100s (8 a node), peer sync, with a budget that affords the MILP
+    on these batches (the default is a 100th of their step)."""
+    cluster = ClusterSpec.preset("h100", ranks, 8)
+    options = DynamicOptions(plan_budget_s=10.0)
+    kw = dict(capacity=16384, sync="peer", hdp_options=options)
+    return plan_step(lens, cluster, model_preset("llama-7b"), "hdp", **kw)
 
 
 def test_ilp_agrees_with_the_relaxation_and_reports_its_lp_bound():
-    lens = [40000] * 6 + [9000] * 20 + [1000] * 200
-    cluster = ClusterSpec.preset("h100", 16, 8)
-    model = model_preset("llama-7b")
-    kw = dict(capacity=16384, sync="peer", hdp_options=MILP_BUDGET)
-    plan = plan_step(lens, cluster, model, "hdp", **kw)
+    plan = _plan_with_milp([40000] * 6 + [9000] * 20 + [1000] * 200, 16)
     p = plan.predicted
     assert p["ilp_objective_s"] > 0 and "ilp_failed" not in p
     assert p["lp_bound_s"] <= p["ilp_objective_s"] * (1 + 1e-9)
@@ -294,18 +295,8 @@ def test_solver_failure_falls_back_with_a_warning(monkeypatch):
         raise RuntimeError("solver exploded")
 
     monkeypatch.setattr(milp, "make_solver", broken)
-    lens = [40000] * 6 + [1000] * 50
-    cluster = ClusterSpec.preset("h100", 16, 8)
     with pytest.warns(RuntimeWarning, match="keeping the heuristic"):
-        plan = plan_step(
-            lens,
-            cluster,
-            model_preset("llama-7b"),
-            "hdp",
-            capacity=16384,
-            sync="peer",
-            hdp_options=MILP_BUDGET,
-        )
+        plan = _plan_with_milp([40000] * 6 + [1000] * 50, 16)
     assert plan.predicted["ilp_failed"] == 1.0  # plan_step validated the plan
 
 
@@ -313,19 +304,9 @@ def test_solver_timeout_falls_back_with_a_warning(monkeypatch):
     real = milp.make_solver
     monkeypatch.setattr(solver, "NODE_LIMIT", 0)
     monkeypatch.setattr(milp, "make_solver", lambda name, t, mip=True: real(name, 1e-4, mip))
-    lens = [40000] * 6 + [40977] * 6 + [1000] * 50
-    cluster = ClusterSpec.preset("h100", 32, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = plan_step(
-            lens,
-            cluster,
-            model_preset("llama-7b"),
-            "hdp",
-            capacity=16384,
-            sync="peer",
-            hdp_options=MILP_BUDGET,
-        )
+        plan = _plan_with_milp([40000] * 6 + [40977] * 6 + [1000] * 50, 32)
     assert plan.num_shards > 0  # plan_step validated the plan
     if "ilp_failed" in plan.predicted:
         assert any("keeping the heuristic" in str(w.message) for w in caught)

@@ -55,8 +55,9 @@ def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
     ctx = _context(lens, n, cap, sync)
     plan = _rounding(ctx)
     report = ctx.cost.evaluate(plan)
-    moved = improve(ctx, plan, report, moves=1000)
-    if moved is not None:
+    improved = improve(ctx, plan, report, moves=1000)
+    if improved is not None:
+        moved = improved[0]
         check_plan(moved, lens, n, cap)
         assert ctx.cost.evaluate(moved).step_time_s < report.step_time_s
     joined = join_tails(ctx, plan) if sync == "peer" else None

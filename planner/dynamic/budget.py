@@ -7,7 +7,7 @@ how busy the machine is. They are fitted on the bench's batches (llama-7b and ll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..common import Context
 from .candidates import num_waves_for
@@ -26,7 +26,7 @@ class Budget:
     local search has the rest."""
 
     left_s: float
-    total_s: float = 0.0
+    total_s: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.total_s = self.left_s

@@ -94,20 +94,27 @@ class Cells:
         self.moved += 1
 
     def plan_after(self) -> Plan:
-        """The plan with the moves made (waves that emptied dropped), offload where needed."""
-        plan = self.plan
-        used = np.unique(self.wave)
-        builder = PlanBuilder(self.ctx, plan.strategy)
-        builder.add(np.searchsorted(used, self.wave), self.rank, plan.seq, plan.start, plan.end)
-        builder.barriers = [int(np.searchsorted(used, b)) for b in plan.barriers]
-        builder.offload_where_needed()
-        builder.info = dict(plan.predicted)
-        return builder.build()
+        """The plan with the moves made."""
+        return rebuilt(self.ctx, self.plan, self.wave, self.rank)
 
 
-def improve(ctx: Context, plan: Plan, report: StepReport, moves: int) -> Plan | None:
-    """``plan`` after at most ``moves`` moves (module docstring), or ``None`` where none lowers
-    the step the cost model predicts."""
+def rebuilt(ctx: Context, plan: Plan, wave: np.ndarray, rank: np.ndarray) -> Plan:
+    """``plan`` with its shards in ``wave`` and on ``rank`` (waves that emptied dropped, its
+    barriers kept between the same work), offload where needed."""
+    used = np.unique(wave)
+    builder = PlanBuilder(ctx, plan.strategy)
+    builder.add(np.searchsorted(used, wave), rank, plan.seq, plan.start, plan.end)
+    builder.barriers = [int(np.searchsorted(used, b)) for b in plan.barriers]
+    builder.offload_where_needed()
+    builder.info = dict(plan.predicted)
+    return builder.build()
+
+
+def improve(
+    ctx: Context, plan: Plan, report: StepReport, moves: int
+) -> tuple[Plan, StepReport] | None:
+    """``plan`` after at most ``moves`` moves (module docstring) and its report, or ``None``
+    where none lowers the step the cost model predicts."""
     cells = Cells(ctx, plan, report)
     if ctx.sync == "wave":
         _wave_moves(cells, moves)
@@ -116,7 +123,8 @@ def improve(ctx: Context, plan: Plan, report: StepReport, moves: int) -> Plan | 
     if cells.moved == 0:
         return None
     moved = cells.plan_after()
-    return moved if ctx.cost.evaluate(moved).step_time_s < report.step_time_s else None
+    priced = ctx.cost.evaluate(moved)
+    return (moved, priced) if priced.step_time_s < report.step_time_s else None
 
 
 def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> None:
@@ -227,11 +235,13 @@ def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
             end += float(cells.busy[w, r])
 
 
-def exact_moves(ctx: Context, plan: Plan, report: StepReport, tries: int) -> Plan | None:
+def exact_moves(
+    ctx: Context, plan: Plan, report: StepReport, tries: int
+) -> tuple[Plan, StepReport] | None:
     """Whole sequences of the rank that finishes last, each tried in the same wave on every
     other rank with token room, then swapped with a shorter whole sequence of another rank in
     that wave; each trial priced by the cost model in full. The best trial is kept while the
-    step falls, at most ``tries`` trials (``None``: none helped)."""
+    step falls, at most ``tries`` trials; the plan and its report (``None``: none helped)."""
     best = None
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
     while tries > 0:
@@ -261,7 +271,7 @@ def exact_moves(ctx: Context, plan: Plan, report: StepReport, tries: int) -> Pla
         if found is None:
             return best
         _, plan, report = found
-        best = plan
+        best = (plan, report)
     return best
 
 
@@ -270,9 +280,4 @@ def _with_ranks(ctx: Context, plan: Plan, changes: list[tuple[int, int]]) -> Pla
     rank = plan.rank.copy()
     for k, r in changes:
         rank[k] = r
-    builder = PlanBuilder(ctx, plan.strategy)
-    builder.add(plan.wave, rank, plan.seq, plan.start, plan.end)
-    builder.barriers = list(plan.barriers)
-    builder.offload_where_needed()
-    builder.info = dict(plan.predicted)
-    return builder.build()
+    return rebuilt(ctx, plan, plan.wave, rank)

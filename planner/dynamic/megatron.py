@@ -133,9 +133,10 @@ def _moved(
     padding priced; and its step."""
     budget = Budget.for_step(options.plan_budget_s, step_s)
     moves = int(budget.left_s / budget.move_s(ctx, plan.num_waves))
-    moved = improve(ctx, plan, ctx.cost.evaluate(plan), moves) if moves else None
-    if moved is None:
+    improved = improve(ctx, plan, ctx.cost.evaluate(plan), moves) if moves else None
+    if improved is None:
         return plan, step_s
+    moved = improved[0]
     moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
     return (moved, moved_s) if moved_s < step_s else (plan, step_s)
 

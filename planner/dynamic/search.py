@@ -54,14 +54,13 @@ import numpy as np
 
 from hdp import Plan, StepReport, ulysses
 
-from ..common import Context, PlanBuilder, PlanningError
+from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
-from ..splits import head_split_times, split_times
 from . import milp
 from .budget import Budget
 from .candidates import Candidate, num_waves_for
-from .groups import group_counts, group_plan, group_splits
-from .local import exact_moves, improve
+from .groups import group_counts, group_plan, group_splits, most_members, split_busy
+from .local import exact_moves, improve, rebuilt
 from .megatron import plan_megatron_form
 from .mixed import mixed_group_plans
 from .options import DynamicOptions
@@ -87,9 +86,12 @@ class Search:
         close = self.step_s <= self.bound_s * (1 + self.options.gap)
         return close or (not gap_only and self.budget.left_s <= 0)
 
-    def consider(self, plan: Plan, cand: Candidate | None = None) -> bool:
-        """Keep ``plan`` where it is faster than the best so far; whether it was."""
-        report = self.ctx.cost.evaluate(plan)
+    def consider(
+        self, plan: Plan, cand: Candidate | None = None, report: StepReport | None = None
+    ) -> bool:
+        """Keep ``plan`` (priced in ``report``, or here) where it is faster than the best so
+        far; whether it was."""
+        report = report or self.ctx.cost.evaluate(plan)
         if report.step_time_s >= self.step_s:
             return False
         self.best = (plan, report, cand)
@@ -145,9 +147,11 @@ class Search:
         ctx, steps = self.ctx, 8
         lens = ctx.seq_lens[seqs]
         degrees = cand.degree[seqs][:, None] + np.arange(1, steps + 1)[None, :]
-        ok = (degrees <= ctx.num_ranks) & (degrees <= np.maximum(1, lens // 2)[:, None])
+        ok = (degrees <= most_members(ctx)) & (degrees <= np.maximum(1, lens // 2)[:, None])
         times = np.full(degrees.shape, np.inf)
-        times[ok] = split_busy(ctx, np.broadcast_to(lens[:, None], ok.shape)[ok], degrees[ok])
+        lengths, parts = np.broadcast_to(lens[:, None], ok.shape)[ok], degrees[ok]
+        aligns = [ctx.split(int(L), int(d)).align for L, d in zip(lengths, parts)]
+        times[ok] = split_busy(ctx, lengths, parts, np.asarray(aligns, dtype=np.int64))
         faster = times < cand.job_time[seqs][:, None] * (1 - 1e-9)
         has = faster.any(axis=1)
         if not has.any():
@@ -184,14 +188,14 @@ class Search:
         moves = max(1, int(share * self.budget.left_s / per_move))
         self.budget.spend(moves * per_move)
         moved = improve(self.ctx, plan, report, moves)
-        kept = moved is not None and self.consider(moved, cand)
+        kept = moved is not None and self.consider(moved[0], cand, moved[1])
         if self.ctx.sync == "peer" and not self.done():
             plan, report, cand = self.best
             per_try = self.budget.trial_s(plan.num_shards + self.ctx.num_ranks * plan.num_waves)
             tries = int(self.budget.left_s / per_try)
             self.budget.spend(tries * per_try)
             exact = exact_moves(self.ctx, plan, report, tries)
-            kept = (exact is not None and self.consider(exact, cand)) or kept
+            kept = (exact is not None and self.consider(exact[0], cand, exact[1])) or kept
         return kept
 
     def local_search(self) -> None:
@@ -244,25 +248,7 @@ def join_tails(ctx: Context, plan: Plan) -> Plan | None:
         return None
     wave = plan.wave.copy()
     wave[rows] = last_job[plan.rank[rows]]
-    used = np.unique(wave)
-    builder = PlanBuilder(ctx, plan.strategy)
-    builder.add(np.searchsorted(used, wave), plan.rank, plan.seq, plan.start, plan.end)
-    builder.offload_where_needed()
-    builder.info = dict(plan.predicted)
-    return builder.build()
-
-
-def split_busy(ctx: Context, lengths: np.ndarray, degrees: np.ndarray) -> np.ndarray:
-    """Busy time (s) of each sequence split over ``degrees`` ranks as hdp splits it (in
-    ``ulysses`` exchange by heads, up to one rank a head)."""
-    if ctx.cost.kv_exchange == "ulysses":
-        ok = degrees <= ulysses.most_members(ctx.cost.model, ctx.num_ranks)
-        times = np.full(degrees.size, np.inf)
-        if ok.any():
-            times[ok] = head_split_times(ctx.cost, lengths[ok], degrees[ok], ctx.sync)[0]
-        return times
-    aligns = [ctx.split(int(L), int(d)).align for L, d in zip(lengths, degrees)]
-    return split_times(ctx.cost, lengths, degrees, ctx.sync, np.asarray(aligns))[0]
+    return rebuilt(ctx, plan, wave, plan.rank)
 
 
 def check_fits(ctx: Context) -> None:
