@@ -137,3 +137,12 @@ def test_the_worked_example_of_the_note():
     assert held[:2].tolist() == [5, 3]
     assert all(np.unique(plan.wave[plan.rank == r]).size == 1 for r in range(8))
     assert plan.predicted["step_time_s"] < ctx.cost.evaluate(start).step_time_s
+
+
+def test_moves_keep_a_plans_barriers_between_waves_it_still_has():
+    """2 ranks, 64 tokens each, three tiny sequences in the Megatron form: its barrier-separated
+    groups put one after a barrier, and a move emptied every wave past it; the barrier then
+    named a wave the plan no longer had (plan_step validates the plan)."""
+    cluster, model = ClusterSpec.preset("h100", 2, 4), model_preset("llama-7b")
+    plan = plan_step([1, 2, 2], cluster, model, "hdp", capacity=64, form="megatron")
+    assert all(0 < b < plan.num_waves for b in plan.barriers)

@@ -100,11 +100,13 @@ class Cells:
 
 def rebuilt(ctx: Context, plan: Plan, wave: np.ndarray, rank: np.ndarray) -> Plan:
     """``plan`` with its shards in ``wave`` and on ``rank`` (waves that emptied dropped, its
-    barriers kept between the same work), offload where needed."""
+    barriers kept between the same work; one with no work left on a side of it is dropped),
+    offload where needed."""
     used = np.unique(wave)
     builder = PlanBuilder(ctx, plan.strategy)
     builder.add(np.searchsorted(used, wave), rank, plan.seq, plan.start, plan.end)
-    builder.barriers = [int(np.searchsorted(used, b)) for b in plan.barriers]
+    kept = {int(np.searchsorted(used, b)) for b in plan.barriers}
+    builder.barriers = sorted(b for b in kept if 0 < b < used.size)
     builder.offload_where_needed()
     builder.info = dict(plan.predicted)
     return builder.build()
