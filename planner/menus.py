@@ -24,6 +24,14 @@ the CPU profile more members save more work (Note [Splits that save work] in
 :mod:`hdp.planner.degrees`) and it may fall. In ``node`` exchange the heights of a long sequence
 fall up to the whole cluster; without this end its menu would price every degree up to it. (``rank``
 menus end where their heights stop falling, well before.)
+
+Note [Heights past a node]: a member's height is its share of the compute, falling as ``1 / d``,
+plus the K/V traffic its attention does not hide, which grows as the attention shrinks, plus a
+latency per partner, growing with ``d``: a convex curve once the job spans more than one node (the
+step where its traffic first crosses the NIC breaks it within one node). So a menu's coarse pass
+stops at two rises in a row past one node, and a 64K-token sequence that is fastest on 16 ranks is
+not priced on the 500 that could each hold a block of it. ``tests/test_menus.py`` checks the
+stopping point against pricing every coarse degree.
 """
 
 from __future__ import annotations
@@ -146,7 +154,7 @@ def _zigzag_menu(
     candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
     if candidates.size == 0:  # more ranks than the cluster has
         return price(candidates)
-    coarse = price(candidates, with_bounds=False)
+    coarse = _until_lowest(_coarse(cost, length, sync, candidates, floor_s))
     # (Where no 128-token split fits, the exact one may: price them all.)
     top, cut = widest, False
     if coarse.degrees.size:
@@ -211,6 +219,46 @@ def _priced(
             exact = times(cost, lengths, deg, sync, 1)
         h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
     return Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound))
+
+
+def _coarse(
+    cost: CostModel, length: int, sync: str, candidates: np.ndarray, floor_s: float
+) -> Menu:
+    """hdp's entries at the coarse ``candidates``, priced a stretch at a time (the first up to
+    two nodes, each next one to four times its last degree) until the heights reach the floor
+    or rise twice in a row past one node: from there on they only rise (Note [Heights past a
+    node]). A long sequence's menu ends far below the ranks that could hold a block each."""
+    rpn = cost.cluster.ranks_per_node
+    parts: list[Menu] = []
+    start, end = 0, int(np.searchsorted(candidates, 2 * rpn, side="right"))
+    while start < candidates.size:
+        end = max(end, start + 1)
+        parts.append(_priced(cost, length, sync, candidates[start:end], False, False))
+        deg = np.concatenate([p.degrees for p in parts])
+        height = np.concatenate([p.height for p in parts])
+        past = height[deg > rpn]
+        if (height <= floor_s).any() or (past.size >= 3 and past[-1] > past[-2] > past[-3]):
+            break
+        start, end = end, int(np.searchsorted(candidates, 4 * candidates[end - 1], side="right"))
+    return _merged(parts)
+
+
+def _merged(parts: list[Menu]) -> Menu:
+    """Menus of consecutive degrees as one (hdp's entries and the bound's alike)."""
+    if len(parts) == 1:
+        return parts[0]
+    return Menu(*(np.concatenate([getattr(p, f) for p in parts]) for f in _ENTRY_FIELDS))
+
+
+_ENTRY_FIELDS = (
+    "degrees",
+    "height",
+    "area",
+    "most_tokens",
+    "bound_degrees",
+    "bound_height",
+    "bound_area",
+)
 
 
 @lru_cache(maxsize=1024)
