@@ -54,7 +54,7 @@ import numpy as np
 
 from hdp import CostModel
 
-from .menus import Menu, length_menu, menu_floor
+from .menus import Menu, length_menus, menu_floor
 
 SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
 
@@ -154,9 +154,7 @@ def relaxation_bound(
         if cost.kv_exchange == "node"
         else 0.0
     )
-    menus = tuple(
-        length_menu(cost, int(lens[i]), sync, capacity, pow2, floor_s) for i in long_ids.tolist()
-    )
+    menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s)
     # Events: (height at which an option becomes allowed, the sequence, its area).
     ev_h, ev_seq, ev_area = [], [], []
     for j, mu in enumerate(menus):

@@ -89,7 +89,6 @@ class Menu:
     ulysses_area: np.ndarray = field(default_factory=lambda: _NONE)
 
 
-@lru_cache(maxsize=4096)
 def length_menu(
     cost: CostModel,
     length: int,
@@ -98,105 +97,207 @@ def length_menu(
     pow2: bool = False,
     floor_s: float = 0.0,
 ) -> Menu:
-    """Priced degree menu of one length (cached per cost model, so repeated lengths are free):
-    :func:`_zigzag_menu`, with the bound's :func:`ulysses_options` beside it. Megatron's form
-    (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
-    heads = cost.kv_exchange == "ulysses" and not pow2
-    menu = _zigzag_menu(cost, length, sync, capacity, pow2, floor_s, bounds=not heads)
-    if pow2:
-        return menu
-    if heads:  # hdp's head-parallel entries; the bound's are the P2P menu's
-        p2p = length_menu(cost.with_exchange("rank"), length, sync, capacity, pow2, floor_s)
-        return replace(
-            menu,
-            bound_degrees=p2p.bound_degrees,
-            bound_height=p2p.bound_height,
-            bound_area=p2p.bound_area,
-            tail_area=p2p.tail_area,
-            ulysses_height=p2p.ulysses_height,
-            ulysses_area=p2p.ulysses_area,
-        )
-    height, area = ulysses_options(cost, length, sync)
-    return replace(menu, ulysses_height=height, ulysses_area=area)
+    """Priced degree menu of one length: :func:`length_menus` of one."""
+    return length_menus(cost, [length], sync, capacity, pow2, floor_s)[0]
 
 
-def _zigzag_menu(
+_MENUS: dict[tuple, Menu] = {}
+_MOST_MENUS = 1 << 14  # cached menus kept, across cost models (a menu is a few hundred bytes)
+
+
+def length_menus(
     cost: CostModel,
-    length: int,
+    lengths: list[int],
+    sync: str,
+    capacity: int,
+    pow2: bool = False,
+    floor_s: float = 0.0,
+) -> tuple[Menu, ...]:
+    """Priced degree menus of ``lengths`` (cached per cost model, so repeated lengths are free;
+    the others are priced together, a numpy pass per stretch of degrees rather than per length):
+    :func:`_zigzag_menus`, with the bound's :func:`ulysses_options` beside them. Megatron's
+    form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
+    key = (cost, sync, capacity, pow2, floor_s)
+    todo = sorted({int(x) for x in lengths if (key, int(x)) not in _MENUS})
+    if todo:
+        if len(_MENUS) + len(todo) > _MOST_MENUS:
+            _MENUS.clear()
+        _MENUS.update(((key, x), mu) for x, mu in zip(todo, _new_menus(cost, todo, *key[1:])))
+    return tuple(_MENUS[key, int(x)] for x in lengths)
+
+
+def _new_menus(
+    cost: CostModel, lengths: list[int], sync: str, capacity: int, pow2: bool, floor_s: float
+) -> list[Menu]:
+    heads = cost.kv_exchange == "ulysses" and not pow2
+    menus = _zigzag_menus(cost, lengths, sync, capacity, pow2, floor_s, bounds=not heads)
+    if pow2:
+        return menus
+    if heads:  # hdp's head-parallel entries; the bound's are the P2P menus'
+        p2p = length_menus(cost.with_exchange("rank"), lengths, sync, capacity, pow2, floor_s)
+        return [
+            replace(
+                menu,
+                bound_degrees=p.bound_degrees,
+                bound_height=p.bound_height,
+                bound_area=p.bound_area,
+                tail_area=p.tail_area,
+                ulysses_height=p.ulysses_height,
+                ulysses_area=p.ulysses_area,
+            )
+            for menu, p in zip(menus, p2p)
+        ]
+    return [
+        replace(menu, ulysses_height=height, ulysses_area=area)
+        for menu, (height, area) in zip(menus, (ulysses_options(cost, x, sync) for x in lengths))
+    ]
+
+
+def _zigzag_menus(
+    cost: CostModel,
+    lengths: list[int],
     sync: str,
     capacity: int,
     pow2: bool = False,
     floor_s: float = 0.0,
     bounds: bool = True,
-) -> Menu:
-    """Priced degree menu of one length split in zigzag shares. Degrees above the one with the
+) -> list[Menu]:
+    """Priced degree menus of lengths split in zigzag shares. Degrees above the one with the
     smallest height are dropped: they are slower and larger. ``pow2``: powers of two only
     (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
-    the menu ends a little past the first degree no taller than it (Note [Menus end at the
+    a menu ends a little past the first degree no taller than it (Note [Menus end at the
     floor]). ``bounds`` False leaves the bound's entries unpriced: they repeat hdp's and bound
     nothing."""
     off_cap = cost.offload_capacity(sync)
     most_ranks = menu_pricing(cost, pow2)[1]
-
-    def price(deg: np.ndarray, with_bounds: bool = True) -> Menu:
-        return _until_lowest(_priced(cost, length, sync, deg, pow2, with_bounds))
-
     if pow2:
-        d_min = max(1, -(-length // max(capacity, 1)))
-        deg = 1 << np.arange(int(np.ceil(np.log2(d_min))), int(np.log2(cost.cluster.num_ranks)) + 1)
-        return price(deg.astype(np.int64))
+        top = int(np.log2(cost.cluster.num_ranks)) + 1
+        degrees = [
+            1 << np.arange(math.ceil(math.log2(max(1, -(-x // max(capacity, 1))))), top)
+            for x in lengths
+        ]
+        return [_until_lowest(mu) for mu in _priced_many(cost, lengths, degrees, sync, pow2, True)]
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
     # Members hold at least one block: fewer tokens per member would leave the exact splits of
     # other strategies faster than every degree priced, and the bound would not be one.
     # One degree beyond the fewest that hold it: blocks can leave the fewest a block over the
     # capacity (1793 tokens on 3 ranks of 640: 641 on one).
-    widest = min(most_ranks, max(1, length // BLOCK_TOKENS, -(-length // max(off_cap, 1)) + 1))
-    candidates = degree_menu(length, widest, off_cap, ratio=1.5, dense_up_to=4)
-    if candidates.size == 0:  # more ranks than the cluster has
-        return price(candidates)
-    coarse = _until_lowest(_coarse(cost, length, sync, candidates, floor_s))
-    # (Where no 128-token split fits, the exact one may: price them all.)
-    top, cut = widest, False
-    if coarse.degrees.size:
-        below = np.flatnonzero(coarse.height <= floor_s)
-        if below.size:  # the fine menu's first degree below the floor is at most this one
-            top = int(coarse.degrees[int(below[0])])
-            cut = top < widest
-        else:
-            top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
-    fine = degree_menu(length, min(widest, top), off_cap)
-    # Heights jump where a job crosses into one more node (more K/V over the NIC), so the fastest
-    # degree is often a whole number of nodes: add the node multiples around every fine degree.
-    # The sweep's virtual options assume heights between two entries lie above the lower one,
-    # which holds only with those multiples in the menu.
-    rpn = cost.cluster.ranks_per_node
-    nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
-    nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
-    menu_degrees = np.unique(np.concatenate([fine, nodes]))
-    past = candidates[candidates > top] if cut and bounds else candidates[:0]
-    # The first degree past the end is priced with the menu: most tail walks stop there.
-    priced = _priced(cost, length, sync, np.concatenate([menu_degrees, past[:1]]), pow2, bounds)
-    in_menu = slice(menu_degrees.size)
-    menu = _until_lowest(_entries(priced, in_menu, in_menu))
-    at_top = np.flatnonzero(menu.bound_degrees == top)
-    if past.size == 0 or at_top.size == 0:  # (past its lowest height a menu's area only grows)
-        return menu
-    first_past = (float(priced.bound_height[-1]), float(priced.bound_area[-1]))
-    walk = _TailWalk(cost, length, sync, pow2, first_past)
-    return replace(menu, tail_area=walk.least_area(float(menu.bound_area[at_top[0]]), past))
+    widest = [
+        min(most_ranks, max(1, x // BLOCK_TOKENS, -(-x // max(off_cap, 1)) + 1)) for x in lengths
+    ]
+    candidates = [
+        degree_menu(x, w, off_cap, ratio=1.5, dense_up_to=4) for x, w in zip(lengths, widest)
+    ]
+    coarse = _coarse(cost, lengths, sync, candidates, floor_s)
+    fine = [
+        _Fine.of(cost, *args, off_cap, floor_s, bounds)
+        for args in zip(lengths, widest, candidates, coarse)
+    ]
+    priced = _priced_many(cost, lengths, [f.priced for f in fine], sync, pow2, bounds)
+    return [f.menu(cost, x, sync, mu) for f, x, mu in zip(fine, lengths, priced)]
+
+
+class _Fine(NamedTuple):
+    """One length's fine menu: the degrees it prices, where the coarse pass put its end, and the
+    coarse degrees past a cut end (Note [Menus end at the floor])."""
+
+    degrees: np.ndarray  # the menu's own
+    top: int
+    past: np.ndarray
+
+    @property
+    def priced(self) -> np.ndarray:
+        """The degrees priced: the first past the end with the menu (most tail walks stop
+        there)."""
+        return np.concatenate([self.degrees, self.past[:1]])
+
+    @classmethod
+    def of(
+        cls,
+        cost: CostModel,
+        length: int,
+        widest: int,
+        candidates: np.ndarray,
+        coarse: Menu,
+        off_cap: int,
+        floor_s: float,
+        bounds: bool,
+    ) -> _Fine:
+        if candidates.size == 0:  # more ranks than the cluster has
+            return cls(candidates, widest, candidates)
+        # (Where no 128-token split fits, the exact one may: price them all.)
+        top, cut = widest, False
+        if coarse.degrees.size:
+            below = np.flatnonzero(coarse.height <= floor_s)
+            if below.size:  # the fine menu's first degree below the floor is at most this one
+                top = int(coarse.degrees[int(below[0])])
+                cut = top < widest
+            else:
+                top = int(coarse.degrees[int(np.argmin(coarse.height))] * 1.5) + 1
+        fine = degree_menu(length, min(widest, top), off_cap)
+        # Heights jump where a job crosses into one more node (more K/V over the NIC), so the
+        # fastest degree is often a whole number of nodes: add the node multiples around every
+        # fine degree. The sweep's virtual options assume heights between two entries lie above
+        # the lower one, which holds only with those multiples in the menu.
+        rpn = cost.cluster.ranks_per_node
+        nodes = np.concatenate([(fine // rpn) * rpn, -(-fine // rpn) * rpn])
+        nodes = nodes[(nodes >= fine[0]) & (nodes <= fine[-1]) & (nodes > 0)]
+        past = candidates[candidates > top] if cut and bounds else candidates[:0]
+        return cls(np.unique(np.concatenate([fine, nodes])), top, past)
+
+    def menu(self, cost: CostModel, length: int, sync: str, priced: Menu) -> Menu:
+        """The menu from the entries priced at :attr:`priced`."""
+        in_menu = slice(self.degrees.size)
+        menu = _until_lowest(_entries(priced, in_menu, in_menu))
+        at_top = np.flatnonzero(menu.bound_degrees == self.top)
+        if self.past.size == 0 or at_top.size == 0:  # (past its lowest height areas only grow)
+            return menu
+        first_past = (float(priced.bound_height[-1]), float(priced.bound_area[-1]))
+        walk = _TailWalk(cost, length, sync, False, first_past)
+        end_area = float(menu.bound_area[at_top[0]])
+        return replace(menu, tail_area=walk.least_area(end_area, self.past))
+
+
+def _priced_many(
+    cost: CostModel,
+    lengths: list[int],
+    degrees: list[np.ndarray],
+    sync: str,
+    pow2: bool,
+    with_bounds: bool,
+) -> list[Menu]:
+    """:func:`_priced` of each length at its degrees, a pass per run of lengths whose jobs have
+    about :data:`_PASS_MEMBERS` members in all: numpy's overhead per call is paid once a run,
+    and a run's arrays stay in the CPU's cache."""
+    members = np.cumsum([int(d.sum()) for d in degrees])
+    runs = np.searchsorted(members, np.arange(1, 1 + members[-1] // _PASS_MEMBERS) * _PASS_MEMBERS)
+    out: list[Menu] = []
+    for lo, hi in zip([0, *(runs + 1).tolist()], [*(runs + 1).tolist(), len(lengths)]):
+        if hi <= lo:
+            continue
+        sizes = [d.size for d in degrees[lo:hi]]
+        flat_len = np.repeat(np.asarray(lengths[lo:hi], dtype=np.int64), sizes)
+        mu = _priced(cost, flat_len, sync, np.concatenate(degrees[lo:hi]), pow2, with_bounds)
+        cuts = np.cumsum(sizes)[:-1]
+        out.extend(Menu(*x) for x in zip(*(np.split(getattr(mu, f), cuts) for f in _ENTRY_FIELDS)))
+    return out
+
+
+_PASS_MEMBERS = 1 << 13
 
 
 def _priced(
-    cost: CostModel, length: int, sync: str, deg: np.ndarray, pow2: bool, with_bounds: bool
+    cost: CostModel, length, sync: str, deg: np.ndarray, pow2: bool, with_bounds: bool
 ) -> Menu:
-    """The menu of ``length`` at degrees ``deg`` (every one, infeasible ones too);
-    ``with_bounds`` False leaves the bound's entries unpriced (they repeat hdp's and bound
-    nothing). Megatron (``pow2``) splits into
-    exact shares; hdp by :func:`hdp.planner.common.use_blocks`, priced here in blocks first and
-    exactly where the blocks leave a member over the offload capacity."""
+    """The menu of ``length`` (one, or one per degree) at degrees ``deg`` (every one,
+    infeasible ones too); ``with_bounds`` False leaves the bound's entries unpriced (they repeat
+    hdp's and bound nothing). Megatron (``pow2``) splits into exact shares; hdp by
+    :func:`hdp.planner.common.use_blocks`, priced here in blocks first and exactly where the
+    blocks leave a member over the offload capacity."""
     times, _, in_blocks = menu_pricing(cost, pow2)
-    k, lengths = deg.size, np.full(deg.size, length)
-    blocked = blocks_fit(length, deg) & in_blocks
+    deg = np.asarray(deg, dtype=np.int64)
+    k, lengths = deg.size, np.broadcast_to(np.asarray(length, dtype=np.int64), deg.shape)
+    blocked = blocks_fit(lengths, deg) & in_blocks
     if not blocked.any():  # one split; the bound's entries price it by bytes alone
         if not (with_bounds and times is split_times):
             h, a, most = times(cost, lengths, deg, sync, 1)
@@ -208,12 +309,14 @@ def _priced(
     if with_bounds:  # hdp's entries and the bound's from one pass over both splits
         # Each degree twice in one call: split by ``align``, then exactly.
         parts, aligns = np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
-        timed, by_bytes = split_times_both(cost, np.full(2 * k, length), parts, sync, aligns)
+        timed, by_bytes = split_times_both(
+            cost, np.concatenate([lengths, lengths]), parts, sync, aligns
+        )
         (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
         bound = [np.fmin(x[:k], x[k:]) for x in by_bytes[:2]]
     else:
         h, a, most = times(cost, lengths, deg, sync, align)
-    over = blocked & ~use_blocks(length, deg, most, cost.offload_capacity(sync))
+    over = blocked & ~use_blocks(lengths, deg, most, cost.offload_capacity(sync))
     if over.any():
         if exact is None:
             exact = times(cost, lengths, deg, sync, 1)
@@ -222,25 +325,44 @@ def _priced(
 
 
 def _coarse(
-    cost: CostModel, length: int, sync: str, candidates: np.ndarray, floor_s: float
-) -> Menu:
-    """hdp's entries at the coarse ``candidates``, priced a stretch at a time (the first up to
-    two nodes, each next one to four times its last degree) until the heights reach the floor
-    or rise twice in a row past one node: from there on they only rise (Note [Heights past a
-    node]). A long sequence's menu ends far below the ranks that could hold a block each."""
+    cost: CostModel,
+    lengths: list[int],
+    sync: str,
+    candidates: list[np.ndarray],
+    floor_s: float,
+) -> list[Menu]:
+    """hdp's entries at each length's coarse ``candidates``, priced a stretch at a time (the
+    first up to two nodes, each next one to four times its last degree; all lengths' stretches
+    in one pass) until its heights reach the floor or rise for good past one node
+    (:func:`_coarse_done`). A long sequence's menu ends far below the ranks that could hold a
+    block each."""
     rpn = cost.cluster.ranks_per_node
-    parts: list[Menu] = []
-    start, end = 0, int(np.searchsorted(candidates, 2 * rpn, side="right"))
-    while start < candidates.size:
-        end = max(end, start + 1)
-        parts.append(_priced(cost, length, sync, candidates[start:end], False, False))
-        deg = np.concatenate([p.degrees for p in parts])
-        height = np.concatenate([p.height for p in parts])
-        past = height[deg > rpn]
-        if (height <= floor_s).any() or (past.size >= 3 and past[-1] > past[-2] > past[-3]):
-            break
-        start, end = end, int(np.searchsorted(candidates, 4 * candidates[end - 1], side="right"))
-    return _merged(parts)
+    parts: list[list[Menu]] = [[] for _ in lengths]
+    start = [0] * len(lengths)
+    end = [max(1, int(np.searchsorted(c, 2 * rpn, side="right"))) for c in candidates]
+    live = [i for i, c in enumerate(candidates) if c.size]
+    while live:
+        stretches = [candidates[i][start[i] : end[i]] for i in live]
+        priced = _priced_many(cost, [lengths[i] for i in live], stretches, sync, False, False)
+        going = []
+        for i, mu in zip(live, priced):
+            parts[i].append(mu)
+            seen = _merged(parts[i])
+            c = candidates[i]
+            if end[i] < c.size and not _coarse_done(seen.degrees, seen.height, rpn, floor_s):
+                start[i] = end[i]
+                end[i] = max(end[i] + 1, int(np.searchsorted(c, 4 * c[end[i] - 1], side="right")))
+                going.append(i)
+        live = going
+    return [_until_lowest(_merged(p)) if p else _EMPTY for p in parts]
+
+
+def _coarse_done(degrees: np.ndarray, height: np.ndarray, rpn: int, floor_s: float) -> bool:
+    """Whether a coarse pass priced at ``degrees`` so far may stop: its heights reached the floor
+    or rose twice in a row past one node, from where they only rise (Note [Heights past a
+    node])."""
+    past = height[degrees > rpn]
+    return bool((height <= floor_s).any()) or (past.size >= 3 and past[-1] > past[-2] > past[-3])
 
 
 def _merged(parts: list[Menu]) -> Menu:
@@ -259,13 +381,14 @@ _ENTRY_FIELDS = (
     "bound_height",
     "bound_area",
 )
+_EMPTY = Menu(*(np.zeros(0, dtype=np.int64),) * 7)
 
 
 @lru_cache(maxsize=1024)
 def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
     """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
     length), without pricing the bound's entries."""
-    heights = _zigzag_menu(cost, length, sync, capacity, bounds=False).height
+    heights = _zigzag_menus(cost, [length], sync, capacity, bounds=False)[0].height
     return float(heights.min()) if heights.size else math.inf
 
 

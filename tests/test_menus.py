@@ -1,5 +1,6 @@
 """Degree menus: the coarse pass that stops where heights rise for good (Note [Heights past a
-node] in :mod:`hdp.planner.menus`) gives the menus that pricing every coarse degree gives."""
+node] in :mod:`hdp.planner.menus`), over many lengths at once, gives the menus that pricing every
+coarse degree of one length at a time gives."""
 
 from __future__ import annotations
 
@@ -10,10 +11,6 @@ import pytest
 
 from hdp import ClusterSpec, CostModel, model_preset
 from hdp.planner import menus
-
-
-def _every_coarse_degree(cost, length, sync, candidates, floor_s):
-    return menus._priced(cost, length, sync, candidates, False, False)
 
 
 @pytest.mark.parametrize(
@@ -29,14 +26,16 @@ def test_menus_match_pricing_every_coarse_degree(monkeypatch, profile, exchange)
             model_preset(model), ClusterSpec.preset(profile, ranks), kv_exchange=exchange
         )
         cap = cost.capacity(sync)
-        lengths = np.exp(rng.uniform(np.log(4_000), np.log(2_000_000), 3)).astype(int)
-        for length, floor_s in itertools.product(lengths.tolist(), [0.0, 1.0]):
-            got = menus.length_menu.__wrapped__(cost, length, sync, cap, False, floor_s)
-            with monkeypatch.context() as m:
-                m.setattr(menus, "_coarse", _every_coarse_degree)
-                want = menus.length_menu.__wrapped__(cost, length, sync, cap, False, floor_s)
-            for name in menus.Menu.__dataclass_fields__:
-                assert np.array_equal(getattr(got, name), getattr(want, name)), (
-                    f"{model} on {ranks} {profile} ranks, {exchange} exchange, {sync} sync: "
-                    f"a {length}-token menu's {name} differs"
-                )
+        lengths = np.exp(rng.uniform(np.log(4_000), np.log(2_000_000), 4)).astype(int).tolist()
+        for floor_s in [0.0, 1.0]:
+            got = menus._new_menus(cost, lengths, sync, cap, False, floor_s)  # all at once
+            for length, menu in zip(lengths, got):
+                with monkeypatch.context() as m:
+                    m.setattr(menus, "_coarse_done", lambda *args: False)
+                    m.setattr(menus, "_MENUS", {})
+                    want = menus._new_menus(cost, [length], sync, cap, False, floor_s)[0]
+                for name in menus.Menu.__dataclass_fields__:
+                    assert np.array_equal(getattr(menu, name), getattr(want, name)), (
+                        f"{model} on {ranks} {profile} ranks, {exchange} exchange, {sync} sync: "
+                        f"a {length}-token menu's {name} differs"
+                    )
