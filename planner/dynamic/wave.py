@@ -9,6 +9,7 @@ not wait for the busiest one to start.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,13 +39,13 @@ class JobLayer:
 @dataclass(frozen=True)
 class CellChoice:
     """Where a whole sequence goes: the raise of its wave's height (s), the cell's load after
-    it (s), the wave, and the rank of a cell that offloads (``None``: the least-loaded cell
-    of the wave with token room)."""
+    it (s), the wave and the rank, and whether the cell offloads to take it."""
 
     raise_s: float
     new_load: float
     wave: int
-    offload_rank: int | None = None
+    rank: int
+    offloads: bool = False
 
 
 def place_wave(
@@ -120,8 +121,10 @@ def _best_wave(
 
 
 class _Cells:
-    """The cells of a :class:`JobLayer` as whole sequences fill them: each wave's height, a heap
-    of its cells by load (entries go stale as loads change), and its most free tokens."""
+    """The cells of a :class:`JobLayer` as whole sequences fill them: each wave's height, its
+    most free tokens, and two heaps of its cells: by load those that had room for the last
+    sequence asked about, by free tokens (most first) those that had not. Entries go stale as
+    cells fill; a stale one is dropped or moved where it is found."""
 
     def __init__(self, ctx: Context, layer: JobLayer) -> None:
         self.ctx, self.layer, self.cap = ctx, layer, ctx.capacity
@@ -132,26 +135,29 @@ class _Cells:
         ]
         for h in self.heaps:
             heapq.heapify(h)
+        self.full: list[list[tuple[int, int]]] = [[] for _ in range(len(load))]
         self.room_max = [int(self.cap - tokens[w].min()) for w in range(len(tokens))]
         self.new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()
 
-    def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> float:
-        """Load of wave ``w``'s least-loaded cell with room for ``L`` tokens: the heap's top
-        unless it is full; after a few full ones, a scan of the wave (``load``, ``tokens``: the
-        layer's cell arrays, passed in by the hot loop)."""
-        h, cap = self.heaps[w], self.cap
-        skipped = []
-        while (
-            h and (h[0][0] != load[w, h[0][1]] or tokens[w, h[0][1]] + L > cap) and len(skipped) < 8
-        ):
-            item = heapq.heappop(h)
-            if item[0] == load[w, item[1]]:  # not stale: full for this sequence only
-                skipped.append(item)
-        for item in skipped:
-            heapq.heappush(h, item)
-        if h and h[0][0] == load[w, h[0][1]] and tokens[w, h[0][1]] + L <= cap:
-            return h[0][0]
-        return float(np.where(tokens[w] + L <= cap, load[w], np.inf).min())
+    def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> tuple:
+        """(load, rank) of wave ``w``'s least-loaded cell with room for ``L`` tokens, the first
+        rank of ties (``load``, ``tokens``: the layer's cell arrays, passed in by the hot loop).
+        Cells with room for ``L`` come back from the free-token heap first, so the load heap's
+        first fresh entry with room is the answer."""
+        h, full, cap = self.heaps[w], self.full[w], self.cap
+        while full and -full[0][0] >= L:  # (recorded free tokens may be stale: more than now)
+            r = heapq.heappop(full)[1]
+            heapq.heappush(h, (float(load[w, r]), r))
+        while h:
+            least, r = h[0]
+            if least != load[w, r]:  # stale: the cell's fresh entry is deeper
+                heapq.heappop(h)
+            elif tokens[w, r] + L > cap:
+                heapq.heappop(h)
+                heapq.heappush(full, (int(tokens[w, r]) - cap, r))
+            else:
+                return h[0]
+        return math.inf, -1
 
     def choose(self, L: int, t: float) -> CellChoice | None:
         """The cell that raises its wave least (then the least loaded), with offload where that
@@ -166,16 +172,19 @@ class _Cells:
         for w in range(len(heights)):
             if room_max[w] < L:
                 continue
-            new_load = self.least_load(w, L, load, tokens) + t
-            score = (max(0.0, new_load - heights[w]), new_load, w)
+            least, r = self.least_load(w, L, load, tokens)
+            if r < 0:
+                continue
+            new_load = least + t
+            score = (max(0.0, new_load - heights[w]), new_load, w, r)
             if best is None or score[:2] < best[:2]:
                 best = score
         best = CellChoice(*best) if best is not None else None
-        off_cap = self.ctx.offload_capacity
-        if (best is None or best.raise_s > 0) and off_cap > self.cap:
+        if (best is None or best.raise_s > 0) and self.ctx.offload_capacity > self.cap:
             # Every cell with room raises its wave (or none has room): a cell that offloads part
             # of its activations may raise it less.
-            off = offloaded_cell(self.ctx, self.layer, self.heights, L, t)
+            beat_s = math.inf if best is None else best.raise_s
+            off = offloaded_cell(self.ctx, self.layer, self.heights, L, t, beat_s)
             if off is not None and (best is None or off.raise_s < best.raise_s):
                 best = off
         if best is not None and best.raise_s >= self.new_wave_s + t:  # a wave of its own is cheaper
@@ -186,19 +195,18 @@ class _Cells:
         self.layer.add_wave()
         self.heights.append(0.0)
         self.heaps.append([(0.0, r) for r in range(self.ctx.num_ranks)])
+        self.full.append([])
         self.room_max.append(self.cap)
-        return CellChoice(t, t, len(self.heights) - 1)
+        return CellChoice(t, t, len(self.heights) - 1, 0)
 
     def put(self, choice: CellChoice, L: int, t: float) -> int:
         """Add a sequence of ``L`` tokens and ``t`` seconds where ``choice`` says; its rank."""
-        tokens, load, w = self.layer.tokens, self.layer.load, choice.wave
-        if choice.offload_rank is not None:
-            r = choice.offload_rank
-        else:
-            r = int(np.argmin(np.where(tokens[w] + L <= self.cap, load[w], np.inf)))
+        tokens, load, w, r = self.layer.tokens, self.layer.load, choice.wave, choice.rank
+        emptiest = tokens[w, r] == self.cap - self.room_max[w]
         tokens[w, r] += L
-        self.room_max[w] = int(self.cap - tokens[w].min())
-        load[w, r] += t if choice.offload_rank is None else choice.new_load - load[w, r]
+        if emptiest:  # (the most free tokens change only where the emptiest cell fills)
+            self.room_max[w] = int(self.cap - tokens[w].min())
+        load[w, r] += choice.new_load - load[w, r] if choice.offloads else t
         self.heights[w] = max(self.heights[w], float(load[w, r]))
         heapq.heappush(self.heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         return r
@@ -233,16 +241,22 @@ def loads_with(ctx: Context, tokens: np.ndarray, load: np.ndarray, L: int, t: fl
 
 
 def offloaded_cell(
-    ctx: Context, layer: JobLayer, heights: list[float], L: int, t: float
+    ctx: Context, layer: JobLayer, heights: list[float], L: int, t: float, beat_s: float
 ) -> CellChoice | None:
-    """The cell that raises its wave least (then the least loaded) when it takes a sequence of
-    ``L`` tokens and ``t`` seconds beyond the capacity (:func:`loads_with`); ``None`` if no cell
-    has room even with offload."""
-    new_load = loads_with(ctx, layer.tokens, layer.load, L, t)
-    if not np.isfinite(new_load).any():
+    """The cell that raises its wave least (then the least loaded, then the first) when it
+    takes a sequence of ``L`` tokens and ``t`` seconds beyond the capacity
+    (:func:`loads_with`), among those whose load alone would raise it by less than ``beat_s``
+    (offload only adds to it); ``None`` if none of them has room even with offload."""
+    load, tokens, waves = layer.load, layer.tokens, np.asarray(heights)
+    ranks = load.shape[1]
+    maybe = np.flatnonzero(
+        ((load + t - waves[:, None]) < beat_s) & (tokens + L <= ctx.offload_capacity)
+    )
+    if maybe.size == 0:
         return None
-    raise_by = np.maximum(0.0, new_load - np.asarray(heights)[:, None])
+    new_load = loads_with(ctx, tokens.flat[maybe], load.flat[maybe], L, t)
+    raise_by = np.maximum(0.0, new_load - waves[maybe // ranks])
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
-    best = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
-    w, r = np.unravel_index(best, raise_by.shape)
-    return CellChoice(float(raise_by[w, r]), float(new_load[w, r]), int(w), int(r))
+    k = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
+    w, r = divmod(int(maybe[k]), ranks)
+    return CellChoice(float(raise_by[k]), float(new_load[k]), w, r, True)
