@@ -55,7 +55,8 @@ def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
     ctx = _context(lens, n, cap, sync)
     plan = _rounding(ctx)
     report = ctx.cost.evaluate(plan)
-    improved = improve(ctx, plan, report, moves=1000)
+    improved, searched = improve(ctx, plan, report, moves=1000)
+    assert searched <= 1000
     if improved is not None:
         moved = improved[0]
         check_plan(moved, lens, n, cap)

@@ -48,10 +48,11 @@ class Cells:
         rows = self.row[self.row >= 0]
         return self.plan.seq[rows[(self.wave[rows] == w) & (self.rank[rows] == r)]]
 
-    def compute_with(self, tokens: np.ndarray, compute: np.ndarray, seq: int, sign: int):
+    def compute_with(self, tokens: np.ndarray, compute: np.ndarray, seq, sign: int):
         """Compute (s) of cells of ``tokens`` and ``compute`` once sequence ``seq`` joins
-        (``sign`` 1) or leaves (-1) each; an emptied cell costs nothing."""
-        cost, L = self.ctx.cost, int(self.ctx.seq_lens[seq])
+        (``sign`` 1) or leaves (-1) each; an emptied cell costs nothing. ``seq`` may be an
+        array that broadcasts against the cells."""
+        cost, L = self.ctx.cost, self.ctx.seq_lens[seq]
         after = tokens + sign * L
         dense = np.where(after > 0, cost.dense_time(np.maximum(after, 1)), 0.0)
         dense_before = np.where(tokens > 0, cost.dense_time(np.maximum(tokens, 1)), 0.0)
@@ -68,11 +69,12 @@ class Cells:
         exposed = np.maximum(0.0, cost.offload_time(tokens, need) - compute)
         return np.where(fits, exposed, np.inf)
 
-    def busy_with(self, tokens, compute, busy, seq: int, sign: int) -> np.ndarray:
+    def busy_with(self, tokens, compute, busy, seq, sign: int) -> np.ndarray:
         """Busy time (s) of cells (``tokens``, ``compute``, ``busy``) once sequence ``seq``
-        joins (``sign`` 1) or leaves (-1) each, its compute and exposed host copy changed."""
+        joins (``sign`` 1) or leaves (-1) each, its compute and exposed host copy changed
+        (``seq`` as in :meth:`compute_with`)."""
         after = self.compute_with(tokens, compute, seq, sign)
-        L = sign * int(self.ctx.seq_lens[seq])
+        L = sign * self.ctx.seq_lens[seq]
         copy = self.offload_s(tokens + L, after) - self.offload_s(tokens, compute)
         return np.where(tokens + L > 0, busy + after - compute + copy, 0.0)
 
@@ -114,30 +116,30 @@ def rebuilt(ctx: Context, plan: Plan, wave: np.ndarray, rank: np.ndarray) -> Pla
 
 def improve(
     ctx: Context, plan: Plan, report: StepReport, moves: int
-) -> tuple[Plan, StepReport] | None:
-    """``plan`` after at most ``moves`` moves (module docstring) and its report, or ``None``
-    where none lowers the step the cost model predicts."""
+) -> tuple[tuple[Plan, StepReport] | None, int]:
+    """``plan`` after at most ``moves`` searches for a move (module docstring) and its report,
+    or ``None`` where none lowers the step the cost model predicts; and the searches made."""
     cells = Cells(ctx, plan, report)
-    if ctx.sync == "wave":
-        _wave_moves(cells, moves)
-    else:
-        _peer_moves(cells, moves)
+    searched = (_wave_moves if ctx.sync == "wave" else _peer_moves)(cells, moves)
     if cells.moved == 0:
-        return None
+        return None, searched
     moved = cells.plan_after()
     priced = ctx.cost.evaluate(moved)
-    return (moved, priced) if priced.step_time_s < report.step_time_s else None
+    return ((moved, priced) if priced.step_time_s < report.step_time_s else None), searched
 
 
-def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> None:
+def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> int:
     """``wave`` sync: a sequence leaves a wave's slowest cell for the cell where it ends
     soonest (offloading there where it must) without raising that cell's wave, while both
     cells then end before the slowest one did; each wave in turn, until none of its slowest
-    cell's sequences can move. Targets are each wave's ``targets`` least busy cells."""
+    cell's sequences can move. Targets are each wave's ``targets`` least busy cells. Returns
+    the searches made, at most ``moves``."""
     waves, n = cells.busy.shape
     k = min(targets, n)
+    searched = 0
     for w in range(waves):
-        while moves > 0:
+        while searched < moves:
+            searched += 1
             r = int(np.argmax(cells.busy[w]))
             top = float(cells.busy[w, r])
             heights = cells.busy.max(axis=1)
@@ -148,28 +150,27 @@ def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> None:
             tokens, compute, busy = (
                 a[rows, cols] for a in (cells.tokens, cells.compute, cells.busy)
             )
-            best = None  # (the later of the two cells' ends, sequence, wave, rank)
-            for seq in cells.held(w, r).tolist():
-                left = cells.busy_with(cells.tokens[w, r], cells.compute[w, r], top, seq, -1)
-                after = cells.busy_with(tokens, compute, busy, seq, 1)
-                after[(rows == w) & (cols == r)] = np.inf
-                after[after > heights[rows]] = np.inf
-                t = int(np.argmin(after))
-                tw, tr = int(rows[t]), int(cols[t])
-                end = max(float(left), float(after[t]) if tw == w else 0.0)
-                if np.isfinite(after[t]) and end < top * (1 - 1e-9):
-                    if best is None or end < best[0]:
-                        best = (end, seq, tw, tr)
-            if best is None:
+            # Every sequence of the slowest cell against every target at once: (seq, target).
+            held = cells.held(w, r)
+            left = cells.busy_with(cells.tokens[w, r], cells.compute[w, r], top, held, -1)
+            after = cells.busy_with(tokens, compute, busy, held[:, None], 1)
+            after[:, (rows == w) & (cols == r)] = np.inf
+            after[after > heights[rows]] = np.inf
+            t = np.argmin(after, axis=1)
+            best_after = after[np.arange(held.size), t]
+            end = np.maximum(left, np.where(rows[t] == w, best_after, 0.0))
+            end[~np.isfinite(best_after) | (end >= top * (1 - 1e-9))] = np.inf
+            if not np.isfinite(end).any():
                 break
-            cells.move(best[1], best[2], best[3])
-            moves -= 1
+            i = int(np.argmin(end))  # (the first of ties, as held lists them)
+            cells.move(int(held[i]), int(rows[t[i]]), int(cols[t[i]]))
+    return searched
 
 
-def _peer_moves(cells: Cells, moves: int) -> None:
+def _peer_moves(cells: Cells, moves: int) -> int:
     """``peer`` sync: a sequence leaves the tail of the rank that finishes last for the tail of
     the rank where it ends earliest, joining a tail cell with room or opening one, while that
-    finishes before the old last rank did."""
+    finishes before the old last rank did. Returns the searches made, at most ``moves``."""
     ctx, cap = cells.ctx, cells.ctx.capacity
     plan = cells.plan
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
@@ -177,12 +178,14 @@ def _peer_moves(cells: Cells, moves: int) -> None:
     last_job = np.full(plan.num_ranks, -1, dtype=np.int64)
     np.maximum.at(last_job, plan.rank[in_job], plan.wave[in_job])
     tried: set[int] = set()  # ranks whose tail has no move that helps
-    while moves > 0:
+    searched = 0
+    while searched < moves:
         finish = (cells.start + cells.busy).max(axis=0)
         finish = np.where((cells.busy > 0).any(axis=0), finish, 0.0)
         r = int(np.argmax(finish))
         if r in tried:
-            return
+            break
+        searched += 1
         tail = cells.busy.shape[0]
         best = None  # (new finish of the pair, sequence, wave, rank)
         for w in range(int(last_job[r]) + 1, tail):
@@ -198,7 +201,7 @@ def _peer_moves(cells: Cells, moves: int) -> None:
         _restart_tail(cells, r, int(last_job[r]))
         _restart_tail(cells, tr, int(last_job[tr]))
         tried.clear()
-        moves -= 1
+    return searched
 
 
 def _best_target(cells, seq, w, r, finish, last_job, cap, best):
@@ -239,12 +242,13 @@ def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
 
 def exact_moves(
     ctx: Context, plan: Plan, report: StepReport, tries: int
-) -> tuple[Plan, StepReport] | None:
+) -> tuple[tuple[Plan, StepReport] | None, int]:
     """Whole sequences of the rank that finishes last, each tried in the same wave on every
     other rank with token room, then swapped with a shorter whole sequence of another rank in
     that wave; each trial priced by the cost model in full. The best trial is kept while the
-    step falls, at most ``tries`` trials; the plan and its report (``None``: none helped)."""
-    best = None
+    step falls, at most ``tries`` trials; the plan and its report (``None``: none helped), and
+    the trials made."""
+    best, budget = None, tries
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
     while tries > 0:
         busy = report.busy_s
@@ -271,10 +275,10 @@ def exact_moves(
                 if priced.step_time_s < (found[0] if found else report.step_time_s):
                     found = (priced.step_time_s, candidate, priced)
         if found is None:
-            return best
+            break
         _, plan, report = found
         best = (plan, report)
-    return best
+    return best, budget - tries
 
 
 def _with_ranks(ctx: Context, plan: Plan, changes: list[tuple[int, int]]) -> Plan:

@@ -133,7 +133,7 @@ def _moved(
     padding priced; and its step."""
     budget = Budget.for_step(options.plan_budget_s, step_s)
     moves = int(budget.left_s / budget.move_s(ctx, plan.num_waves))
-    improved = improve(ctx, plan, ctx.cost.evaluate(plan), moves) if moves else None
+    improved = improve(ctx, plan, ctx.cost.evaluate(plan), moves)[0] if moves else None
     if improved is None:
         return plan, step_s
     moved = improved[0]

@@ -103,10 +103,8 @@ class Search:
         neither checked nor charged; the first sets the default budget
         (:class:`DynamicOptions`)."""
         first = self.best is None
-        split = cand.degree > 1
         if not free:
-            jobs, shards = int(split.sum()), int(cand.degree[split].sum())
-            cost_s = self.budget.placement_s(self.ctx, jobs, shards)
+            cost_s = self.placement_s(cand)
             if not self.budget.affords(cost_s, seed):
                 return False
             self.budget.spend(cost_s)
@@ -114,6 +112,12 @@ class Search:
         if first and self.options.plan_budget_s is None:
             self.budget = Budget.for_step(None, self.step_s)
         return kept
+
+    def placement_s(self, cand: Candidate) -> float:
+        """The budget's estimate of placing ``cand``."""
+        split = cand.degree > 1
+        jobs, shards = int(split.sum()), int(cand.degree[split].sum())
+        return self.budget.placement_s(self.ctx, jobs, shards)
 
     def solve_milp(self, warm: Candidate) -> dict[str, float]:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
@@ -134,7 +138,7 @@ class Search:
         """Step every sequence as tall as the one that sets the step (within 2% of its busy
         time) up its menu and place again (Note [One search]); whether that was faster."""
         plan, report, cand = self.best
-        if cand is None:
+        if cand is None or not self.budget.affords(self.placement_s(cand)):
             return False
         seq = critical_sequence(self.ctx, plan, report)
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
@@ -185,16 +189,16 @@ class Search:
         plan, report, cand = self.best
         share = 0.5 if self.ctx.sync == "peer" else 1.0
         per_move = self.budget.move_s(self.ctx, plan.num_waves)
-        moves = max(1, int(share * self.budget.left_s / per_move))
-        self.budget.spend(moves * per_move)
-        moved = improve(self.ctx, plan, report, moves)
+        moved, searched = improve(
+            self.ctx, plan, report, max(1, int(share * self.budget.left_s / per_move))
+        )
+        self.budget.spend(searched * per_move)
         kept = moved is not None and self.consider(moved[0], cand, moved[1])
         if self.ctx.sync == "peer" and not self.done():
             plan, report, cand = self.best
             per_try = self.budget.trial_s(plan.num_shards + self.ctx.num_ranks * plan.num_waves)
-            tries = int(self.budget.left_s / per_try)
-            self.budget.spend(tries * per_try)
-            exact = exact_moves(self.ctx, plan, report, tries)
+            exact, tried = exact_moves(self.ctx, plan, report, int(self.budget.left_s / per_try))
+            self.budget.spend(tried * per_try)
             kept = (exact is not None and self.consider(exact[0], cand, exact[1])) or kept
         return kept
 
@@ -293,10 +297,11 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     )
     search = Search(ctx, options, rel, bound_s)
     rounded = roundings(ctx, rel)
-    for cand in rounded:
+    for k, cand in enumerate(rounded):
         if search.best is not None and search.done(gap_only=True):
             break
-        search.place(cand, free=True)
+        if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
+            search.place(cand, free=True)
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
     for make, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)
