@@ -17,9 +17,6 @@ import numpy as np
 from ..common import Context
 from .candidates import Assignment, Candidate, pick_members
 
-# Up to this many waves a multi-rank job tries each; past it, in the order of a bound.
-FEW_WAVES = 4
-
 
 @dataclass
 class JobLayer:
@@ -89,20 +86,18 @@ def _best_wave(
 ) -> tuple[tuple[float, float], int, np.ndarray] | None:
     """((raise s, height s), wave, members): the wave (row of ``load``) where a job of ``d``
     ranks and ``t`` s raises the height least (then the lowest height, then the lowest wave), on
-    :func:`pick_members`' ranks among those with ``room``; ``None`` where none takes it. Past
-    ``FEW_WAVES`` waves the ``d``-th least load with room bounds a wave's raise from below, so
-    waves go in the order of that bound and the search stops where the bound cannot win."""
+    :func:`pick_members`' ranks among those with ``room``; ``None`` where none takes it. The
+    ``d``-th least load with room bounds a wave's raise from below, so waves go in the order of
+    that bound and the search stops where the bound cannot win."""
     heights = load.max(axis=1, initial=0.0)
-    order: list[int] = list(range(heights.size))
     least = np.zeros((heights.size, 2))  # per wave: (raise, height) at least
-    if heights.size > FEW_WAVES:
-        kth = np.partition(np.where(room, load, np.inf), d - 1, axis=1)[:, d - 1]
-        least[:, 0], least[:, 1] = np.maximum(0.0, kth + t - heights), heights
-        hopeless = ~np.isfinite(kth)
-        if stack_share is not None:  # (its raise is at least the bound)
-            hopeless |= (heights > 0) & (least[:, 0] > stack_share * t)
-        ranked = np.lexsort((np.arange(heights.size), heights, least[:, 0]))
-        order = ranked[~hopeless[ranked]].tolist()
+    kth = np.partition(np.where(room, load, np.inf), d - 1, axis=1)[:, d - 1]
+    least[:, 0], least[:, 1] = np.maximum(0.0, kth + t - heights), heights
+    hopeless = ~np.isfinite(kth)
+    if stack_share is not None:  # (its raise is at least the bound)
+        hopeless |= (heights > 0) & (least[:, 0] > stack_share * t)
+    ranked = np.lexsort((np.arange(heights.size), heights, least[:, 0]))
+    order = ranked[~hopeless[ranked]].tolist()
     best = None
     for w in order:
         if best is not None and (*least[w].tolist(), w) >= (*best[0], best[1]):
