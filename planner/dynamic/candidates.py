@@ -55,33 +55,52 @@ def jobs_and_singles(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
 def pick_members(load_row: np.ndarray, d: int, rpn: int, eligible: np.ndarray) -> np.ndarray | None:
     """``d`` ranks for one job: the least-loaded ranks of one node if ``d <= rpn``, else whole
     nodes with the smallest maximum load plus the least-loaded ranks of one more node."""
-    n = load_row.size
-    nodes = -(-n // rpn)
-    padded = np.full(nodes * rpn, np.inf)
-    padded[:n] = np.where(eligible, load_row, np.inf)
-    grid = padded.reshape(nodes, rpn)
-    order = np.argsort(grid, axis=1, kind="stable")
-    sorted_loads = np.take_along_axis(grid, order, axis=1)
-    if d <= rpn:
-        score = sorted_loads[:, d - 1]
-        k = int(np.argmin(score))
-        if not np.isfinite(score[k]):
+    return NodeLoads(np.where(eligible, load_row, np.inf), rpn).pick(d)
+
+
+class NodeLoads:
+    """Ranks' loads as a ``[node, rank in node]`` grid with each node's ranks sorted by load,
+    for :func:`pick_members`; :meth:`set` sorts again only the nodes whose loads changed."""
+
+    def __init__(self, load: np.ndarray, rpn: int) -> None:
+        nodes = -(-load.size // rpn)
+        padded = np.full(nodes * rpn, np.inf)
+        padded[: load.size] = load
+        self.rpn, self.grid = rpn, padded.reshape(nodes, rpn)
+        self.order = np.argsort(self.grid, axis=1, kind="stable")
+        self.sorted = np.take_along_axis(self.grid, self.order, axis=1)
+
+    def set(self, ranks: np.ndarray, load: float) -> None:
+        """Ranks ``ranks`` now carry ``load``."""
+        self.grid.reshape(-1)[ranks] = load
+        nodes = np.unique(ranks // self.rpn)
+        order = np.argsort(self.grid[nodes], axis=1, kind="stable")
+        self.order[nodes] = order
+        self.sorted[nodes] = np.take_along_axis(self.grid[nodes], order, axis=1)
+
+    def pick(self, d: int) -> np.ndarray | None:
+        """:func:`pick_members`' ranks for a job of ``d`` (``None``: too few finite loads)."""
+        rpn, order, sorted_loads = self.rpn, self.order, self.sorted
+        if d <= rpn:
+            score = sorted_loads[:, d - 1]
+            k = int(np.argmin(score))
+            if not np.isfinite(score[k]):
+                return None
+            return np.sort(k * rpn + order[k, :d])
+        full, rem = divmod(d, rpn)
+        node_max = sorted_loads[:, -1]
+        by_max = np.argsort(node_max, kind="stable")
+        chosen_nodes = by_max[:full]
+        if not np.isfinite(node_max[chosen_nodes]).all():
             return None
-        return np.sort(k * rpn + order[k, :d])
-    full, rem = divmod(d, rpn)
-    node_max = sorted_loads[:, -1]
-    by_max = np.argsort(node_max, kind="stable")
-    chosen_nodes = by_max[:full]
-    if not np.isfinite(node_max[chosen_nodes]).all():
-        return None
-    members = [np.arange(k * rpn, (k + 1) * rpn) for k in chosen_nodes]
-    if rem:
-        rest = by_max[full:]
-        if rest.size == 0:
-            return None
-        score = sorted_loads[rest, rem - 1]
-        k = int(rest[int(np.argmin(score))])
-        if not np.isfinite(sorted_loads[k, rem - 1]):
-            return None
-        members.append(k * rpn + order[k, :rem])
-    return np.sort(np.concatenate(members))
+        members = [np.arange(k * rpn, (k + 1) * rpn) for k in chosen_nodes]
+        if rem:
+            rest = by_max[full:]
+            if rest.size == 0:
+                return None
+            score = sorted_loads[rest, rem - 1]
+            k = int(rest[int(np.argmin(score))])
+            if not np.isfinite(sorted_loads[k, rem - 1]):
+                return None
+            members.append(k * rpn + order[k, :rem])
+        return np.sort(np.concatenate(members))

@@ -14,7 +14,7 @@ import heapq
 import numpy as np
 
 from ..common import Context, PlanningError
-from .candidates import Assignment, Candidate, pick_members
+from .candidates import Assignment, Candidate, NodeLoads
 
 
 def place_peer(ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candidate) -> Assignment:
@@ -29,16 +29,18 @@ def place_peer(ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candid
         [], [], np.full(lens.size, -1, np.int64), np.full(lens.size, -1, np.int64)
     )
     gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job k) before job k on rank
+    nodes = NodeLoads(rank_load, rpn)
     for k, i in enumerate(multi.tolist()):
         L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
         if ctx.split(L, d).most_tokens > off_cap:
             raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
-        members = pick_members(rank_load, d, rpn, np.ones(n, dtype=bool))
+        members = nodes.pick(d)
         start = float(rank_load[members].max())
         for r in members.tolist():
             if start - rank_load[r] > 0:
                 gaps.append((start - float(rank_load[r]), r, k))
         rank_load[members] = start + t
+        nodes.set(members, start + t)
         assignment.job_members.append(members)
         assignment.job_key.append((2 * k + 1) * stride)
     rest = _fill_gaps(ctx, assignment, single, sorted(gaps), stride)
