@@ -55,8 +55,7 @@ def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
     ctx = _context(lens, n, cap, sync)
     plan = _rounding(ctx)
     report = ctx.cost.evaluate(plan)
-    improved, searched = improve(ctx, plan, report, moves=1000)
-    assert searched <= 1000
+    improved, _ = improve(ctx, plan, report, seconds=1.0)
     if improved is not None:
         moved = improved[0]
         check_plan(moved, lens, n, cap)
@@ -102,8 +101,8 @@ def test_fewer_cells_on_short_documents_at_1024_ranks():
 
 
 def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
-    """No budget: the fastest of the roundings and nothing else. A budget buys moves; the same
-    budget gives the same plan twice."""
+    """No budget: the first rounding and nothing else. A budget buys more; the same budget
+    gives the same plan twice."""
     from hdp.workloads import get_workload
 
     lens = get_workload("wlb-128k").sample_batch(np.random.default_rng(2), tokens_per_step=1 << 21)
@@ -111,9 +110,7 @@ def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
     kw = dict(sync="peer", kv_exchange="rank")
     none = plan_step(lens, cluster, model, "hdp", hdp_options=DynamicOptions(plan_budget_s=0), **kw)
     ctx = Context(lens, CostModel(model, cluster), "peer", int(none.predicted["capacity"]), 1, 1)
-    assert none.predicted["step_time_s"] == min(
-        ctx.cost.evaluate(plan).step_time_s for plan in _roundings(ctx)
-    )
+    assert none.predicted["step_time_s"] == ctx.cost.evaluate(_rounding(ctx)).step_time_s
     plans = [plan_step(lens, cluster, model, "hdp", **kw) for _ in range(2)]
     assert plans[0].predicted["step_time_s"] <= none.predicted["step_time_s"]
     for field in ("rank", "wave", "seq", "start", "end"):

@@ -1,29 +1,32 @@
 """The search's budget: seconds of one core, charged by estimates of each step's work.
 
 Estimates, not the clock, so that a plan depends only on the batch and the options, never on
-how busy the machine is. They are fitted on the bench's batches (llama-7b and llama-70b, 64 to
-16,384 ranks) within a factor of two of the measured time.
+how busy the machine is. Each is a sum of the work a step does (ranks scanned per job, sequences
+placed, shards priced, ...) times seconds per item fitted on the bench's batches by
+``scripts/fit_budget.py`` (llama-7b and llama-70b, 64 to 16,384 ranks); ``docs/benchmarks.md``
+says how closely the search then keeps to its budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..common import Context
-from .candidates import num_waves_for
 
-# Seconds of one core per unit of :meth:`Budget.placement_s`'s work estimate (a placement and
-# its pricing), fitted on the bench's batches at 64-16,384 ranks.
-SECONDS_PER_UNIT = 1e-7
-# The default budget is the first placement's predicted step over this (at least 0.2 s).
+if TYPE_CHECKING:
+    from .local import Work
+
+# The default budget is the first plan's predicted step over this, and at least LEAST_S.
 STEP_SHARE = 100
+LEAST_S = 0.05
 
 
 @dataclass
 class Budget:
     """What the search may still spend (s), charged by estimates, not by the clock. Seeds
-    (roundings past the first, the MILP's degrees, group layouts) may spend half of it; the
-    local search has the rest."""
+    (the MILP's degrees, group layouts) may spend half of it; roundings and the local search
+    have the rest."""
 
     left_s: float
     total_s: float = field(init=False)
@@ -35,38 +38,43 @@ class Budget:
     def for_step(cls, given_s: float | None, step_s: float) -> Budget:
         """``given_s``, or where ``None`` the default of :class:`~.options.DynamicOptions` for a
         plan whose first placement steps ``step_s``."""
-        return cls(max(0.2, step_s / STEP_SHARE) if given_s is None else given_s)
+        return cls(max(LEAST_S, step_s / STEP_SHARE) if given_s is None else given_s)
 
-    def placement_s(self, ctx: Context, jobs: int, shards: int = 0) -> float:
-        """Estimated seconds of one placement and its pricing: every rank for each multi-rank
-        job (``wave`` sync: every cell for each sequence), and the shards the cost model
-        prices."""
-        n, seqs, waves = ctx.num_ranks, ctx.seq_lens.size, num_waves_for(ctx)
-        units = n * (jobs + waves) // 2 + 10 * (seqs + shards)
+    @staticmethod
+    def placement_s(ctx: Context, jobs: int, shards: int, waves: int) -> float:
+        """Estimated seconds of one placement of ``jobs`` multi-rank jobs, ``shards`` shards in
+        all, in a plan of about ``waves`` waves, and its pricing: ``peer`` sync picks each job's
+        nodes among all ranks; ``wave`` sync tries each job on every wave's ranks and each
+        sequence on every wave (and on every cell where it may offload)."""
+        n, seqs = ctx.num_ranks, ctx.seq_lens.size
+        if ctx.sync == "peer":
+            return 1.2e-3 + 5.8e-8 * n * (1 + waves) + 1.5e-8 * jobs * n + 1.9e-6 * shards
+        offload = 7.8e-9 * seqs * waves * n if ctx.offload_capacity > ctx.capacity else 0.0
+        return 5.2e-8 * jobs * waves * n + 2.4e-6 * seqs * waves + 2.2e-6 * shards + offload
+
+    @staticmethod
+    def layout_s(ctx: Context, shards: int) -> float:
+        """Estimated seconds of one group layout of at most ``shards`` shards and its
+        pricing."""
+        return 4e-6 * ctx.seq_lens.size + 2.75e-6 * shards
+
+    @staticmethod
+    def move_s(ctx: Context, work: Work) -> float:
+        """Estimated seconds of the moves of :mod:`.local` that did ``work``: the plan's cells
+        built and the moved plan priced, then per search, per sequence tried and per cell
+        priced for it."""
+        seqs = ctx.seq_lens.size
         if ctx.sync == "wave":
-            units += seqs * waves * n // 3
-        return units * SECONDS_PER_UNIT
+            fixed = 5.5e-7 * seqs + 2.2e-8 * work.shards
+            return fixed + 4e-4 * work.searches + 3e-8 * work.cells
+        fixed = 3.7e-7 * seqs + 1.1e-7 * work.shards
+        return fixed + 1.9e-4 * work.searches + 1e-4 * work.tried + 2.3e-8 * work.cells
 
-    def layout_s(self, ctx: Context, shards: int) -> float:
-        """Estimated seconds of one group layout of ``shards`` shards and its pricing: every
-        member of every split sequence priced in closed form, then by the cost model."""
-        return (10 * ctx.seq_lens.size + 60 * shards) * SECONDS_PER_UNIT
-
-    def move_s(self, ctx: Context, waves: int) -> float:
-        """Estimated seconds of one move of :mod:`.local` in a plan of ``waves`` waves: in
-        ``wave`` sync every cell looked at once and a few sequences tried against a few cells
-        of each wave; in ``peer`` sync every sequence of a rank's tail (a rank's share of the
-        batch) against every cell."""
-        if ctx.sync == "wave":
-            units = waves * (ctx.num_ranks + 600) + 1000
-        else:
-            units = 3 * ctx.seq_lens.size * waves + 20_000
-        return units * SECONDS_PER_UNIT
-
-    def trial_s(self, shards: int) -> float:
+    @staticmethod
+    def trial_s(shards: int, cells: int) -> float:
         """Estimated seconds of one trial of :func:`.local.exact_moves`: a plan of ``shards``
-        shards (cells counted as shards) built and priced."""
-        return (20_000 + 20 * shards) * SECONDS_PER_UNIT
+        shards and ``cells`` cells built and priced."""
+        return 6.6e-4 + 5.6e-7 * shards + 1.9e-7 * cells
 
     def spend(self, seconds: float) -> None:
         self.left_s -= seconds

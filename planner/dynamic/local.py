@@ -21,6 +21,7 @@ import numpy as np
 from hdp import Plan, StepReport
 
 from ..common import Context, PlanBuilder
+from .budget import Budget
 
 
 class Cells:
@@ -41,12 +42,14 @@ class Cells:
         self.row[plan.seq[whole]] = np.flatnonzero(whole)
         self.wave = plan.wave.copy()
         self.rank = plan.rank.copy()
+        self.rows_in: dict[tuple[int, int], list[int]] = {}  # movable shards per cell
+        for k, w, r in zip(*(np.flatnonzero(whole), plan.wave[whole], plan.rank[whole])):
+            self.rows_in.setdefault((int(w), int(r)), []).append(int(k))
         self.moved = 0
 
     def held(self, w: int, r: int) -> np.ndarray:
-        """The movable sequences in cell ``(w, r)``."""
-        rows = self.row[self.row >= 0]
-        return self.plan.seq[rows[(self.wave[rows] == w) & (self.rank[rows] == r)]]
+        """The movable sequences in cell ``(w, r)``, in the plan's order of shards."""
+        return self.plan.seq[np.sort(np.asarray(self.rows_in.get((w, r), []), dtype=np.int64))]
 
     def compute_with(self, tokens: np.ndarray, compute: np.ndarray, seq, sign: int):
         """Compute (s) of cells of ``tokens`` and ``compute`` once sequence ``seq`` joins
@@ -92,6 +95,8 @@ class Cells:
             self.compute[cw, cr] = self.compute_with(tokens, compute, seq, sign)
             self.busy[cw, cr] = busy
             self.tokens[cw, cr] += sign * int(self.ctx.seq_lens[seq])
+        self.rows_in[w0, r0].remove(k)
+        self.rows_in.setdefault((w, r), []).append(k)
         self.wave[k], self.rank[k] = w, r
         self.moved += 1
 
@@ -114,32 +119,46 @@ def rebuilt(ctx: Context, plan: Plan, wave: np.ndarray, rank: np.ndarray) -> Pla
     return builder.build()
 
 
+class Work:
+    """What the moves looked at, for the budget (:meth:`.budget.Budget.move_s`): the shards of
+    the plan they start from (its cells are built and the moved plan priced once), searches for
+    a move, sequences tried in them, and the cells priced for those sequences."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self.searches = self.tried = self.cells = 0
+
+    def add(self, tried: int, cells: int) -> None:
+        self.searches += 1
+        self.tried += tried
+        self.cells += cells
+
+
 def improve(
-    ctx: Context, plan: Plan, report: StepReport, moves: int
-) -> tuple[tuple[Plan, StepReport] | None, int]:
-    """``plan`` after at most ``moves`` searches for a move (module docstring) and its report,
-    or ``None`` where none lowers the step the cost model predicts; and the searches made."""
-    cells = Cells(ctx, plan, report)
-    searched = (_wave_moves if ctx.sync == "wave" else _peer_moves)(cells, moves)
+    ctx: Context, plan: Plan, report: StepReport, seconds: float
+) -> tuple[tuple[Plan, StepReport] | None, Work]:
+    """``plan`` after the moves (module docstring) that ``seconds`` of the budget's estimates
+    afford and its report, or ``None`` where none lowers the step the cost model predicts;
+    and the work done."""
+    cells, work = Cells(ctx, plan, report), Work(plan.num_shards)
+    (_wave_moves if ctx.sync == "wave" else _peer_moves)(cells, work, seconds)
     if cells.moved == 0:
-        return None, searched
+        return None, work
     moved = cells.plan_after()
     priced = ctx.cost.evaluate(moved)
-    return ((moved, priced) if priced.step_time_s < report.step_time_s else None), searched
+    return ((moved, priced) if priced.step_time_s < report.step_time_s else None), work
 
 
-def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> int:
+def _wave_moves(cells: Cells, work: Work, seconds: float, targets: int = 16) -> None:
     """``wave`` sync: a sequence leaves a wave's slowest cell for the cell where it ends
     soonest (offloading there where it must) without raising that cell's wave, while both
     cells then end before the slowest one did; each wave in turn, until none of its slowest
-    cell's sequences can move. Targets are each wave's ``targets`` least busy cells. Returns
-    the searches made, at most ``moves``."""
+    cell's sequences can move or ``work`` has cost ``seconds``. Targets are each wave's
+    ``targets`` least busy cells."""
     waves, n = cells.busy.shape
     k = min(targets, n)
-    searched = 0
     for w in range(waves):
-        while searched < moves:
-            searched += 1
+        while Budget.move_s(cells.ctx, work) < seconds:
             r = int(np.argmax(cells.busy[w]))
             top = float(cells.busy[w, r])
             heights = cells.busy.max(axis=1)
@@ -152,6 +171,7 @@ def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> int:
             )
             # Every sequence of the slowest cell against every target at once: (seq, target).
             held = cells.held(w, r)
+            work.add(held.size, held.size * rows.size + cells.busy.size)
             left = cells.busy_with(cells.tokens[w, r], cells.compute[w, r], top, held, -1)
             after = cells.busy_with(tokens, compute, busy, held[:, None], 1)
             after[:, (rows == w) & (cols == r)] = np.inf
@@ -164,13 +184,12 @@ def _wave_moves(cells: Cells, moves: int, targets: int = 16) -> int:
                 break
             i = int(np.argmin(end))  # (the first of ties, as held lists them)
             cells.move(int(held[i]), int(rows[t[i]]), int(cols[t[i]]))
-    return searched
 
 
-def _peer_moves(cells: Cells, moves: int) -> int:
+def _peer_moves(cells: Cells, work: Work, seconds: float) -> None:
     """``peer`` sync: a sequence leaves the tail of the rank that finishes last for the tail of
     the rank where it ends earliest, joining a tail cell with room or opening one, while that
-    finishes before the old last rank did. Returns the searches made, at most ``moves``."""
+    finishes before the old last rank did and ``work`` has cost less than ``seconds``."""
     ctx, cap = cells.ctx, cells.ctx.capacity
     plan = cells.plan
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
@@ -178,20 +197,18 @@ def _peer_moves(cells: Cells, moves: int) -> int:
     last_job = np.full(plan.num_ranks, -1, dtype=np.int64)
     np.maximum.at(last_job, plan.rank[in_job], plan.wave[in_job])
     tried: set[int] = set()  # ranks whose tail has no move that helps
-    searched = 0
-    while searched < moves:
+    while Budget.move_s(ctx, work) < seconds:
         finish = (cells.start + cells.busy).max(axis=0)
         finish = np.where((cells.busy > 0).any(axis=0), finish, 0.0)
         r = int(np.argmax(finish))
         if r in tried:
             break
-        searched += 1
         tail = cells.busy.shape[0]
         best = None  # (new finish of the pair, sequence, wave, rank)
-        for w in range(int(last_job[r]) + 1, tail):
-            if cells.tokens[w, r] == 0:
-                continue
-            for seq in cells.held(w, r).tolist():
+        seqs = [cells.held(w, r) for w in range(int(last_job[r]) + 1, tail)]
+        work.add(sum(x.size for x in seqs), sum(x.size for x in seqs) * cells.busy.size)
+        for w, held in zip(range(int(last_job[r]) + 1, tail), seqs):
+            for seq in held.tolist():
                 best = _best_target(cells, seq, w, r, finish, last_job, cap, best)
         if best is None or best[0] >= finish[r] * (1 - 1e-9):
             tried.add(r)
@@ -201,7 +218,6 @@ def _peer_moves(cells: Cells, moves: int) -> int:
         _restart_tail(cells, r, int(last_job[r]))
         _restart_tail(cells, tr, int(last_job[tr]))
         tried.clear()
-    return searched
 
 
 def _best_target(cells, seq, w, r, finish, last_job, cap, best):
@@ -241,14 +257,16 @@ def _restart_tail(cells: Cells, r: int, last_job: int) -> None:
 
 
 def exact_moves(
-    ctx: Context, plan: Plan, report: StepReport, tries: int
-) -> tuple[tuple[Plan, StepReport] | None, int]:
+    ctx: Context, plan: Plan, report: StepReport, seconds: float
+) -> tuple[tuple[Plan, StepReport] | None, float]:
     """Whole sequences of the rank that finishes last, each tried in the same wave on every
     other rank with token room, then swapped with a shorter whole sequence of another rank in
     that wave; each trial priced by the cost model in full. The best trial is kept while the
-    step falls, at most ``tries`` trials; the plan and its report (``None``: none helped), and
-    the trials made."""
-    best, budget = None, tries
+    step falls and the trials' estimates (:meth:`.budget.Budget.trial_s`) stay within
+    ``seconds``; the plan and its report (``None``: none helped), and the seconds charged."""
+    best, spent = None, 0.0
+    per_trial = Budget.trial_s(plan.num_shards, plan.num_waves * plan.num_ranks)
+    tries = int(seconds / per_trial)
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
     while tries > 0:
         busy = report.busy_s
@@ -257,19 +275,22 @@ def exact_moves(
         tokens = plan.tokens_per_cell()
         whole = shards[plan.seq] == 1
         found = None  # (step, plan, report)
+        by_finish = np.argsort(finish, kind="stable")
         for k in np.flatnonzero((plan.rank == r) & whole).tolist():
+            if tries <= 0:
+                break
             w, L = int(plan.wave[k]), int(plan.end[k] - plan.start[k])
-            trials = []
-            for r2 in np.argsort(finish, kind="stable").tolist():
-                if r2 != r and tokens[w, r2] + L <= ctx.capacity:
-                    trials.append([(k, r2)])
+            fits = (by_finish != r) & (tokens[w, by_finish] + L <= ctx.capacity)
+            trials = [[(k, r2)] for r2 in by_finish[fits].tolist()]
             others = np.flatnonzero(whole & (plan.wave == w) & (plan.rank != r))
-            for k2 in others.tolist():
-                r2, L2 = int(plan.rank[k2]), int(plan.end[k2] - plan.start[k2])
-                if L2 < L and tokens[w, r2] - L2 + L <= ctx.capacity:
-                    trials.append([(k, r2), (k2, r)])
+            r2s, L2 = plan.rank[others], plan.end[others] - plan.start[others]
+            swaps = (L2 < L) & (tokens[w, r2s] - L2 + L <= ctx.capacity)
+            trials += [
+                [(k, r2), (k2, r)] for k2, r2 in zip(*(x[swaps].tolist() for x in (others, r2s)))
+            ]
             for trial in trials[: max(tries, 0)]:
                 tries -= 1
+                spent += per_trial
                 candidate = _with_ranks(ctx, plan, trial)
                 priced = ctx.cost.evaluate(candidate)
                 if priced.step_time_s < (found[0] if found else report.step_time_s):
@@ -278,7 +299,7 @@ def exact_moves(
             break
         _, plan, report = found
         best = (plan, report)
-    return best, budget - tries
+    return best, spent
 
 
 def _with_ranks(ctx: Context, plan: Plan, changes: list[tuple[int, int]]) -> Plan:

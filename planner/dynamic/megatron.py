@@ -132,8 +132,7 @@ def _moved(
     keep every sequence on its rank group) within the budget, where that is faster with its
     padding priced; and its step."""
     budget = Budget.for_step(options.plan_budget_s, step_s)
-    moves = int(budget.left_s / budget.move_s(ctx, plan.num_waves))
-    improved = improve(ctx, plan, ctx.cost.evaluate(plan), moves)[0] if moves else None
+    improved = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s)[0]
     if improved is None:
         return plan, step_s
     moved = improved[0]

@@ -21,16 +21,16 @@ class DynamicOptions:
         help="what hdp plans may do: free, whole (every sequence on one rank) or megatron "
         "(aligned power-of-two CP groups, what hdp.dataloader.megatron.HDPScheduler runs)",
     )
-    # Seconds of one core the search may spend past its roundings, by its own estimates
-    # of each placement's work (so plans do not depend on the machine's load); ``None``: a
-    # 100th of the first placement's predicted step and at least a fifth of a second, so that
-    # the next step's plan is ready long before this one ends.
+    # Seconds of one core the search may spend past its first plan, by its own estimates of
+    # each placement's work (so plans do not depend on the machine's load); ``None``: a 100th
+    # of the first plan's predicted step and at least 0.05 s, so that the next step's plan is
+    # ready long before this one ends.
     plan_budget_s: float | None = seconds_flag(
         None,
         flag="--plan-budget",
-        help="seconds of one core hdp's search may spend past its roundings, charged by "
-        "estimates of each placement's work so that plans do not depend on the machine's load "
-        "(default: a 100th of the first placement's predicted step, at least 0.2 s)",
+        help="seconds of one core hdp's search may spend past its first plan, charged by "
+        "estimates of each step's work so that plans do not depend on the machine's load "
+        "(default: a 100th of the first plan's predicted step, at least 0.05 s)",
     )
     # The search stops where the step is within this share of the bound.
     gap: float = 1e-3

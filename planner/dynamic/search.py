@@ -12,7 +12,7 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
 2. *Rounding* (:func:`roundings`): the relaxation's degrees at a few heights around ``M``
    (in ``wave`` sync also those of the relaxation over ranks x waves), least work first, are
    each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
-   model; the fastest is kept. These placements are always made, outside the budget.
+   model; the fastest is kept. The first is the search's first plan and always made.
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
    their sequences in shared waves. No move below reaches such a plan from the relaxation's
    (a degree at a time never lines many sequences up on the same ranks), and on small batches
@@ -31,11 +31,11 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
      end sooner.
 
 Every step stops where the plan is within ``options.gap`` of the bound or the budget is spent.
-The budget (``options.plan_budget_s``; by default a 100th of the first placement's predicted
-step, at least 0.2 s) is charged by estimates of each placement's, layout's and move's work
-(:class:`Budget`), not by the clock, so a plan depends only on the batch and the options. It
-starts after the roundings; the MILP and item 3 may spend half of it, the local search the
-rest.
+The budget (``options.plan_budget_s``; by default a 100th of the first plan's predicted step,
+at least 0.05 s) counts what the search does after its first plan. It is charged by estimates
+of each placement's, layout's and move's work (:class:`Budget`), not by the clock, so a plan
+depends only on the batch and the options. The MILP and item 3 may spend half of it; the other
+roundings and the local search, all of it.
 
 Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
 sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
@@ -97,13 +97,13 @@ class Search:
         self.best = (plan, report, cand)
         return True
 
-    def place(self, cand: Candidate, seed: bool = False, free: bool = False) -> bool:
+    def place(self, cand: Candidate, seed: bool = False) -> bool:
         """Place ``cand`` where the budget affords it (a ``seed`` within its half), charge the
-        budget, keep it where faster; whether it was. A ``free`` placement (a rounding) is
-        neither checked nor charged; the first sets the default budget
-        (:class:`DynamicOptions`)."""
+        budget, keep it where faster; whether it was. The first placement is always made and
+        charged to nothing: the budget is what the search spends past its first plan, and by
+        default that plan's predicted step sets it (:class:`DynamicOptions`)."""
         first = self.best is None
-        if not free:
+        if not first:
             cost_s = self.placement_s(cand)
             if not self.budget.affords(cost_s, seed):
                 return False
@@ -117,7 +117,8 @@ class Search:
         """The budget's estimate of placing ``cand``."""
         split = cand.degree > 1
         jobs, shards = int(split.sum()), int(cand.degree[split].sum())
-        return self.budget.placement_s(self.ctx, jobs, shards)
+        waves = self.best[0].num_waves if self.best else num_waves_for(self.ctx)
+        return self.budget.placement_s(self.ctx, jobs, shards + self.ctx.seq_lens.size, waves)
 
     def solve_milp(self, warm: Candidate) -> dict[str, float]:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
@@ -180,6 +181,10 @@ class Search:
         """``peer`` sync: every rank's first cell after its last multi-rank job joins that
         job's cell where it has token room; whether that was faster."""
         plan = self.best[0]
+        cost_s = self.budget.trial_s(plan.num_shards, plan.num_waves * plan.num_ranks)
+        if not self.budget.affords(cost_s):
+            return False
+        self.budget.spend(cost_s)
         joined = join_tails(self.ctx, plan)
         return joined is not None and self.consider(joined, self.best[2])
 
@@ -188,17 +193,13 @@ class Search:
         ``peer`` sync half of it, the other half for :func:`.local.exact_moves`."""
         plan, report, cand = self.best
         share = 0.5 if self.ctx.sync == "peer" else 1.0
-        per_move = self.budget.move_s(self.ctx, plan.num_waves)
-        moved, searched = improve(
-            self.ctx, plan, report, max(1, int(share * self.budget.left_s / per_move))
-        )
-        self.budget.spend(searched * per_move)
+        moved, work = improve(self.ctx, plan, report, share * self.budget.left_s)
+        self.budget.spend(self.budget.move_s(self.ctx, work))
         kept = moved is not None and self.consider(moved[0], cand, moved[1])
         if self.ctx.sync == "peer" and not self.done():
             plan, report, cand = self.best
-            per_try = self.budget.trial_s(plan.num_shards + self.ctx.num_ranks * plan.num_waves)
-            exact, tried = exact_moves(self.ctx, plan, report, int(self.budget.left_s / per_try))
-            self.budget.spend(tried * per_try)
+            exact, spent_s = exact_moves(self.ctx, plan, report, self.budget.left_s)
+            self.budget.spend(spent_s)
             kept = (exact is not None and self.consider(exact[0], cand, exact[1])) or kept
         return kept
 
@@ -301,7 +302,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         if search.best is not None and search.done(gap_only=True):
             break
         if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
-            search.place(cand, free=True)
+            search.place(cand)
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
     for make, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)

@@ -1,0 +1,160 @@
+r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measured CPU time.
+
+hdp's search charges its budget by estimates of each step's work, so that a plan never depends
+on the machine's load. This plans a grid of batches, records every placement, group layout,
+move search and exact trial with the work it did and the CPU seconds it took, and fits seconds
+per item of work by least squares on relative error (coefficients kept non-negative). It prints
+the fitted coefficients and, for the ones in the code, how measured time compares with the
+estimate (quantiles of measured / estimated).
+
+    python scripts/fit_budget.py            # about 5 minutes on one core
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from hdp import ClusterSpec, model_preset
+from hdp.planner import StepPricing, plan_and_evaluate
+from hdp.planner.dynamic import search
+from hdp.planner.dynamic.budget import Budget
+from hdp.planner.dynamic.candidates import num_waves_for
+from hdp.workloads import get_workload, workload_names
+
+RECORDS: list[dict] = []
+
+
+def _recorded(kind: str, ctx, t0: float, estimate: float, **work: float) -> None:
+    RECORDS.append(
+        dict(kind=f"{kind} {ctx.sync}", measured=time.process_time() - t0, est=estimate, **work)
+    )
+
+
+def _instrument() -> None:
+    """Wrap the search's steps so that each records its work and CPU time."""
+    place, improve, exact = search.place, search.improve, search.exact_moves
+    layouts = search.group_layouts
+
+    def timed_place(ctx, waves, cand):
+        split = cand.degree > 1
+        jobs, shards = int(split.sum()), int(cand.degree[split].sum()) + ctx.seq_lens.size
+        guess = num_waves_for(ctx)
+        t0 = time.process_time()
+        plan = place(ctx, waves, cand)
+        ctx.cost.evaluate(plan)
+        n, seqs = ctx.num_ranks, ctx.seq_lens.size
+        offload = float(ctx.offload_capacity > ctx.capacity)
+        _recorded("place", ctx, t0, Budget.placement_s(ctx, jobs, shards, guess), one=1,
+                  ranks=n, jobs_ranks=jobs * n, seqs=seqs, shards=shards,
+                  waves_ranks=guess * n, jobs_waves_ranks=jobs * guess * n,
+                  seqs_waves=seqs * guess, offload_cells=offload * seqs * guess * n)  # fmt: skip
+        return plan
+
+    def timed_improve(ctx, plan, report, seconds):
+        t0 = time.process_time()
+        out, work = improve(ctx, plan, report, seconds)
+        _recorded("move", ctx, t0, Budget.move_s(ctx, work), one=1, seqs=ctx.seq_lens.size,
+                  shards=plan.num_shards, searches=work.searches, tried=work.tried,
+                  cells=work.cells)  # fmt: skip
+        return out, work
+
+    def timed_exact(ctx, plan, report, seconds):
+        t0 = time.process_time()
+        out, spent = exact(ctx, plan, report, seconds)
+        cells = plan.num_waves * plan.num_ranks
+        trials = round(spent / Budget.trial_s(plan.num_shards, cells))
+        _recorded("trial", ctx, t0, spent, trials=trials, shards=trials * plan.num_shards,
+                  cells=trials * cells)  # fmt: skip
+        return out, spent
+
+    def timed_layouts(ctx):
+        for make, shards in layouts(ctx):
+
+            def timed(make=make, shards=shards):
+                t0 = time.process_time()
+                plans = make()
+                for plan in plans:
+                    ctx.cost.evaluate(plan)
+                _recorded("layout", ctx, t0, Budget.layout_s(ctx, shards), one=1,
+                          seqs=ctx.seq_lens.size, shards=shards)  # fmt: skip
+                return plans
+
+            yield timed, shards
+
+    search.place, search.improve, search.exact_moves = timed_place, timed_improve, timed_exact
+    search.group_layouts = timed_layouts
+
+
+def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
+    """Non-negative least squares of measured seconds on ``features``, on relative error."""
+    x = np.array([[r[f] for f in features] for r in rows], dtype=np.float64)
+    y = np.array([r["measured"] for r in rows])
+    w = 1.0 / np.maximum(y, 1e-4)
+    active = list(range(len(features)))
+    while True:
+        coef = np.zeros(len(features))
+        coef[active] = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)[0]
+        if (coef[active] >= 0).all():
+            return coef
+        active = [i for i in active if coef[i] > 0]
+
+
+FEATURES = {
+    "place peer": ["one", "ranks", "jobs_ranks", "seqs", "shards", "waves_ranks"],
+    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "offload_cells"],
+    "layout peer": ["one", "seqs", "shards"],
+    "layout wave": ["one", "seqs", "shards"],
+    "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
+    "move wave": ["one", "seqs", "shards", "searches", "tried", "cells"],
+    "trial peer": ["trials", "shards", "cells"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama-7b,llama-70b")
+    ap.add_argument("--gpus", default="64,256,1024")
+    ap.add_argument(
+        "--scaling",
+        default="1024:2,16384:2,1024:32,4096:128,16384:256",
+        help="RANKS:MTOKENS batches of llama-7b (byted-2m and wikipedia-384k) besides the grid",
+    )
+    args = ap.parse_args()
+    _instrument()
+    cases = [
+        (m, wl, int(n), None)
+        for m in args.models.split(",")
+        for wl in workload_names()
+        for n in args.gpus.split(",")
+    ]
+    for point in args.scaling.split(","):
+        n, mtok = (int(x) for x in point.split(":"))
+        cases += [("llama-7b", wl, n, mtok) for wl in ("byted-2m", "wikipedia-384k")]
+    for model, wl, n, mtok in cases:
+        size = {} if mtok is None else {"tokens_per_step": mtok << 20}
+        lens = get_workload(wl).sample_batch(np.random.default_rng(0), **size)
+        t0 = time.process_time()
+        pricing = StepPricing.build(model_preset(model), ClusterSpec.preset("h100", n))
+        plan_and_evaluate(lens, pricing, "hdp", validate=False)
+        print(f"{model} {wl} {n} ranks, {lens.size} sequences: {time.process_time() - t0:.2f} s")
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    for r in RECORDS:
+        by_kind[r["kind"]].append(r)
+    for kind, rows in sorted(by_kind.items()):
+        coef = _fit(rows, FEATURES[kind])
+        fitted = ", ".join(f"{f} {c:.3g}" for f, c in zip(FEATURES[kind], coef))
+        ratio = np.array([r["measured"] / r["est"] for r in rows if r["est"] > 0])
+        p10, p50, p90 = np.percentile(ratio, [10, 50, 90]) if ratio.size else (np.nan,) * 3
+        print(
+            f"{kind:12s} {len(rows):4d} records; fitted s per item: {fitted}\n"
+            f"{'':12s} measured / the code's estimate: p10 {p10:.2f}, median {p50:.2f}, "
+            f"p90 {p90:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
