@@ -3,13 +3,14 @@ r"""The planner's targets, measured side by side in one run.
 1. Quality: every strategy on the four standard workloads at several cluster sizes, for each
    model: step / simple lower bound, step / the planner's bound (``predicted["bound_s"]``), and
    hdp's speed-up over each baseline.
-2. Planning time of hdp on one core as the cluster and the batch grow (byted-2m, 32K tokens per
-   rank: 1024 ranks = 32M tokens, 16,384 ranks = 512M; plus 16,384 ranks at 256M tokens).
+2. Planning time of hdp on one core as the cluster and the batch grow (llama-7b; byted-2m by
+   default, 32K tokens per rank: 1024 ranks = 32M tokens, 16,384 ranks = 512M; plus 16,384
+   ranks at 256M tokens), at each budget asked for.
 
     python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 \
         --out docs/figures
-    python scripts/bench_planner.py --parts planning --scaling 256:8M,1024:32M \
-        --planning-seeds 0,1,2,3,4
+    python scripts/bench_planner.py --parts planning --scaling 1024:2M,16384:2M \
+        --planning-workloads byted-2m,wikipedia-384k --plan-budgets 0,default,0.2
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from hdp import ClusterSpec, model_preset
 from hdp.planner import StepPricing, plan_and_evaluate
+from hdp.planner.dynamic import DynamicOptions
 from hdp.workloads import get_workload, workload_names
 
 BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
@@ -81,41 +83,61 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
     return rows
 
 
-def planning_time(points: list[tuple[int, int]], seeds: list[int]) -> list[dict]:
-    """hdp's planning time on a fresh byted-2m batch of each seed at each (ranks, tokens) point,
-    after one warm-up plan (imports, kernel tables) that is not counted."""
+def planning_time(
+    points: list[tuple[int, int]], seeds: list[int], workloads: list[str], budgets: list[str]
+) -> list[dict]:
+    """hdp's planning time (CPU of one core) on a fresh batch of each workload and seed at each
+    (ranks, tokens) point, at each of ``budgets`` (``default`` or seconds), after one warm-up
+    plan (imports, kernel tables) that is not counted. Where ``0`` is among the budgets, each
+    other budget's row says what its search spent past the first plan, as a share of it."""
     rows = []
     model = model_preset("llama-7b")
-    workload = get_workload("byted-2m")
     if points:  # the warm-up: a batch of a seed not asked for
-        warm = workload.sample_batch(np.random.default_rng(max(seeds) + 1), tokens_per_step=1 << 22)
+        warm = get_workload(workloads[0]).sample_batch(
+            np.random.default_rng(max(seeds) + 1), tokens_per_step=1 << 22
+        )
         plan_and_evaluate(warm, ClusterSpec.preset("h100", points[0][0]), model, "hdp")
     for n, tokens in points:
         cluster = ClusterSpec.preset("h100", n)
-        for seed in seeds:
-            lens = workload.sample_batch(np.random.default_rng(seed), tokens_per_step=tokens)
-            t0, c0 = time.perf_counter(), time.process_time()
-            plan, rep = plan_and_evaluate(lens, cluster, model, "hdp", validate=False)
-            total, cpu = time.perf_counter() - t0, time.process_time() - c0
-            rows.append(
-                {
+        for wl, seed in [(w, s) for w in workloads for s in seeds]:
+            lens = get_workload(wl).sample_batch(
+                np.random.default_rng(seed), tokens_per_step=tokens
+            )
+            first_cpu = None
+            for budget in budgets:
+                given = None if budget == "default" else float(budget)
+                t0, c0 = time.perf_counter(), time.process_time()
+                plan, rep = plan_and_evaluate(
+                    lens, cluster, model, "hdp", hdp_options=DynamicOptions(plan_budget_s=given),
+                    validate=False,
+                )  # fmt: skip
+                total, cpu = time.perf_counter() - t0, time.process_time() - c0
+                first_cpu = cpu if given == 0 else first_cpu
+                row = {
                     "gpus": n,
                     "tokens": tokens,
+                    "workload": wl,
                     "seed": seed,
+                    "budget": budget,
                     "sequences": int(lens.size),
                     "plan_s": rep.plan_time_s,
                     "with_evaluation_s": total,
                     "cpu_s": cpu,
                     "x_bound": rep.step_time_s / plan.predicted["bound_s"],
                 }
-            )
-            print(
-                f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  seed {seed:3d}  "
-                f"{lens.size:7d} sequences  plan {rep.plan_time_s:6.3f} s  (+ evaluation "
-                f"{total - rep.plan_time_s:5.3f} s; CPU in all {cpu:6.3f} s)  "
-                f"step/bound {rows[-1]['x_bound']:.3f}",
-                flush=True,
-            )
+                rows.append(row)
+                spent = (
+                    f"  past the first plan {(cpu - first_cpu) / given:4.2f} x its budget"
+                    if first_cpu is not None and given
+                    else ""
+                )
+                print(
+                    f"planning: {n:6d} ranks  {tokens / 2**20:6.0f}M tokens  {wl:15s} seed "
+                    f"{seed:3d}  {lens.size:7d} sequences  budget {budget:>7s}  plan "
+                    f"{rep.plan_time_s:6.3f} s  (CPU in all {cpu:6.3f} s)  step/bound "
+                    f"{row['x_bound']:.3f}{spent}",
+                    flush=True,
+                )
     return rows
 
 
@@ -130,6 +152,15 @@ def main() -> None:
         "--scaling",
         default="256:8M,1024:32M,4096:128M,16384:256M,16384:512M",
         help="RANKS:TOKENS points for the planning-time curve",
+    )
+    ap.add_argument(
+        "--planning-workloads", default="byted-2m", help="workloads of the planning-time part"
+    )
+    ap.add_argument(
+        "--plan-budgets",
+        default="default",
+        help="hdp's budgets in the planning-time part, comma-separated: default or seconds "
+        "(with 0 among them, each row says what its search spent past the first plan)",
     )
     ap.add_argument("--seed", type=int, default=0, help="batch seed of the quality part")
     ap.add_argument(
@@ -165,7 +196,13 @@ def main() -> None:
         (int(p.split(":")[0]), parse_size(p.split(":")[1])) for p in args.scaling.split(",") if p
     ]
     seeds = [int(x) for x in args.planning_seeds.split(",") if x]
-    s = planning_time(points, seeds) if "planning" in parts and seeds else []
+    s = (
+        planning_time(
+            points, seeds, args.planning_workloads.split(","), args.plan_budgets.split(",")
+        )
+        if "planning" in parts and seeds
+        else []
+    )
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
