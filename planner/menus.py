@@ -149,7 +149,7 @@ def _new_menus(
         ]
     return [
         replace(menu, ulysses_height=height, ulysses_area=area)
-        for menu, (height, area) in zip(menus, (ulysses_options(cost, x, sync) for x in lengths))
+        for menu, (height, area) in zip(menus, ulysses_options(cost, lengths, sync))
     ]
 
 

@@ -226,23 +226,28 @@ def menu_pricing(cost: CostModel, pow2: bool) -> tuple[Callable, int, bool]:
     return split_times, cost.cluster.num_ranks, not pow2
 
 
-def ulysses_options(cost: CostModel, length: int, sync: str) -> tuple[np.ndarray, np.ndarray]:
-    """(height s, area s) of the sequence on every head-parallel (Ulysses) group a plan may give
-    it, for bounds (Note [Bounds cover head-parallel plans] in :mod:`hdp.planner.degrees`)."""
+def ulysses_options(
+    cost: CostModel, lengths: list[int], sync: str
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per length, (height s, area s) of the sequence on every head-parallel (Ulysses) group a
+    plan may give it, for bounds (Note [Bounds cover head-parallel plans] in
+    :mod:`hdp.planner.degrees`); all lengths priced at once."""
     m, n = cost.model, cost.cluster.num_ranks
     off_cap = cost.offload_capacity(sync)
-    least = max(2, -(-length // max(off_cap, 1)))
-    g = np.arange(least, ulysses.most_members(m, n) + 1, dtype=np.float64)
-    if g.size == 0:
-        return np.zeros(0), np.zeros(0)
-    links = ulysses.links(m, cost.cluster, length, g, cost.compute.recomputed)
+    most = ulysses.most_members(m, n)
+    least = [max(2, -(-x // max(off_cap, 1))) for x in lengths]
+    sizes = [max(0, most + 1 - lo) for lo in least]
+    g = np.concatenate([np.arange(lo, most + 1) for lo in least] or [np.zeros(0)]).astype(float)
+    lens = np.asarray(lengths, dtype=np.float64)
+    L = np.repeat(lens, sizes)
+    links = ulysses.links(m, cost.cluster, L, g, cost.compute.recomputed)
     comm = ulysses.link_seconds(cost.cluster.gpu, links)
-    attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0])
+    attn = np.repeat(cost.attn_time(np.zeros(lens.size), lens), sizes)
     per_token = cost.compute.least_dense_s_per_token(off_cap)
-    height = m.layers * (attn / g + comm) + length / g * per_token
-    if sync == "peer":
-        return height, g * height
-    return height, m.layers * (attn + g * comm) + length * per_token
+    height = m.layers * (attn / g + comm) + L / g * per_token
+    area = g * height if sync == "peer" else m.layers * (attn + g * comm) + L * per_token
+    cuts = np.cumsum(sizes)[:-1]
+    return list(zip(np.split(height, cuts), np.split(area, cuts)))
 
 
 __all__ = [
