@@ -102,6 +102,14 @@ def length_menu(
 
 
 _MENUS: dict[tuple, Menu] = {}
+
+
+def clear_menus() -> None:
+    """Forget every cached menu (a benchmark's cold start: a training step's new lengths)."""
+    _MENUS.clear()
+    fastest_height.cache_clear()
+
+
 _MOST_MENUS = 1 << 14  # cached menus kept, across cost models (a menu is a few hundred bytes)
 
 

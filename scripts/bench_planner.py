@@ -25,6 +25,7 @@ import numpy as np
 from hdp import ClusterSpec, model_preset
 from hdp.planner import StepPricing, plan_and_evaluate
 from hdp.planner.dynamic import DynamicOptions
+from hdp.planner.menus import clear_menus
 from hdp.workloads import get_workload, workload_names
 
 BASELINES = ["static", "hybridcp", "bytescale", "flexsp"]
@@ -106,6 +107,7 @@ def planning_time(
             first_cpu = None
             for budget in budgets:
                 given = None if budget == "default" else float(budget)
+                clear_menus()  # each budget from a cold start, as a step's new lengths are
                 t0, c0 = time.perf_counter(), time.process_time()
                 plan, rep = plan_and_evaluate(
                     lens, cluster, model, "hdp", hdp_options=DynamicOptions(plan_budget_s=given),

@@ -142,6 +142,8 @@ class Search:
         if cand is None or not self.budget.affords(self.placement_s(cand)):
             return False
         seq = critical_sequence(self.ctx, plan, report)
+        if cand.degree[seq] == 1:  # a whole sequence's cell sets the step: moves relieve it
+            return False
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
         wider = self._wider(cand, tall)
         return wider is not None and self.place(wider)
@@ -302,7 +304,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         if search.best is not None and search.done(gap_only=True):
             break
         if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
-            search.place(cand)
+            search.place(cand, seed=True)
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
     for make, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)
