@@ -142,8 +142,6 @@ class Search:
         if cand is None or not self.budget.affords(self.placement_s(cand)):
             return False
         seq = critical_sequence(self.ctx, plan, report)
-        if cand.degree[seq] == 1:  # a whole sequence's cell sets the step: moves relieve it
-            return False
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
         wider = self._wider(cand, tall)
         return wider is not None and self.place(wider)
