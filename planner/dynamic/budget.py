@@ -25,8 +25,8 @@ LEAST_S = 0.05
 @dataclass
 class Budget:
     """What the search may still spend (s), charged by estimates, not by the clock. Seeds
-    (the MILP's degrees, group layouts) may spend half of it; roundings and the local search
-    have the rest."""
+    (roundings past the first, the MILP's degrees, group layouts) may spend half of it; the
+    local search has the rest."""
 
     left_s: float
     total_s: float = field(init=False)

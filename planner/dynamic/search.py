@@ -34,8 +34,8 @@ Every step stops where the plan is within ``options.gap`` of the bound or the bu
 The budget (``options.plan_budget_s``; by default a 100th of the first plan's predicted step,
 at least 0.05 s) counts what the search does after its first plan. It is charged by estimates
 of each placement's, layout's and move's work (:class:`Budget`), not by the clock, so a plan
-depends only on the batch and the options. The MILP and item 3 may spend half of it; the other
-roundings and the local search, all of it.
+depends only on the batch and the options. The roundings past the first, the MILP and item 3
+may spend half of it; the local search, all that is left.
 
 Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
 sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
