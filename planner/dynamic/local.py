@@ -76,8 +76,11 @@ class Cells:
         """Busy time (s) of cells (``tokens``, ``compute``, ``busy``) once sequence ``seq``
         joins (``sign`` 1) or leaves (-1) each, its compute and exposed host copy changed
         (``seq`` as in :meth:`compute_with`)."""
-        after = self.compute_with(tokens, compute, seq, sign)
-        L = sign * self.ctx.seq_lens[seq]
+        return self._busy(tokens, compute, busy, self.compute_with(tokens, compute, seq, sign),
+                          sign * self.ctx.seq_lens[seq])  # fmt: skip
+
+    def _busy(self, tokens, compute, busy, after, L) -> np.ndarray:
+        """:meth:`busy_with` of cells whose compute becomes ``after`` as ``L`` tokens join."""
         copy = self.offload_s(tokens + L, after) - self.offload_s(tokens, compute)
         return np.where(tokens + L > 0, busy + after - compute + copy, 0.0)
 
@@ -91,9 +94,10 @@ class Cells:
             self.busy, self.start = np.pad(self.busy, pad), np.pad(self.start, pad)
         for (cw, cr), sign in (((w0, r0), -1), ((w, r), 1)):
             tokens, compute = self.tokens[cw, cr], self.compute[cw, cr]
-            busy = self.busy_with(tokens, compute, self.busy[cw, cr], seq, sign)
-            self.compute[cw, cr] = self.compute_with(tokens, compute, seq, sign)
-            self.busy[cw, cr] = busy
+            after = self.compute_with(tokens, compute, seq, sign)
+            L = sign * int(self.ctx.seq_lens[seq])
+            self.busy[cw, cr] = self._busy(tokens, compute, self.busy[cw, cr], after, L)
+            self.compute[cw, cr] = after
             self.tokens[cw, cr] += sign * int(self.ctx.seq_lens[seq])
         self.rows_in[w0, r0].remove(k)
         self.rows_in.setdefault((w, r), []).append(k)
