@@ -49,8 +49,8 @@ class Budget:
         n, seqs = ctx.num_ranks, ctx.seq_lens.size
         if ctx.sync == "peer":
             return 1.2e-3 + 5.8e-8 * n * (1 + waves) + 1.5e-8 * jobs * n + 1.9e-6 * shards
-        offload = 7.8e-9 * seqs * waves * n if ctx.offload_capacity > ctx.capacity else 0.0
-        return 5.2e-8 * jobs * waves * n + 2.4e-6 * seqs * waves + 2.2e-6 * shards + offload
+        offload = seqs * (5.3e-7 + 1.3e-8 * waves * n) if ctx.offload_capacity > ctx.capacity else 0
+        return 3.8e-8 * jobs * waves * n + 4.1e-6 * seqs * waves + offload
 
     @staticmethod
     def layout_s(ctx: Context, shards: int) -> float:

@@ -117,7 +117,7 @@ class Search:
         """The budget's estimate of placing ``cand``."""
         split = cand.degree > 1
         jobs, shards = int(split.sum()), int(cand.degree[split].sum())
-        waves = self.best[0].num_waves if self.best else num_waves_for(self.ctx)
+        waves = max(num_waves_for(self.ctx), self.best[0].num_waves if self.best else 0)
         return self.budget.placement_s(self.ctx, jobs, shards + self.ctx.seq_lens.size, waves)
 
     def solve_milp(self, warm: Candidate) -> dict[str, float]:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+
+from hdp import CostModel
 
 from ..common import Context
 from .candidates import Assignment, Candidate, pick_members
@@ -133,6 +136,10 @@ class _Cells:
         self.full: list[list[tuple[int, int]]] = [[] for _ in range(len(load))]
         self.room_max = [int(self.cap - tokens[w].min()) for w in range(len(tokens))]
         self.new_wave_s = 2 * ctx.cost.allgather_time() + ctx.cost.reduce_scatter_time()
+        # A sequence joining a cell adds its attention (its packed time less its dense work at
+        # a full cell's speed) and what the cell's dense work grows by, fixed costs and all.
+        self.per_token = float(ctx.cost.dense_s_per_token(max(ctx.capacity, 1)))
+        self.dense = _dense_by_tokens(ctx.cost, ctx.capacity)
 
     def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> tuple:
         """(load, rank) of wave ``w``'s least-loaded cell with room for ``L`` tokens, the first
@@ -164,13 +171,17 @@ class _Cells:
             self.heights,
             self.room_max,
         )
+        picks = []
         for w in range(len(heights)):
             if room_max[w] < L:
                 continue
             least, r = self.least_load(w, L, load, tokens)
-            if r < 0:
-                continue
-            new_load = least + t
+            if r >= 0:
+                picks.append((least, w, r))
+        dense, attn = self.dense, t - L * self.per_token
+        for least, w, r in picks:
+            held = int(tokens[w, r])
+            new_load = least + dense[held + L] - dense[held] + attn
             score = (max(0.0, new_load - heights[w]), new_load, w, r)
             if best is None or score[:2] < best[:2]:
                 best = score
@@ -186,13 +197,15 @@ class _Cells:
             return None
         return best
 
-    def new_wave(self, t: float) -> CellChoice:
+    def new_wave(self, L: int, t: float) -> CellChoice:
+        """A wave of its own for a sequence of ``L`` tokens and ``t`` packed seconds."""
+        alone = self.dense[L] + t - L * self.per_token if L <= self.cap else t
         self.layer.add_wave()
         self.heights.append(0.0)
         self.heaps.append([(0.0, r) for r in range(self.ctx.num_ranks)])
         self.full.append([])
         self.room_max.append(self.cap)
-        return CellChoice(t, t, len(self.heights) - 1, 0)
+        return CellChoice(alone, alone, len(self.heights) - 1, 0)
 
     def put(self, choice: CellChoice, L: int, t: float) -> int:
         """Add a sequence of ``L`` tokens and ``t`` seconds where ``choice`` says; its rank."""
@@ -201,10 +214,18 @@ class _Cells:
         tokens[w, r] += L
         if emptiest:  # (the most free tokens change only where the emptiest cell fills)
             self.room_max[w] = int(self.cap - tokens[w].min())
-        load[w, r] += choice.new_load - load[w, r] if choice.offloads else t
+        load[w, r] += choice.new_load - load[w, r]
         self.heights[w] = max(self.heights[w], float(load[w, r]))
         heapq.heappush(self.heaps[w], (float(load[w, r]), r))  # the old entry is now stale
         return r
+
+
+@lru_cache(maxsize=8)
+def _dense_by_tokens(cost: CostModel, capacity: int) -> list[float]:
+    """The dense time (s) of a cell of each token count up to ``capacity`` (0 for none)."""
+    out = cost.dense_time(np.arange(capacity + 1))
+    out[0] = 0.0
+    return out.tolist()
 
 
 def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -218,7 +239,7 @@ def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.nd
     cells = _Cells(ctx, layer)
     for i in single.tolist():
         L, t = int(lens[i]), float(ctx.packed_s[i])
-        choice = cells.choose(L, t) or cells.new_wave(t)
+        choice = cells.choose(L, t) or cells.new_wave(L, t)
         single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
     return single_rank, single_key
 
