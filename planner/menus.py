@@ -1,6 +1,6 @@
 """Degree menus: how long one sequence length takes on each of its useful degrees.
 
-:func:`length_menu` prices a length's degrees once per cost model, with
+:func:`length_menus` prices each length's degrees once per cost model, with
 :func:`hdp.planner.splits.split_times`: a coarse pass finds where the height stops falling, and a
 fine menu, with the node multiples around it, ends a little beyond. Each entry has hdp's own figures
 (128-token blocks, latency counted) and the bound's (the faster of either split, by bytes alone).
@@ -87,18 +87,6 @@ class Menu:
     tail_area: float = math.inf
     ulysses_height: np.ndarray = field(default_factory=lambda: _NONE)
     ulysses_area: np.ndarray = field(default_factory=lambda: _NONE)
-
-
-def length_menu(
-    cost: CostModel,
-    length: int,
-    sync: str,
-    capacity: int,
-    pow2: bool = False,
-    floor_s: float = 0.0,
-) -> Menu:
-    """Priced degree menu of one length: :func:`length_menus` of one."""
-    return length_menus(cost, [length], sync, capacity, pow2, floor_s)[0]
 
 
 _MENUS: dict[tuple, Menu] = {}
@@ -394,7 +382,7 @@ _EMPTY = Menu(*(np.zeros(0, dtype=np.int64),) * 7)
 
 @lru_cache(maxsize=1024)
 def fastest_height(cost: CostModel, length: int, sync: str, capacity: int) -> float:
-    """The least height of the degrees of :func:`length_menu` (``inf`` where none holds the
+    """The least height of the degrees of :func:`length_menus` (``inf`` where none holds the
     length), without pricing the bound's entries."""
     heights = _zigzag_menus(cost, [length], sync, capacity, bounds=False)[0].height
     return float(heights.min()) if heights.size else math.inf

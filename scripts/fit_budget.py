@@ -67,7 +67,7 @@ def _instrument() -> None:
         t0 = time.process_time()
         out, spent = exact(ctx, plan, report, seconds)
         cells = plan.num_waves * plan.num_ranks
-        trials = round(spent / Budget.trial_s(plan.num_shards, cells))
+        trials = round(spent / Budget.trial_s(plan))
         _recorded("trial", ctx, t0, spent, trials=trials, shards=trials * plan.num_shards,
                   cells=trials * cells)  # fmt: skip
         return out, spent

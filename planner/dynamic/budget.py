@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from ..common import Context
 
 if TYPE_CHECKING:
+    from hdp import Plan
+
     from .local import Work
 
 # The default budget is the first plan's predicted step over this, and at least LEAST_S.
@@ -71,10 +73,10 @@ class Budget:
         return fixed + 1.9e-4 * work.searches + 1e-4 * work.tried + 2.3e-8 * work.cells
 
     @staticmethod
-    def trial_s(shards: int, cells: int) -> float:
-        """Estimated seconds of one trial of :func:`.local.exact_moves`: a plan of ``shards``
-        shards and ``cells`` cells built and priced."""
-        return 6.6e-4 + 5.6e-7 * shards + 1.9e-7 * cells
+    def trial_s(plan: Plan) -> float:
+        """Estimated seconds of one trial of :func:`.local.exact_moves` (or of a join) on
+        ``plan``: a plan of its shards and cells built and priced."""
+        return 6.6e-4 + 5.6e-7 * plan.num_shards + 1.9e-7 * plan.num_waves * plan.num_ranks
 
     def spend(self, seconds: float) -> None:
         self.left_s -= seconds

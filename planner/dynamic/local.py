@@ -98,7 +98,7 @@ class Cells:
             L = sign * int(self.ctx.seq_lens[seq])
             self.busy[cw, cr] = self._busy(tokens, compute, self.busy[cw, cr], after, L)
             self.compute[cw, cr] = after
-            self.tokens[cw, cr] += sign * int(self.ctx.seq_lens[seq])
+            self.tokens[cw, cr] += L
         self.rows_in[w0, r0].remove(k)
         self.rows_in.setdefault((w, r), []).append(k)
         self.wave[k], self.rank[k] = w, r
@@ -210,7 +210,8 @@ def _peer_moves(cells: Cells, work: Work, seconds: float) -> None:
         tail = cells.busy.shape[0]
         best = None  # (new finish of the pair, sequence, wave, rank)
         seqs = [cells.held(w, r) for w in range(int(last_job[r]) + 1, tail)]
-        work.add(sum(x.size for x in seqs), sum(x.size for x in seqs) * cells.busy.size)
+        tried_now = sum(x.size for x in seqs)
+        work.add(tried_now, tried_now * cells.busy.size)
         for w, held in zip(range(int(last_job[r]) + 1, tail), seqs):
             for seq in held.tolist():
                 best = _best_target(cells, seq, w, r, finish, last_job, cap, best)
@@ -269,7 +270,7 @@ def exact_moves(
     step falls and the trials' estimates (:meth:`.budget.Budget.trial_s`) stay within
     ``seconds``; the plan and its report (``None``: none helped), and the seconds charged."""
     best, spent = None, 0.0
-    per_trial = Budget.trial_s(plan.num_shards, plan.num_waves * plan.num_ranks)
+    per_trial = Budget.trial_s(plan)
     tries = int(seconds / per_trial)
     shards = np.bincount(plan.seq, minlength=ctx.seq_lens.size)
     while tries > 0:

@@ -1,7 +1,7 @@
 """The malleable-job MILP of DESIGN.md, with pulp: one degree per long sequence.
 
 Sequences of equal length form a bucket ``b`` (``c_b`` sequences) with the priced menu of
-:func:`hdp.planner.menus.length_menu` (degree ``k``: height ``h_bk`` s, area ``a_bk`` rank-s)::
+:func:`hdp.planner.menus.length_menus` (degree ``k``: height ``h_bk`` s, area ``a_bk`` rank-s)::
 
     minimise    M + eps * (sum_bk a_bk n_bk) / slots
     subject to  sum_k n_bk = c_b                     every sequence gets one degree

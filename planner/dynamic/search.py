@@ -181,7 +181,7 @@ class Search:
         """``peer`` sync: every rank's first cell after its last multi-rank job joins that
         job's cell where it has token room; whether that was faster."""
         plan = self.best[0]
-        cost_s = self.budget.trial_s(plan.num_shards, plan.num_waves * plan.num_ranks)
+        cost_s = self.budget.trial_s(plan)
         if not self.budget.affords(cost_s):
             return False
         self.budget.spend(cost_s)

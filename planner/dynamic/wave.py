@@ -39,13 +39,12 @@ class JobLayer:
 @dataclass(frozen=True)
 class CellChoice:
     """Where a whole sequence goes: the raise of its wave's height (s), the cell's load after
-    it (s), the wave and the rank, and whether the cell offloads to take it."""
+    it (s), the wave and the rank."""
 
     raise_s: float
     new_load: float
     wave: int
     rank: int
-    offloads: bool = False
 
 
 def place_wave(
@@ -275,4 +274,4 @@ def offloaded_cell(
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
     k = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
     w, r = divmod(int(maybe[k]), ranks)
-    return CellChoice(float(raise_by[k]), float(new_load[k]), w, r, True)
+    return CellChoice(float(raise_by[k]), float(new_load[k]), w, r)
