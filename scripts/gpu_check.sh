@@ -81,8 +81,9 @@ if wanted tests; then
   run 240 "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider \
     tests/test_kernels.py tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
 fi
-# One rank on CUDA: NCCL process group, no FSDP (one rank has nothing to shard), bf16 autocast,
-# the auto-selected attention backend in dist_attn (FlashAttention); then measured / predicted of
+# One rank on CUDA with hdp's defaults: NCCL process group, no FSDP (one rank has nothing to
+# shard), bf16 autocast, the auto-selected attention backend in dist_attn, the fewest recomputed
+# layers that fit (the plain and minimal loops recompute every layer); then measured / predicted of
 # every step (the target: 0.9-1.1 after the first two); then on the same batches, each with its
 # tokens/s and MFU printed beside hdp's: the plain packed-sequence loop (hdp's model, one varlen
 # call per layer) and the minimal loop (scripts/minimal_llama.py: torch alone, as a user writes it).
@@ -91,7 +92,7 @@ train() {  # train SEQ TOKENS WORKLOAD STEPS
   run 240 "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run \
     --standalone --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload "$workload" \
     --max-seq "$seq" --tokens-per-step "$tokens" --steps "$steps" --warmup 2 \
-    --activation-checkpointing --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
+    --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
   run 30 "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics \
     "$OUT_DIR/train_metrics_$seq.jsonl"
   for impl in hdp minimal; do
@@ -108,7 +109,7 @@ variant() {  # variant NAME FLAG
   local name=$1 flag=$2
   run 300 "llama-1b training at 32K with $flag" $PY -m torch.distributed.run --standalone \
     --nproc-per-node 1 launch/pretrain.py --model llama-1b --workload wlb-128k --max-seq 32K \
-    --tokens-per-step 64K --steps 8 --warmup 2 --activation-checkpointing "$flag" \
+    --tokens-per-step 64K --steps 8 --warmup 2 "$flag" \
     --metrics "$OUT_DIR/train_metrics_32K_$name.jsonl"
   run 30 "$name / eager tokens/s at 32K" $PY -c '
 import json, statistics, sys
