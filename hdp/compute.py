@@ -27,7 +27,8 @@ Activation checkpointing recomputes a layer's forward in backward: the forward i
 1/3 of a GEMM's or memory-bound op's forward + backward time and 1/3.5 of attention's (its
 backward does 2.5x the forward's FLOPs). Those shares are assumed, not measured. Where only some
 layers are checkpointed (``recompute_share`` of them), a layer's price is the mean over the
-layers: its forward is recomputed ``recompute_share`` times on average.
+layers: its forward is recomputed ``recompute_share`` times on average. Where the recomputed
+layers keep attention's output (``attention_kept``), only their dense work runs again.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ComputeModel:
     attention_backend: str | None = None
     tensor_parallel: int = 1
     recompute_share: float = 1.0  # of the layers, with activation checkpointing
+    attention_kept: bool = False  # the recomputed layers keep attention's output (no rerun)
 
     @property
     def backend(self) -> str:
@@ -66,9 +68,14 @@ class ComputeModel:
         return self.recompute_share if self.activation_checkpointing else 0.0
 
     @property
+    def attention_recomputed(self) -> float:
+        """Share of the layers whose attention (with its exchanges) runs again in backward."""
+        return 0.0 if self.attention_kept else self.recomputed
+
+    @property
     def attn_recompute(self) -> float:
         """Attention time with recompute over its forward + backward time."""
-        return 1.0 + self.recomputed / 3.5
+        return 1.0 + self.attention_recomputed / 3.5
 
     @property
     def dense_recompute(self) -> float:

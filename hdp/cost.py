@@ -63,6 +63,9 @@ class CostModel:
         activation_checkpointing: recompute layers in backward (stores only their inputs).
         checkpointed_layers: with activation checkpointing, how many layers are recomputed (the
             first ones; ``None``: every layer); the others keep their activations.
+        kept_attention: the recomputed layers keep attention's q, k, v, output and LSE, and
+            recompute only the work around it (Note [Selective activation checkpointing] in
+            :mod:`hdp.launch.model`).
         capacity_override: tokens per rank per wave to use instead of the memory-derived value.
         grad_accum_bytes: bytes per parameter of the unsharded gradient accumulators (``peer``).
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
@@ -97,6 +100,7 @@ class CostModel:
     dkv_bytes: int = 4
     checkpointed_layers: int | None = None
     own_runtimes: bool = True
+    kept_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.dkv_bytes not in (2, 4):
@@ -140,13 +144,14 @@ class CostModel:
             self.attention_backend,
             self.tensor_parallel,
             self.recomputed_layers / self.model.layers,
+            self.kept_attention,
         )
 
     @property
     def attn_fwd_share(self) -> float:
         """Part of a layer's attention time spent in the forward pass: backward does 2.5x the
         forward's FLOPs, and with checkpointing also the forward again."""
-        return 1.0 / (3.5 + self.compute.recomputed)
+        return 1.0 / (3.5 + self.compute.attention_recomputed)
 
     @staticmethod
     def causal_pairs(start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray | float:
@@ -250,11 +255,16 @@ class CostModel:
 
     @cached_property
     def ckpt_bytes_per_token(self) -> float:
-        """Activation bytes per token kept across layers (layer inputs; offloadable)."""
+        """Activation bytes per token kept across layers (layer inputs, and attention's q, k, v,
+        output and fp32 LSE where the layers keep them; offloadable)."""
         m = self.model
         hidden = m.hidden / self.tensor_parallel  # layer inputs are split (sequence parallel)
+        per_layer = hidden * m.dtype_bytes
+        if self.kept_attention:
+            q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+            per_layer += (2 * q + 2 * kv) * m.dtype_bytes + 4 * m.heads
         layers = self.recomputed_layers
-        return float(layers * hidden * m.dtype_bytes) * self.cluster.gpu.activation_memory_scale
+        return float(layers * per_layer) * self.cluster.gpu.activation_memory_scale
 
     @cached_property
     def working_bytes_per_token(self) -> float:

@@ -57,7 +57,7 @@ def _ulysses(cost: CostModel, plan: Plan) -> ExchangeCost:
     groups = ulysses.Groups.of(plan)
     split = groups.degree > 1
     lens, g = plan.seq_lens[groups.seq[split]], groups.degree[split]
-    ckpt = cost.compute.recomputed
+    ckpt = cost.compute.attention_recomputed
     per_layer = ulysses.comm_time(m, c, lens, g, ckpt)
     cell = groups.wave[split] * plan.num_ranks + groups.rank[split]
     size = plan.num_waves * plan.num_ranks

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None, *, prog: str = "pretrain.py") -> int:
     die_with_launcher()
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(thread_count(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # Whole-step peaks are planned close to the GPU's memory; the caching allocator's default
+    # fixed-size segments can leave gigabytes reserved but unusable for the next large tensor.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     rank, world, per_node, device = init_distributed(config.training.device, prog)
     try:
         code = train(config, rank=rank, world=world, per_node=per_node, device=device, prog=prog)

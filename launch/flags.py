@@ -338,9 +338,9 @@ def _planning_flags(g) -> None:
     g.add_argument(
         "--keep-attention",
         action="store_true",
-        help="with --activation-checkpointing, keep attention's output and LSE instead of "
-        "recomputing attention in backward (more memory than the cost model plans for: lower "
-        "--capacity if memory runs out)",
+        help="with --activation-checkpointing, keep attention's q, k, v, output and LSE instead "
+        "of recomputing attention in backward (the cost model plans for their memory; by "
+        "default a run keeps them where that is the cheaper way to fit)",
     )
     gpu = g.add_mutually_exclusive_group()
     gpu.add_argument(

@@ -17,8 +17,10 @@ attention instead (RMSNorm, the projections and RoPE before it; the output proje
 residual and the MLP after it) and keeps what attention's backward needs anyway: its q, k, v, its
 output and log-sum-exp (``dist_attn`` saves them). Backward then recomputes the two regions and
 never attention. The price is memory: per token and layer, q, k, v and the output
-(``2 * (heads + kv_heads) * head_dim`` values) and the fp32 LSE beside the layer's input, which
-the cost model's memory estimate (full checkpointing) does not count, so it is opt-in.
+(``2 * (heads + kv_heads) * head_dim`` values) and the fp32 LSE beside the layer's input. The
+cost model counts them (``CostModel.kept_attention``), and a run that leaves
+``--activation-checkpointing`` to its default keeps attention where that is the cheaper way to
+fit (Note [Recomputing the fewest layers] in :mod:`hdp.launch.setup`).
 
 Note [Compiled layers]
 ----------------------
@@ -148,7 +150,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, (self.gate_proj, self.up_proj), fused=x.is_cuda)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(SwiGLU.apply(gate, up))
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` keeping only ``gate`` and ``up`` for backward, which recomputes
+    ``silu(gate)``: autograd of the two ops would keep it too, another ``ffn`` values per token
+    and layer. Backward runs the ops autograd would, so the gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 class DecoderLayer(nn.Module):
@@ -261,7 +279,10 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed(input_ids)
-        rope = self.rotary.angles(position_ids, compute_dtype(x))  # once for every layer
+        # The residual stream in the compute dtype, as FSDP's bf16 parameters give it on more
+        # ranks: autocast alone would keep it in fp32, and every norm would save an fp32 input.
+        x = x.to(compute_dtype(x))
+        rope = self.rotary.angles(position_ids, x.dtype)  # once for every layer
         # Selective offload: the first ``offload`` share of the recomputed layers (of all, without
         # checkpointing) keep what backward needs (with checkpointing, just their inputs) in host
         # memory, copied back when backward comes.

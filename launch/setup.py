@@ -16,11 +16,20 @@ activations are alive only as long as a recomputed layer's would be, and its inp
 kept), so ``L - 1`` recomputed layers hold the most tokens; below it, fewer recomputed layers
 always hold fewer, so a bisection finds ``k``.
 
+The other way to fit keeps attention's output in the recomputed layers (Note [Selective
+activation checkpointing] in :mod:`hdp.launch.model`): each recomputes only its dense work, and
+holds q, k, v, the output and the LSE besides its input. It needs more layers recomputed, found by
+the same bisection up to all ``L``, or cannot fit at all. :func:`cheapest_recompute` takes the
+cheaper of the two, priced on a rank's wave of the longest sequence: with long sequences the
+attention a whole recompute repeats outweighs the dense work of the extra layers.
+
 Worked example, llama-1b (16 layers) on one rank priced as an H100, ``--max-seq 64K
 --tokens-per-step 128K``: without recompute a rank holds 33,536 tokens, less than one sequence.
 With all 16 layers recomputed it holds 301,568, so a step takes one wave; with 13, 147,712 (one
-wave); with 12, 117,120 (two). The run recomputes 13 layers: the dense work of a step is priced
-3.53 s instead of 3.65 s.
+wave); with 12, 117,120 (two). Recomputing 13 layers whole, the dense work of a step is priced
+3.53 s instead of 3.65 s. Keeping attention, 15 layers fit a step in one wave; a layer of a
+64K-token sequence then costs 290 ms, against 335 ms recomputed whole, so the run keeps
+attention.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
@@ -87,12 +97,13 @@ def resolve_auto(
         )
         config = config.resolved(planning={"activation_checkpointing": needed})
         if needed:
-            layers = fewest_checkpointed_layers(
+            config = cheapest_recompute(
                 config, spec=spec, world=world, per_node=per_node, device=device
             )
-            config = config.resolved(planning={"checkpointed_layers": layers})
+            layers = config.planning.checkpointed_layers
+            kept = " (keeping attention)" if config.planning.keep_attention else ""
             log(
-                f"activation checkpointing of {layers} of {spec.layers} layers: --max-seq "
+                f"activation checkpointing of {layers} of {spec.layers} layers{kept}: --max-seq "
                 f"{config.data.max_seq} and --tokens-per-step "
                 f"{format_size(config.data.tokens_per_step or 0)} need it on "
                 f"{plural(world, 'rank')} (Note [Recomputing the fewest layers])"
@@ -142,6 +153,7 @@ def build_pricing(
         attention_backend=priced_attention_backend(config.training.attention_backend, device, gpu),
         activation_checkpointing=planning.activation_checkpointing,
         checkpointed_layers=planning.checkpointed_layers,
+        kept_attention=bool(planning.activation_checkpointing and planning.keep_attention),
         capacity=planning.capacity,
         sync=planning.sync,
         kv_exchange=planning.kv_exchange,
@@ -165,17 +177,24 @@ def checkpointing_needed(
 
 
 def fewest_checkpointed_layers(
-    config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
-) -> int:
-    """Note [Recomputing the fewest layers]: the fewest first layers to recompute such that a
-    step plans as with all but the last recomputed (the most tokens a rank holds), in the same
-    sync mode and as few waves."""
+    config: RunConfig,
+    *,
+    spec: ModelSpec,
+    world: int,
+    per_node: int,
+    device: torch.device,
+    keep_attention: bool = False,
+) -> int | None:
+    """Note [Recomputing the fewest layers]: the fewest first layers to recompute (keeping
+    attention's output where ``keep_attention``) such that a step plans as with all but the last
+    fully recomputed (the most tokens a rank holds), in the same sync mode and as few waves;
+    ``None`` where keeping attention in every layer does not."""
     strategy = get_strategy(config.planning.strategy)
     share = -(-(config.data.tokens_per_step or 0) // world)  # a rank's tokens of a step
     pricing = build_pricing(config, spec=spec, world=world, per_node=per_node, device=device)
 
-    def settled(layers: int) -> tuple[str, int] | None:
-        cost = replace(pricing.cost, checkpointed_layers=layers)
+    def settled(layers: int, kept: bool) -> tuple[str, int] | None:
+        cost = replace(pricing.cost, checkpointed_layers=layers, kept_attention=kept)
         try:
             _, sync, cap = replace(pricing, cost=cost).settle(strategy, config.data.max_seq)
         except PlanningError:
@@ -183,14 +202,51 @@ def fewest_checkpointed_layers(
         return sync, -(-share // cap)
 
     most = max(spec.layers - 1, 1)
-    every = settled(most)
+    every = settled(most, False)
     if every is None:
         return spec.layers  # planning says why once training plans
-    low, high = -1, most  # settled(high) == every; fewer layers hold fewer tokens
+    high = spec.layers if keep_attention else most
+    if settled(high, keep_attention) != every:
+        return None
+    low = -1  # settled(high) == every; fewer layers hold fewer tokens
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if settled(mid) == every else (mid, high)
+        low, high = (low, mid) if settled(mid, keep_attention) == every else (mid, high)
     return high
+
+
+def cheapest_recompute(
+    config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device
+) -> RunConfig:
+    """``config`` with the cheaper of Note [Recomputing the fewest layers]'s two ways to fit:
+    the fewest layers recomputed whole, or the fewest keeping attention's output (more layers,
+    each recomputing only its dense work), priced on a rank's wave of the longest sequence (its
+    share of that sequence's attention where the sequence does not fit one rank)."""
+
+    def priced(layers: int, keep: bool) -> tuple[float, RunConfig]:
+        chosen = config.resolved(planning={"checkpointed_layers": layers, "keep_attention": keep})
+        pricing = build_pricing(chosen, spec=spec, world=world, per_node=per_node, device=device)
+        _, _, cap = pricing.settle(get_strategy(config.planning.strategy), config.data.max_seq)
+        longest = np.array([config.data.max_seq], dtype=np.float64)
+        held = min(config.data.max_seq, cap)  # a balanced share of it where it does not fit
+        cost = pricing.cost
+        attention = cost.attn_time(np.zeros(1), longest)[0] * held / longest[0]
+        dense = cost.compute.layer_time(np.array([held], dtype=np.float64))[0]
+        return float(attention + dense) * spec.layers, chosen
+
+    options = []
+    for keep in (False, True):
+        layers = fewest_checkpointed_layers(
+            config, spec=spec, world=world, per_node=per_node, device=device, keep_attention=keep
+        )
+        if layers is not None:
+            try:
+                options.append(priced(layers, keep))
+            except PlanningError:  # planning says why once training plans
+                options.append(
+                    (float("inf"), config.resolved(planning={"checkpointed_layers": layers}))
+                )
+    return min(options, key=lambda option: option[0])[1]
 
 
 def detect_gpu(device: torch.device) -> str:
@@ -354,6 +410,7 @@ __all__ = [
     "build_pricing",
     "build_sources",
     "checkpointing_needed",
+    "cheapest_recompute",
     "detect_gpu",
     "resolve_auto",
 ]

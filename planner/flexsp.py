@@ -185,7 +185,9 @@ def _job_time(ctx: Context, length: int, degree: int) -> float:
         return float(split_times(cost, np.array([length]), np.array([degree]), ctx.sync)[0][0])
     m = cost.model
     attn = float(cost.attn_time(np.zeros(1), np.array([length]))[0]) / degree
-    comm = float(ulysses.comm_time(m, cost.cluster, length, degree, cost.compute.recomputed))
+    comm = float(
+        ulysses.comm_time(m, cost.cluster, length, degree, cost.compute.attention_recomputed)
+    )
     dense = float(cost.dense_time(np.array([-(-length // degree)]))[0])
     return m.layers * (attn + comm) + dense
 

@@ -203,7 +203,7 @@ def head_split_times(
     d = parts[rep]
     whole = cost.attn_time(np.zeros(lengths.size), lengths)[rep]
     compute = m.layers * whole / d + cost.dense_time(held)
-    ckpt = cost.compute.recomputed
+    ckpt = cost.compute.attention_recomputed
     comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
     n = lengths.size
     busy, height, most = _jobs(cost, sync, n, rep, held, compute, comm)
@@ -240,7 +240,7 @@ def ulysses_options(
     g = np.concatenate([np.arange(lo, most + 1) for lo in least] or [np.zeros(0)]).astype(float)
     lens = np.asarray(lengths, dtype=np.float64)
     L = np.repeat(lens, sizes)
-    links = ulysses.links(m, cost.cluster, L, g, cost.compute.recomputed)
+    links = ulysses.links(m, cost.cluster, L, g, cost.compute.attention_recomputed)
     comm = ulysses.link_seconds(cost.cluster.gpu, links)
     attn = np.repeat(cost.attn_time(np.zeros(lens.size), lens), sizes)
     per_token = cost.compute.least_dense_s_per_token(off_cap)

@@ -78,7 +78,9 @@ run() {  # run SECONDS NAME COMMAND...: record pass / fail / timeout and the tim
 }
 
 if wanted tests; then
-  run 240 "GPU kernel, cuDNN backend and dist_attn tests" $PY -m pytest -q -rs -p no:cacheprovider \
+  # -P: the repository's hdp/ folder, first on the path from the working directory, would hide
+  # the laid-out namespace (hdp.attention, ...) on a machine where hdp is not installed.
+  run 240 "GPU kernel, cuDNN backend and dist_attn tests" $PY -P -m pytest -q -rs -p no:cacheprovider \
     tests/test_kernels.py tests/test_cudnn_backend.py tests/test_dist_attn.py -k "gpu or cuda"
 fi
 # One rank on CUDA with hdp's defaults: NCCL process group, no FSDP (one rank has nothing to
@@ -154,7 +156,7 @@ fi
 # Six workers fit one device call (one worker takes over 20 minutes); -v names each failure in the
 # log as it happens, so a run cut short by the lease still says what failed.
 if wanted suite; then
-  run 540 "whole test suite" $PY -m pytest -v -rfE -p no:cacheprovider -p no:benchmark \
+  run 540 "whole test suite" $PY -P -m pytest -v -rfE -p no:cacheprovider -p no:benchmark \
     -n 6 --dist loadfile --timeout 300 --junitxml "$OUT_DIR/suite.xml" tests
 fi
 {

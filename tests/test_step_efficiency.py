@@ -235,7 +235,7 @@ def test_the_fewest_recomputed_layers_are_those_a_scan_finds():
 
     spec = model_preset("llama-1b")
     device = torch.device("cuda", 0)  # priced as the --gpu preset; nothing runs on it
-    cases = ((64, 128, 1), (64, 1024, 4), (256, 512, 8), (16, 64, 2), (64, 302, 1))
+    cases = ((64, 128, 1), (64, 1024, 4), (256, 512, 8), (16, 64, 2), (64, 302, 1), (128, 128, 1))
     for max_seq, tokens, world in cases:
         config = checked(
             RunConfig(
@@ -265,6 +265,53 @@ def test_the_fewest_recomputed_layers_are_those_a_scan_finds():
             config, spec=spec, world=world, per_node=world, device=device
         )
         assert found == scan, (max_seq, tokens, world)
+        # Keeping attention: the fewest layers that plan as L - 1 recomputed whole, if any.
+        kept = config.resolved(planning={"keep_attention": True})
+        scan = [k for k in range(spec.layers + 1) if outcome(k, kept) == every]
+        found = fewest_checkpointed_layers(
+            config, spec=spec, world=world, per_node=world, device=device, keep_attention=True
+        )
+        assert found == (min(scan) if scan else None), (max_seq, tokens, world)
+        assert not scan or scan == list(range(min(scan), spec.layers + 1))
+
+
+def test_kept_attention_costs_the_memory_dist_attn_saves():
+    """With attention kept, what autograd saves outside the checkpointed regions grows by
+    dist_attn's q, k, v, output and LSE: per token and layer, the cost model's difference
+    between keeping attention and recomputing it whole."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from hdp import ClusterSpec, CostModel, Plan, gpu_preset
+    from hdp.launch.model import AttentionContext
+
+    spec = replace(model_preset("tiny"), dtype_bytes=4)  # fp32 on the CPU
+    lens = [30, 45, 9]
+    plan = Plan.from_shards(lens, 1, [[[(i, 0, n) for i, n in enumerate(lens)]]])
+    ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    saved = []
+    for keep in (False, True):
+        model = Llama(spec, activation_checkpointing=True, keep_attention=keep)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t, storages=storages, params=params):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, pos, AttentionContext(plan, 0), ids)
+        saved.append(sum(storages.values()))
+    gpu = replace(gpu_preset("h100"), activation_memory_scale=1.0)
+    per_token = [
+        CostModel(spec, ClusterSpec(1, 1, gpu), kept_attention=keep).ckpt_bytes_per_token
+        for keep in (False, True)
+    ]
+    assert saved[1] - saved[0] == np.float64(per_token[1] - per_token[0]) * sum(lens)
 
 
 def _liger_stand_in(monkeypatch):
