@@ -7,7 +7,8 @@
 # and fusedloss (after train32k: the same run with --compile or --fused-loss, tokens/s side by
 # side) run when named; --full adds the CPU test suite under the CUDA torch (7-9 minutes on 16
 # cores). On an H200, tests,
-# train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2.
+# train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2;
+# on an H100, train32k took 2 minutes, train128k about 3.5, compile and fusedloss 1-2 each.
 # Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository's
 # folders are laid out as the hdp namespace in a scratch folder of links and put on PYTHONPATH;
 # wheels in ./.whl, if any, are installed into a scratch folder first: for a machine without
@@ -134,7 +135,7 @@ if wanted plans; then
   run 120 "attention of real plans, measured / predicted" $PY scripts/bench_fidelity.py attention \
     --gpus 1024 --backends torch_flash --device cuda
 fi
-wanted train128k && train 128K 128K byted-2m 6
+wanted train128k && train 128K 128K byted-2m 5
 if wanted blocks; then
   run 120 "block-size benchmark" $PY scripts/bench_attention.py --gpu
   run 180 "attention backends on shard shapes, head_dim 64" $PY scripts/bench_attention.py \
