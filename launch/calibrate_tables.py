@@ -13,9 +13,10 @@ Rows (columns as in ``hdp.profile/1``):
   varlen call: ``b`` causal documents of ``a`` tokens, or ``a`` queries against ``b`` keys with no
   mask (one segment).
 * gemm: ``F.linear(x [tokens, in], w [out, in])`` and both backward products.
-* memory_bound: ``rmsnorm`` (:class:`hdp.launch.model.RMSNorm`), ``swiglu`` (``F.silu(g) * u``),
-  ``residual_add`` (``x + y``), ``rope`` (:class:`hdp.launch.rope.Rotary` on ``[tokens,
-  width / head_dim, head_dim]``) and ``cast`` (fp32 to the run dtype; on CPU, where the run
+* memory_bound: ``rmsnorm`` (:class:`hdp.launch.model.RMSNorm`), ``swiglu``
+  (:class:`hdp.launch.model.SwiGLU`), ``residual_add`` (``x + y``), ``rope`` (the rotation of
+  ``[tokens, width / head_dim, head_dim]`` by angles made once, as a forward pass shares them
+  between layers) and ``cast`` (fp32 to the run dtype; on CPU, where the run
   dtype is fp32, a cast to bf16 and back), each on ``[tokens, width]``.
 * optimizer: one AdamW step over ``params`` fp32 parameters (tensors of at most 16M elements,
   gradients set): fused on CUDA, foreach otherwise.
@@ -38,7 +39,7 @@ from hdp import ModelSpec, Plan, RoPE
 from hdp.attention.kernels import AttentionBackend
 from hdp.profile_quality import RepeatRule, spread, typical
 
-from .model import AttentionContext, DecoderLayer, RMSNorm
+from .model import AttentionContext, DecoderLayer, RMSNorm, SwiGLU
 from .rope import Rotary
 
 # Kernel names as a profile spells them.
@@ -384,15 +385,15 @@ def _memory_op(bench: Bench, op: str, width: int, tokens: int, head_dim: int):
         return (lambda: norm(x)), (x, norm.weight)
     if op == "swiglu":
         g, u = (bench.randn(tokens, width, grad=True) for _ in range(2))
-        return (lambda: F.silu(g) * u), (g, u)
+        return (lambda: SwiGLU.apply(g, u)), (g, u)
     if op == "residual_add":
         x, y = (bench.randn(tokens, width, grad=True) for _ in range(2))
         return (lambda: x + y), (x, y)
     if op == "rope":
         x = bench.randn(tokens, width // head_dim, head_dim, grad=True)
         pos = torch.arange(tokens, device=bench.device)
-        rotary = Rotary(RoPE(), head_dim)
-        return (lambda: rotary(x, pos)), (x,)
+        angles = Rotary(RoPE(), head_dim).angles(pos, bench.dtype)
+        return (lambda: angles.rotate(x)), (x,)
     if op == "cast":
         x = bench.randn(tokens, width, grad=True, dtype=torch.float32)
         if bench.dtype == torch.float32:  # CPU: no narrower run dtype; a bf16 round trip

@@ -98,7 +98,7 @@ class RopeAngles:
 
 
 class Rotary:
-    """Rotates queries and keys by their positions; the frequencies are computed once per device
+    """The angles queries and keys are rotated by; the frequencies are computed once per device
     (not a module buffer: a model built on the meta device needs nothing filled in)."""
 
     def __init__(self, rope: RoPE, dim: int) -> None:
@@ -116,7 +116,3 @@ class Rotary:
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
         return RopeAngles(cos.to(dtype), sin.to(dtype))
-
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, heads, head_dim]`` rotated by the angles of ``position_ids`` ``[T]``."""
-        return self.angles(position_ids).rotate(x)
