@@ -43,6 +43,7 @@ from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
 from .degrees import packed_time
+from .dynamic.options import DynamicOptions
 from .menus import fastest_height, menu_floor
 from .pricing import Settled, StepPricing
 from .splits import head_split_times, split_times
@@ -119,13 +120,17 @@ def plan_and_evaluate(
     ):
         by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
         heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync))
-        other, other_report = _plan_once(strategy, heads, options, validate)
+        other, other_report = _plan_once(strategy, heads, _rest_of_budget(options, plan), validate)
         spent = report.plan_time_s + time.perf_counter() - t0
         # Menus price P2P bytes in their exchange: the lesser bound holds for both plans.
         bound = min(plan.predicted["bound_s"], other.predicted["bound_s"])
+        searched = plan.predicted.get("search_s", 0.0) + other.predicted.get("search_s", 0.0)
+        budget = plan.predicted.get("budget_s")
         if other_report.step_time_s < report.step_time_s:
             plan, report, cap = other, other_report, heads.capacity
         plan.predicted["bound_s"] = bound
+        if budget is not None:  # one step's budget, shared by both searches
+            plan.predicted.update(budget_s=budget, search_s=searched)
         report = replace(report, plan_time_s=spent)
     plan.predicted.update(report.summary())
     plan.predicted["capacity"] = float(cap)
@@ -230,6 +235,15 @@ def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: in
         if any(np.isfinite(h).any() and h.min() < r.min() for h, r in zip(split, ring)):
             return True
     return False
+
+
+def _rest_of_budget(options: Any, plan: Plan) -> Any:
+    """``options`` for a second search of the step (``auto``'s head-parallel plan): with what
+    the first search's budget left, where it had one (``hdp``)."""
+    if not isinstance(options, DynamicOptions) or "budget_s" not in plan.predicted:
+        return options
+    left = plan.predicted["budget_s"] - plan.predicted.get("search_s", 0.0)
+    return replace(options, plan_budget_s=max(0.0, left))
 
 
 def _plan_once(

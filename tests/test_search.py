@@ -117,6 +117,21 @@ def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
         assert np.array_equal(getattr(plans[0], field), getattr(plans[1], field))
 
 
+def test_both_searches_of_a_step_share_its_budget():
+    """Under ``auto`` at 16 ranks the head-parallel search runs beside the P2P one; the plan
+    says what the step had and what both searches charged, within a fifth of the budget."""
+    from hdp.planner import StepPricing, plan_and_evaluate
+    from hdp.workloads import get_workload
+
+    lens = get_workload("wikipedia-384k").sample_batch(np.random.default_rng(0), 16 * 8192)
+    pricing = StepPricing.build(model_preset("llama-7b"), ClusterSpec.preset("h100", 16))
+    for budget in (0.0, 0.02, 0.05):
+        options = DynamicOptions(plan_budget_s=budget)
+        plan, _ = plan_and_evaluate(lens, pricing, "hdp", hdp_options=options)
+        assert plan.predicted["budget_s"] == budget
+        assert plan.predicted["search_s"] <= 1.2 * budget
+
+
 def test_the_worked_example_of_the_note():
     """Note [One search]: the rounding splits 32K over 4 ranks and 24K over 3, widen gives the
     32K one 5 ranks, join leaves one cell a rank; each step is faster than the one before."""

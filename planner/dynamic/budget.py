@@ -36,6 +36,12 @@ class Budget:
     def __post_init__(self) -> None:
         self.total_s = self.left_s
 
+    def record(self, plan: Plan) -> None:
+        """Say in ``plan.predicted`` what the search had (``budget_s``) and charged
+        (``search_s``) past its first plan."""
+        plan.predicted["budget_s"] = self.total_s
+        plan.predicted["search_s"] = max(0.0, self.total_s - self.left_s)
+
     @classmethod
     def for_step(cls, given_s: float | None, step_s: float) -> Budget:
         """``given_s``, or where ``None`` the default of :class:`~.options.DynamicOptions` for a

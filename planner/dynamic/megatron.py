@@ -132,10 +132,13 @@ def _moved(
     keep every sequence on its rank group) within the budget, where that is faster with its
     padding priced; and its step."""
     budget = Budget.for_step(options.plan_budget_s, step_s)
-    improved = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s)[0]
+    improved, work = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s)
+    budget.spend(budget.move_s(ctx, work))
+    budget.record(plan)
     if improved is None:
         return plan, step_s
     moved = improved[0]
+    budget.record(moved)
     moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
     return (moved, moved_s) if moved_s < step_s else (plan, step_s)
 

@@ -318,6 +318,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     plan.predicted.update(info)
     plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
+    search.budget.record(plan)
     return plan
 
 
