@@ -16,7 +16,8 @@ Rows (columns as in ``hdp.profile/1``):
 * memory_bound: ``rmsnorm`` (:class:`hdp.launch.model.RMSNorm`), ``swiglu``
   (:class:`hdp.launch.model.SwiGLU`), ``residual_add`` (``x + y``), ``rope`` (the rotation of
   ``[tokens, width / head_dim, head_dim]`` by angles made once, as a forward pass shares them
-  between layers) and ``cast`` (fp32 to the run dtype; on CPU, where the run
+  between layers), ``cross_entropy`` (a chunk's loss on its ``[tokens, vocab]`` logits) and
+  ``cast`` (fp32 to the run dtype; on CPU, where the run
   dtype is fp32, a cast to bf16 and back), each on ``[tokens, width]``.
 * optimizer: one AdamW step over ``params`` fp32 parameters (tensors of at most 16M elements,
   gradients set): fused on CUDA, foreach otherwise.
@@ -39,11 +40,11 @@ from hdp import ModelSpec, Plan, RoPE
 from hdp.attention.kernels import AttentionBackend
 from hdp.profile_quality import RepeatRule, spread, typical
 
-from .model import AttentionContext, DecoderLayer, RMSNorm, SwiGLU
+from .model import AttentionContext, DecoderLayer, RMSNorm, SwiGLU, token_loss_sum
 from .rope import Rotary
 
 # Kernel names as a profile spells them.
-MEMORY_OPS = ("rmsnorm", "swiglu", "residual_add", "rope", "cast")
+MEMORY_OPS = ("rmsnorm", "swiglu", "residual_add", "rope", "cast", "cross_entropy")
 # Tensors of [tokens x width] one forward + backward of each op holds at its peak, roughly:
 # (in the run dtype, in fp32).
 _MEMORY_OP_COPIES = {
@@ -52,6 +53,7 @@ _MEMORY_OP_COPIES = {
     "residual_add": (5, 0),
     "rope": (3, 6),
     "cast": (2, 2),
+    "cross_entropy": (2, 3),
 }
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 K, M = 1 << 10, 1 << 20
@@ -368,11 +370,11 @@ def gemm_rows(bench: Bench, models: Iterable[ModelSpec]) -> Rows:
 
 def memory_widths(models: Iterable[ModelSpec]) -> list[tuple[str, int, int]]:
     """``(op, width, head_dim)``: hidden for rmsnorm, residual_add and cast, ffn for swiglu,
-    heads x head_dim for rope."""
+    heads x head_dim for rope, vocab for cross_entropy."""
     out = []
     for m in models:
         widths = {"rmsnorm": m.hidden, "swiglu": m.ffn, "residual_add": m.hidden}
-        widths |= {"rope": m.heads * m.head_dim, "cast": m.hidden}
+        widths |= {"rope": m.heads * m.head_dim, "cast": m.hidden, "cross_entropy": m.vocab}
         out += [(op, widths[op], m.head_dim) for op in MEMORY_OPS]
     return _unique(out)
 
@@ -399,6 +401,10 @@ def _memory_op(bench: Bench, op: str, width: int, tokens: int, head_dim: int):
         if bench.dtype == torch.float32:  # CPU: no narrower run dtype; a bf16 round trip
             return (lambda: x.to(torch.bfloat16).to(torch.float32)), (x,)
         return (lambda: x.to(bench.dtype)), (x,)
+    if op == "cross_entropy":  # one chunk of the loss after its LM head, as the model runs it
+        logits = bench.randn(tokens, width, grad=True)
+        labels = torch.randint(0, width, (tokens,), device=bench.device)
+        return (lambda: token_loss_sum(logits.float(), labels)), (logits,)
     raise ValueError(f"unknown memory-bound op {op!r}")
 
 

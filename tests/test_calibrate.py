@@ -65,7 +65,7 @@ def test_quick_cpu_measure_writes_a_complete_profile(quick_run):
     kinds = {row[1] for row in data["tables"]["attention"]["rows"]}
     assert kinds == {"causal", "full"}
     ops = {row[0] for row in data["tables"]["memory_bound"]["rows"]}
-    assert ops == {"rmsnorm", "swiglu", "residual_add", "rope", "cast"}
+    assert ops == {"rmsnorm", "swiglu", "residual_add", "rope", "cast", "cross_entropy"}
     assert {row[0] for row in data["tables"]["collective"]["rows"]} >= {"all_gather", "p2p"}
     # the tiny model's linear layers, all of them
     shapes = {(row[1], row[2]) for row in data["tables"]["gemm"]["rows"]}
