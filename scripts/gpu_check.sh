@@ -3,12 +3,12 @@
 # Run on a machine with a CUDA GPU from the repository root:
 #   bash scripts/gpu_check.sh [--only SECTION,...] [--full] [OUT_DIR]
 # Sections, in the order they run (each under its own time limit, so one hang costs its limit,
-# not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate; compile
-# and fusedloss (after train32k: the same run with --compile or --fused-loss, tokens/s side by
-# side) run when named; --full adds the CPU test suite under the CUDA torch (7-9 minutes on 16
-# cores). On an H200, tests,
-# train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate over 2;
-# on an H100, train32k took 2 minutes, train128k about 3.5, compile and fusedloss 1-2 each.
+# not the whole lease): tests, train32k, backends, plans, train128k, blocks, calibrate. Run only
+# when named: compile and fusedloss (after train32k: the same run with --compile or --fused-loss,
+# tokens/s side by side), plain (the plain loop of hdp's model beside each training run) and
+# suite (--full: the CPU test suite under the CUDA torch, 7-9 minutes on 16 cores). On an H200,
+# tests, train32k, backends and plans took 3 minutes in all, train128k about 3 more, calibrate
+# over 2; on an H100, train32k took 2 minutes, train128k about 3.5, compile and fusedloss 1-2 each.
 # Python: ./.venv if it has a CUDA torch, else the python3 on PATH if it has one (the repository's
 # folders are laid out as the hdp namespace in a scratch folder of links and put on PYTHONPATH;
 # wheels in ./.whl, if any, are installed into a scratch folder first: for a machine without
@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
 done
 for s in ${ONLY//,/ }; do
   case $s in
-    tests|train32k|compile|fusedloss|backends|plans|train128k|blocks|calibrate|suite) ;;
+    tests|train32k|compile|fusedloss|plain|backends|plans|train128k|blocks|calibrate|suite) ;;
     *) echo "gpu_check.sh: unknown section '$s' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,8 +88,9 @@ fi
 # shard), bf16 autocast, the auto-selected attention backend in dist_attn, the fewest recomputed
 # layers that fit (the plain and minimal loops recompute every layer); then measured / predicted of
 # every step (the target: 0.9-1.1 after the first two); then on the same batches, each with its
-# tokens/s and MFU printed beside hdp's: the plain packed-sequence loop (hdp's model, one varlen
-# call per layer) and the minimal loop (scripts/minimal_llama.py: torch alone, as a user writes it).
+# tokens/s and MFU printed beside hdp's: the minimal loop (scripts/minimal_llama.py: torch alone,
+# as a user writes it) and, where the plain section is named, the plain packed-sequence loop
+# (hdp's model, one varlen call per layer).
 train() {  # train SEQ TOKENS WORKLOAD STEPS
   local seq=$1 tokens=$2 workload=$3 steps=$4
   run 240 "llama-1b training at $seq on CUDA (torchrun, NCCL, bf16)" $PY -m torch.distributed.run \
@@ -98,7 +99,9 @@ train() {  # train SEQ TOKENS WORKLOAD STEPS
     --metrics "$OUT_DIR/train_metrics_$seq.jsonl"
   run 30 "measured / predicted at $seq" $PY scripts/bench_fidelity.py metrics \
     "$OUT_DIR/train_metrics_$seq.jsonl"
-  for impl in hdp minimal; do
+  local impls=minimal
+  wanted plain && impls="hdp minimal"
+  for impl in $impls; do
     run 240 "plain loop ($impl model) at $seq beside hdp" $PY scripts/plain_loop.py \
       --impl "$impl" --model llama-1b --workload "$workload" --max-seq "$seq" \
       --tokens-per-step "$tokens" --steps "$steps" --compare "$OUT_DIR/train_metrics_$seq.jsonl"
