@@ -262,7 +262,9 @@ class CostModel:
         per_layer = hidden * m.dtype_bytes
         if self.kept_attention:
             q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-            per_layer += (2 * q + 2 * kv) * m.dtype_bytes + 4 * m.heads
+            # A head-parallel member keeps its own output beside the one the owner's layer keeps.
+            outputs = 2 if self.kv_exchange == "ulysses" else 1
+            per_layer += ((1 + outputs) * q + 2 * kv) * m.dtype_bytes + 4 * m.heads
         layers = self.recomputed_layers
         return float(layers * per_layer) * self.cluster.gpu.activation_memory_scale
 

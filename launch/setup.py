@@ -19,7 +19,7 @@ always hold fewer, so a bisection finds ``k``.
 The other way to fit keeps attention's output in the recomputed layers (Note [Selective
 activation checkpointing] in :mod:`hdp.launch.model`): each recomputes only its dense work, and
 holds q, k, v, the output and the LSE besides its input. It needs more layers recomputed, found by
-the same bisection up to all ``L``, or cannot fit at all. :func:`cheapest_recompute` takes the
+the same bisection, or cannot fit at all. :func:`cheapest_recompute` takes the
 cheaper of the two, priced on a rank's wave of the longest sequence: with long sequences the
 attention a whole recompute repeats outweighs the dense work of the extra layers.
 
@@ -188,7 +188,7 @@ def fewest_checkpointed_layers(
     """Note [Recomputing the fewest layers]: the fewest first layers to recompute (keeping
     attention's output where ``keep_attention``) such that a step plans as with all but the last
     fully recomputed (the most tokens a rank holds), in the same sync mode and as few waves;
-    ``None`` where keeping attention in every layer does not."""
+    ``None`` where keeping attention in all but the last layer does not."""
     strategy = get_strategy(config.planning.strategy)
     share = -(-(config.data.tokens_per_step or 0) // world)  # a rank's tokens of a step
     pricing = build_pricing(config, spec=spec, world=world, per_node=per_node, device=device)
@@ -205,10 +205,11 @@ def fewest_checkpointed_layers(
     every = settled(most, False)
     if every is None:
         return spec.layers  # planning says why once training plans
-    high = spec.layers if keep_attention else most
-    if settled(high, keep_attention) != every:
+    # Keeping attention, the last layer recomputed holds its attention besides its working set, so
+    # L - 1 layers hold the most tokens there too.
+    if settled(most, keep_attention) != every:
         return None
-    low = -1  # settled(high) == every; fewer layers hold fewer tokens
+    low, high = -1, most  # settled(high) == every; fewer layers hold fewer tokens
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if settled(mid, keep_attention) == every else (mid, high)
@@ -220,33 +221,36 @@ def cheapest_recompute(
 ) -> RunConfig:
     """``config`` with the cheaper of Note [Recomputing the fewest layers]'s two ways to fit:
     the fewest layers recomputed whole, or the fewest keeping attention's output (more layers,
-    each recomputing only its dense work), priced on a rank's wave of the longest sequence (its
-    share of that sequence's attention where the sequence does not fit one rank)."""
+    each recomputing only its dense work). Both are priced on a rank's wave of the longest
+    sequence (its share of that sequence's attention where the sequence does not fit one rank),
+    as many tokens for both: what the one holding fewer holds."""
 
-    def priced(layers: int, keep: bool) -> tuple[float, RunConfig]:
-        chosen = config.resolved(planning={"checkpointed_layers": layers, "keep_attention": keep})
-        pricing = build_pricing(chosen, spec=spec, world=world, per_node=per_node, device=device)
-        _, _, cap = pricing.settle(get_strategy(config.planning.strategy), config.data.max_seq)
-        longest = np.array([config.data.max_seq], dtype=np.float64)
-        held = min(config.data.max_seq, cap)  # a balanced share of it where it does not fit
-        cost = pricing.cost
-        attention = cost.attn_time(np.zeros(1), longest)[0] * held / longest[0]
-        dense = cost.compute.layer_time(np.array([held], dtype=np.float64))[0]
-        return float(attention + dense) * spec.layers, chosen
-
+    strategy = get_strategy(config.planning.strategy)
     options = []
     for keep in (False, True):
         layers = fewest_checkpointed_layers(
             config, spec=spec, world=world, per_node=per_node, device=device, keep_attention=keep
         )
-        if layers is not None:
-            try:
-                options.append(priced(layers, keep))
-            except PlanningError:  # planning says why once training plans
-                options.append(
-                    (float("inf"), config.resolved(planning={"checkpointed_layers": layers}))
-                )
-    return min(options, key=lambda option: option[0])[1]
+        if layers is None:
+            continue
+        chosen = config.resolved(planning={"checkpointed_layers": layers, "keep_attention": keep})
+        pricing = build_pricing(chosen, spec=spec, world=world, per_node=per_node, device=device)
+        try:
+            cap = pricing.settle(strategy, config.data.max_seq).capacity
+        except PlanningError:  # planning says why once training plans
+            cap = 0
+        options.append((pricing.cost, cap, chosen))
+    if len(options) == 1 or min(cap for _, cap, _ in options) == 0:
+        return options[0][2]
+    # Both priced on the same tokens: what the option holding fewer holds.
+    held = min(min(config.data.max_seq, cap) for _, cap, _ in options)
+    longest = np.array([config.data.max_seq], dtype=np.float64)
+
+    def layer_s(cost: CostModel) -> float:
+        attention = cost.attn_time(np.zeros(1), longest)[0] * held / longest[0]
+        return float(attention + cost.compute.layer_time(np.array([float(held)]))[0])
+
+    return min(options, key=lambda option: layer_s(option[0]))[2]
 
 
 def detect_gpu(device: torch.device) -> str:
@@ -338,8 +342,6 @@ def build_model(
             checkpointed_layers=config.planning.checkpointed_layers,
             loss_chunk_tokens=cost.loss_chunk_tokens,
             attention_backend=forced_attention_backend(config.training.attention_backend),
-            # Note [Selective activation checkpointing] in launch/model.py: opt-in, as the cost
-            # model's memory estimate assumes full checkpointing.
             keep_attention=config.planning.keep_attention,
             fused_loss=config.training.fused_loss,
         )
