@@ -6,10 +6,11 @@ ranks starting at a multiple of ``2^i`` for ``2^i < 2^floor(log2 n)``, or all ``
 no offload. On ``k > 1`` ranks Megatron needs the sub-sample's length to be a multiple of
 ``2k`` (times the tensor-parallel size with sequence parallelism), so sub-samples are padded and
 every candidate is priced with its padding (:func:`padded_plan`). Degrees come from the
-relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Two
-placements are tried for each choice of degrees: barrier-separated groups (:func:`_place_groups`),
-and one group of start-time-ordered lists (:func:`_place_one_group`); Megatron's own
-``BalancedCPScheduler`` schedule is a candidate too where it keeps to the form. The fastest then
+relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Each
+choice of degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends
+at a barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
+start-time-ordered lists (:func:`_place_one_group`). Megatron's own ``BalancedCPScheduler``
+schedule is a candidate too where it keeps to the form. The fastest then
 takes the local search's whole-sequence moves (:func:`.local.improve`: a whole sequence stays on
 one rank, so the form holds) within the budget of :class:`~.options.DynamicOptions`.
 """
@@ -102,16 +103,16 @@ def plan_megatron_form(
     rel = relaxation_bound(cost, relaxed, ctx.sync, cap, n, pow2=True)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
+    place = _place_waves if ctx.sync == "wave" else _place_one_group
     for jobs in _degree_choices(ctx, rel):
         degree, job_time = _megatron_sizes(ctx, jobs, sizes)
         if any(np.array_equal(degree, d) for d in seen):
             continue
         seen.append(degree)
-        for place in (_place_groups, _place_one_group):
-            plan = place(ctx, degree, job_time)
-            t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
-            if best is None or t < best[0]:
-                best = (t, plan)
+        plan = place(ctx, degree, job_time)
+        t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
+        if best is None or t < best[0]:
+            best = (t, plan)
     theirs = _balanced_cp_candidate(ctx) if widest_pow2 == n else None
     if theirs is not None:
         t = cost.evaluate(padded_plan(ctx, theirs, token_multiple)).step_time_s
@@ -206,73 +207,53 @@ def aligned_groups(plan: Plan) -> bool:
     )
 
 
-def _place_groups(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
-    """Barrier-separated groups, each partitioning the ranks into aligned CP groups that run
-    their sequences one per micro-batch. A group gives each degree class CP groups in proportion
-    to its area (largest class first, so consecutive allocation keeps every CP group aligned), LPT
-    inside a class; classes left without ranks wait for the next group."""
+def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+    """Waves filled tallest first, for ``wave`` sync, where every wave ends at a barrier: a
+    wave's height is its first job's, and the jobs after it, in order, take the aligned CP
+    groups (or single ranks) still free in it; the rest wait for the next wave."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     time_of = np.where(degree > 1, job_time, ctx.whole_s)
     todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
-    builder = PlanBuilder(ctx, "hdp")
-    rows: list[tuple[int, int, np.ndarray]] = []  # (sequence, wave, members)
-    wave0 = 0
-    groups = 0
+    seqs: list[int] = []
+    waves: list[int] = []
+    members: list[np.ndarray] = []
+    wave = 0
     while todo:
-        left = _place_group(todo, degree, time_of, n, wave0, rows)
-        placed_waves = [w for _, w, _ in rows if w >= wave0]
-        if groups > 0:
-            builder.barriers.append(wave0)
-        wave0 = max(placed_waves, default=wave0 - 1) + 1
-        groups += 1
-        if len(left) == len(todo):  # nothing placed: cannot happen once a class gets a CP group
-            raise PlanningError("hdp (megatron form): no group could be formed")
+        free = np.ones(n, dtype=bool)
+        left: list[int] = []
+        for k, i in enumerate(todo):
+            if not free.any():
+                left += todo[k:]
+                break
+            first = _free_group(free, int(degree[i]))
+            if first is None:
+                left.append(i)
+                continue
+            size = max(1, int(degree[i]))
+            free[first : first + size] = False
+            seqs.append(i)
+            waves.append(wave)
+            members.append(np.arange(first, first + size, dtype=np.int64))
         todo = left
-    builder.add_zigzag([s for s, _, _ in rows], [w for _, w, _ in rows], [m for _, _, m in rows])
-    builder.info = {"groups": float(groups), "max_degree": float(degree.max(initial=1))}
+        wave += 1
+    builder = PlanBuilder(ctx, "hdp")
+    builder.add_zigzag(seqs, waves, members)
+    builder.info = {"max_degree": float(degree.max(initial=1))}
     return builder.build()
 
 
-def _place_group(
-    todo: list[int],
-    degree: np.ndarray,
-    time_of: np.ndarray,
-    n: int,
-    wave0: int,
-    rows: list[tuple[int, int, np.ndarray]],
-) -> list[int]:
-    """One group starting at wave ``wave0``: appends its (sequence, wave, members) to ``rows``
-    and returns the sequences left for the next group."""
-    classes: dict[int, list[int]] = {}
-    for i in todo:
-        classes.setdefault(int(degree[i]), []).append(i)
-    area = {k: sum(float(time_of[i]) for i in ids) * k for k, ids in classes.items()}
-    height = max(sum(area.values()) / n, max(float(time_of[ids[0]]) for ids in classes.values()))
-    counts = _cp_group_counts(area, {k: len(ids) for k, ids in classes.items()}, n, height)
-    next_rank = 0
-    left: list[int] = []
-    for k in sorted(classes, reverse=True):
-        m = counts.get(k, 0)
-        if m == 0:
-            left += classes[k]
-            continue
-        firsts = [next_rank + j * k for j in range(m)]
-        next_rank += m * k
-        # LPT of the class's sequences over its CP groups (each one's list is its micro-batches),
-        # up to the group's height; what does not fit waits for the next group.
-        heap = [(0.0, b) for b in range(m)]
-        lists: list[list[int]] = [[] for _ in range(m)]
-        for i in classes[k]:
-            load, b = heap[0]
-            if load > 0 and load + float(time_of[i]) > height * 1.02:
-                left.append(i)
-                continue
-            heapq.heapreplace(heap, (load + float(time_of[i]), b))
-            lists[b].append(i)
-        for first, ids in zip(firsts, lists):
-            for slot, i in enumerate(ids):
-                rows.append((i, wave0 + slot, np.arange(first, first + k, dtype=np.int64)))
-    return left
+def _free_group(free: np.ndarray, size: int) -> int | None:
+    """The first rank of the first CP group of ``size`` ranks that Megatron builds
+    (:func:`megatron_cp_groups`) whose ranks are all ``free``; ``None`` where none is."""
+    n = free.size
+    if size <= 1:
+        r = int(np.argmax(free))
+        return r if free[r] else None
+    if size >= n:
+        return 0 if free.all() else None
+    blocks = free[: n // size * size].reshape(-1, size).all(axis=1)
+    b = int(np.argmax(blocks))
+    return b * size if blocks[b] else None
 
 
 def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
@@ -319,30 +300,3 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     plan = plan_from_sample_id_groups(ctx, [lists], None, "hdp")
     plan.predicted.update({"groups": 1.0, "max_degree": float(degree.max(initial=1))})
     return plan
-
-
-def _cp_group_counts(
-    area: dict[int, float], jobs: dict[int, int], n: int, height: float
-) -> dict[int, int]:
-    """CP groups per degree class for one group of ``n`` ranks lasting about ``height`` seconds:
-    each class the CP groups its area needs (at least one), largest class first while ranks last;
-    spare ranks go one CP group at a time to the class with the most work per rank (never more
-    CP groups than sequences)."""
-    counts: dict[int, int] = {}
-    free = n
-    for k in sorted(area, reverse=True):
-        want = min(jobs[k], max(1, int(round(area[k] / (k * height)))))
-        m = min(want, free // k)
-        if m:
-            counts[k] = m
-            free -= m * k
-    heap = [(-area[k] / (counts[k] * k), k) for k in counts]
-    heapq.heapify(heap)
-    while heap:
-        _, k = heapq.heappop(heap)
-        if k > free or counts[k] >= jobs[k]:
-            continue
-        counts[k] += 1
-        free -= k
-        heapq.heappush(heap, (-area[k] / (counts[k] * k), k))
-    return counts
