@@ -408,9 +408,21 @@ class CostModel:
             2.0
             * np.asarray(fraction)
             * np.asarray(tokens, dtype=np.float64)
-            * self.ckpt_bytes_per_token
+            * self.offloaded_bytes_per_token
             / self.cluster.gpu.pcie_bw
         )
+
+    @cached_property
+    def offloaded_bytes_per_token(self) -> float:
+        """Bytes per token an offloaded layer copies to host memory: its kept activations, and
+        where attention is kept, its input and output once more (each is saved by two regions,
+        and the host copy is made per saved tensor)."""
+        extra = 0.0
+        if self.kept_attention:
+            m = self.model
+            extra = (m.hidden / self.tensor_parallel + m.heads * m.head_dim) * m.dtype_bytes
+            extra *= self.recomputed_layers * self.cluster.gpu.activation_memory_scale
+        return self.ckpt_bytes_per_token + extra
 
     # ------------------------------------------------------------------ parameter traffic
     def allgather_time(self) -> float:

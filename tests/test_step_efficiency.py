@@ -316,6 +316,42 @@ def test_kept_attention_costs_the_memory_dist_attn_saves():
     assert saved[1] - saved[0] == np.float64(per_token[1] - per_token[0]) * sum(lens)
 
 
+def test_offloaded_layers_copy_what_the_cost_model_prices(monkeypatch):
+    """Every layer offloaded (``AttentionContext.offload`` 1): the bytes its saved tensors copy
+    to the host, counted at each copy as ``save_on_cpu`` makes them, are the cost model's
+    offloaded bytes per token and layer, with attention kept or recomputed whole."""
+    from contextlib import contextmanager
+    from dataclasses import replace
+
+    from hdp import ClusterSpec, CostModel, Plan, gpu_preset
+    from hdp.launch.model import AttentionContext
+
+    copied = []
+
+    @contextmanager
+    def counting_save_on_cpu(pin_memory=False):
+        def pack(t):
+            copied.append(t.untyped_storage().nbytes() if t.dim() else 0)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", counting_save_on_cpu)
+    spec = replace(model_preset("tiny"), dtype_bytes=4)  # fp32 on the CPU
+    lens = [30, 45, 9]
+    plan = Plan.from_shards(lens, 1, [[[(i, 0, n) for i, n in enumerate(lens)]]])
+    ids = torch.randint(0, 512, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    gpu = replace(gpu_preset("h100"), activation_memory_scale=1.0)
+    for keep in (False, True):
+        model = Llama(spec, activation_checkpointing=True, keep_attention=keep)
+        copied.clear()
+        model(ids, pos, AttentionContext(plan, 0, offload=1.0), ids)
+        cost = CostModel(spec, ClusterSpec(1, 1, gpu), kept_attention=keep)
+        assert sum(copied) == cost.offloaded_bytes_per_token * sum(lens), keep
+
+
 def _liger_stand_in(monkeypatch):
     """``liger_kernel.transformers.functional`` with the package's parameter names (no
     ``**kwargs``), computing the cross-entropy of the full logits."""
