@@ -316,6 +316,59 @@ def test_kept_attention_costs_the_memory_dist_attn_saves():
     assert saved[1] - saved[0] == np.float64(per_token[1] - per_token[0]) * sum(lens)
 
 
+def _kept_bytes_rank(rank: int, world: int, plan_json: str) -> None:
+    """On each rank of a head-parallel plan: what autograd saves outside the checkpointed
+    regions grows, with attention kept, by the cost model's kept bytes in ``ulysses``
+    exchange."""
+    from dataclasses import replace
+
+    from hdp import ClusterSpec, CostModel, Plan, gpu_preset
+    from hdp.launch.model import AttentionContext
+
+    plan = Plan.from_json(plan_json)
+    spec = replace(model_preset("tiny"), dtype_bytes=4)
+    mine = plan.rank == rank
+    ids = torch.randint(
+        0, 512, (int(plan.seq_lens.sum()),), generator=torch.Generator().manual_seed(0)
+    )
+    pos = torch.cat(
+        [torch.arange(int(a), int(b)) for a, b in zip(plan.start[mine], plan.end[mine])]
+    )
+    local = ids[: pos.numel()]
+    saved = []
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = Llama(spec, activation_checkpointing=True, keep_attention=keep)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        storages = {}
+
+        def pack(t, storages=storages, params=params):
+            if t.untyped_storage().data_ptr() not in params:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(local, pos, AttentionContext(plan, 0), local)
+        saved.append(sum(storages.values()))
+    gpu = replace(gpu_preset("h100"), activation_memory_scale=1.0)
+    cluster = ClusterSpec(world, world, gpu)
+    per_token = [
+        CostModel(spec, cluster, kv_exchange="ulysses", kept_attention=keep).ckpt_bytes_per_token
+        for keep in (False, True)
+    ]
+    assert saved[1] - saved[0] == (per_token[1] - per_token[0]) * pos.numel()
+
+
+def test_kept_attention_costs_what_head_parallel_members_save():
+    """A sequence on two head-parallel ranks: each member keeps its own output besides the one
+    its layer keeps, as the cost model counts in ``ulysses`` exchange."""
+    from hdp import Plan
+    from hdp.testing.ranks import run_ranks
+
+    plan = Plan.from_shards([48], 2, [[[(0, 0, 24)], [(0, 24, 48)]]]).with_exchange("ulysses")
+    run_ranks(_kept_bytes_rank, 2, plan.to_json())
+
+
 def test_offloaded_layers_copy_what_the_cost_model_prices(monkeypatch):
     """Every layer offloaded (``AttentionContext.offload`` 1): the bytes its saved tensors copy
     to the host, counted at each copy as ``save_on_cpu`` makes them, are the cost model's
