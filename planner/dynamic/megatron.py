@@ -135,13 +135,14 @@ def _moved(
     budget = Budget.for_step(options.plan_budget_s, step_s)
     improved, work = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s)
     budget.spend(budget.move_s(ctx, work))
-    budget.record(plan)
-    if improved is None:
-        return plan, step_s
-    moved = improved[0]
-    budget.record(moved)
-    moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
-    return (moved, moved_s) if moved_s < step_s else (plan, step_s)
+    best = (plan, step_s)
+    if improved is not None:
+        moved = improved[0]
+        moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
+        if moved_s < step_s:
+            best = (moved, moved_s)
+    budget.record(best[0])
+    return best
 
 
 def _balanced_cp_candidate(ctx: Context) -> Plan | None:
@@ -220,17 +221,19 @@ def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan
     wave = 0
     while todo:
         free = np.ones(n, dtype=bool)
+        free_ranks = n
         left: list[int] = []
         for k, i in enumerate(todo):
-            if not free.any():
+            if free_ranks == 0:
                 left += todo[k:]
                 break
-            first = _free_group(free, int(degree[i]))
+            size = max(1, int(degree[i]))
+            first = _free_group(free, size)
             if first is None:
                 left.append(i)
                 continue
-            size = max(1, int(degree[i]))
             free[first : first + size] = False
+            free_ranks -= size
             seqs.append(i)
             waves.append(wave)
             members.append(np.arange(first, first + size, dtype=np.int64))
