@@ -42,18 +42,12 @@ import numpy as np
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
-from .degrees import packed_time
+from .degrees import packed_time, relaxation_bound, step_bound
 from .dynamic.options import DynamicOptions
 from .menus import fastest_height, menu_floor
 from .pricing import Settled, StepPricing
-from .splits import head_split_times, split_times
 from .strategies import STRATEGIES, Strategy, get_strategy
 
-HEAD_CHECKED_LENGTHS = 4  # longest distinct lengths :func:`heads_may_win` prices
-# ``auto``: a P2P plan this close to its bound, which covers head-parallel plans too, is kept
-# without planning head-parallel groups (they could gain at most this share).
-HEAD_GAP = 0.02
-HEADS_ALWAYS_RANKS = 32  # ``auto``: up to this many ranks, head groups are always planned too
 _PRICING_OPTIONS = ("sync", "capacity", "activation_checkpointing", "kv_exchange", "cost")
 
 
@@ -107,27 +101,19 @@ def plan_and_evaluate(
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     plan, report = _plan_once(strategy, ctx, options, validate)
     t0 = time.perf_counter()
-    if (
-        exchange == "auto"  # (plan may be a head-parallel rival's: ``cost`` is P2P here)
-        and heads_hold(cost, lens, sync, cap)
-        and (
-            cost.cluster.num_ranks <= HEADS_ALWAYS_RANKS
-            or (
-                report.step_time_s > plan.predicted["bound_s"] * (1 + HEAD_GAP)
-                and heads_may_win(cost, lens, sync, cap)
-            )
-        )
-    ):
-        by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
-        heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync))
+    by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
+    bound = plan.predicted.get("bound_s")
+    heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync), bound_s=bound)
+    if exchange == "auto" and heads_may_win(heads, report.step_time_s):
         other, other_report = _plan_once(strategy, heads, _rest_of_budget(options, plan), validate)
         spent = report.plan_time_s + time.perf_counter() - t0
-        # Menus price P2P bytes in their exchange: the lesser bound holds for both plans.
-        bound = min(plan.predicted["bound_s"], other.predicted["bound_s"])
         searched = plan.predicted.get("search_s", 0.0) + other.predicted.get("search_s", 0.0)
         budget = plan.predicted.get("budget_s")
         if other_report.step_time_s < report.step_time_s:
             plan, report, cap = other, other_report, heads.capacity
+            # Bounds price P2P bytes in their exchange at its capacity: where the
+            # head-parallel plan, with its own capacity, wins, the lesser bound holds for both.
+            bound = min(bound, float(step_bound(by_heads, lens, sync, heads.capacity)))
         plan.predicted["bound_s"] = bound
         if budget is not None:  # one step's budget, shared by both searches
             plan.predicted.update(budget_s=budget, search_s=searched)
@@ -210,31 +196,18 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
     return fastest > 0.5 * menu_floor(packed, n)
 
 
-def heads_hold(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
-    """Whether head-parallel groups, of at most one rank a head, can hold the longest sequence."""
-    top = ulysses.most_members(cost.model, cost.cluster.num_ranks)
-    room = max(cost.offload_capacity(sync), capacity)
-    return top >= 2 and seq_lens.size > 0 and int(seq_lens.max()) <= room * top
-
-
-def heads_may_win(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int) -> bool:
-    """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside the P2P
-    plan: where one of the longest sequences is faster, or covers less area, on a head-parallel
-    group than on any zigzag group of a power-of-two or head-count size in ``cost``'s exchange,
-    the one the P2P plan runs in (a quick look, not a proof: the planner then prices both
-    plans). With many heads the all-to-alls move less than a ring does."""
-    n = cost.cluster.num_ranks
-    top = ulysses.most_members(cost.model, n)
-    by_heads = np.arange(2, top + 1)
-    by_ring = np.unique(np.concatenate([by_heads, 2 ** np.arange(1, n.bit_length()), [n]]))
-    by_ring = by_ring[by_ring <= n]
-    heads = cost.with_exchange("ulysses")
-    for length in np.unique(seq_lens)[-HEAD_CHECKED_LENGTHS:].tolist():
-        split = head_split_times(heads, np.full(by_heads.size, length), by_heads, sync)[:2]
-        ring = split_times(cost, np.full(by_ring.size, length), by_ring, sync)[:2]
-        if any(np.isfinite(h).any() and h.min() < r.min() for h, r in zip(split, ring)):
-            return True
-    return False
+def heads_may_win(heads: Context, step_s: float) -> bool:
+    """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside a P2P
+    plan of ``step_s``: where groups of at most one rank a head hold the longest sequence and
+    the relaxation of head-parallel jobs (a lower bound of the plans of their menus) is below
+    ``step_s``."""
+    cost, lens, sync = heads.cost, heads.seq_lens, heads.sync
+    top = ulysses.most_members(cost.model, heads.num_ranks)
+    room = max(cost.offload_capacity(sync), heads.capacity)
+    if top < 2 or lens.size == 0 or int(lens.max()) > room * top:
+        return False
+    rel = relaxation_bound(cost, lens, sync, heads.capacity, heads.num_ranks)
+    return rel.bound_s < step_s
 
 
 def _rest_of_budget(options: Any, plan: Plan) -> Any:

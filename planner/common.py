@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +24,8 @@ class PlanningError(ValueError):
 class Context:
     """What a strategy gets: the batch, the cost model, the sync mode and its capacity.
     ``any_exchange``: the plan may run in either P2P exchange (``auto``), not only the one
-    ``cost`` prices."""
+    ``cost`` prices. ``bound_s``: a lower bound of the step already priced (``auto``'s
+    head-parallel search takes the P2P search's), so the strategy need not price its own."""
 
     seq_lens: np.ndarray
     cost: CostModel
@@ -34,6 +35,7 @@ class Context:
     tokens_per_step: int
     seed: int = 0
     any_exchange: bool = False
+    bound_s: float | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -62,12 +64,21 @@ class Context:
         """Most tokens a rank holds in one wave with activation offload (at least the capacity)."""
         return max(self.cost.offload_capacity(self.sync), self.capacity)
 
-    def split(self, length: int, parts: int) -> Split:
-        """How hdp splits ``length`` tokens over ``parts`` ranks: :func:`block_split`, or in
-        ``ulysses`` exchange exact shares (a head-parallel member's attention is the same
-        wherever its tokens lie, so the most even split holds the fewest)."""
+    def splits(self, lengths: np.ndarray, parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """How hdp splits each of ``lengths`` over ``parts`` ranks: (the block size of its shares,
+        the tokens its fullest member holds). Shares in 128-token blocks where
+        :func:`use_blocks` allows, else exact; in ``ulysses`` exchange always exact (a
+        head-parallel member's attention is the same wherever its tokens lie, so the most even
+        split holds the fewest)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        parts = np.asarray(parts, dtype=np.int64)
         room = 0 if self.cost.kv_exchange == "ulysses" else self.offload_capacity
-        return block_split(length, parts, room)
+        align = np.where(blocks_fit(lengths, parts), BLOCK_TOKENS, 1)
+        most = _most_tokens(lengths, parts, align)
+        exact = ~use_blocks(lengths, parts, most, room)
+        align[exact] = 1
+        most[exact] = _most_tokens(lengths[exact], parts[exact], 1)
+        return align, most
 
 
 def next_pow2(x: float) -> int:
@@ -157,14 +168,6 @@ def zigzag_arrays(
     return (np.repeat(rank, 2)[keep], np.repeat(seq_ids[rep], 2)[keep], start[keep], end[keep])
 
 
-class Split(NamedTuple):
-    """How ``hdp`` splits a sequence over a group: the block size of the shares (tokens) and the
-    tokens its fullest member holds."""
-
-    align: int
-    most_tokens: int
-
-
 def blocks_fit(length, parts):
     """Whether every one of ``parts`` shares of ``length`` tokens holds two blocks (a head and a
     tail) of :data:`~hdp.plan.BLOCK_TOKENS`; numpy arrays broadcast."""
@@ -178,20 +181,12 @@ def use_blocks(length, parts, blocked_most, room):
     return blocks_fit(length, parts) & (blocked_most <= room)
 
 
-@lru_cache(maxsize=1 << 16)
-def block_split(length: int, parts: int, room: int) -> Split:
-    """The split :func:`use_blocks` chooses for ``length`` tokens over ``parts`` ranks whose
-    members hold at most ``room`` tokens (the offload capacity)."""
-
-    def most(align: int) -> int:
-        _, _, head, tail = zigzag_shares(np.array([length]), np.array([parts]), align)
-        return int((head + tail).max())
-
-    if blocks_fit(length, parts):
-        blocked = most(BLOCK_TOKENS)
-        if use_blocks(length, parts, blocked, room):
-            return Split(BLOCK_TOKENS, blocked)
-    return Split(1, most(1))
+def _most_tokens(lengths: np.ndarray, parts: np.ndarray, align: int | np.ndarray) -> np.ndarray:
+    """The tokens the fullest member holds of each sequence split in zigzag shares."""
+    if lengths.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, _, head, tail = zigzag_shares(lengths, parts, align)
+    return np.maximum.reduceat(head + tail, np.cumsum(parts) - parts)
 
 
 class PlanBuilder:

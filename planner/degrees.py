@@ -154,7 +154,7 @@ def relaxation_bound(
         if cost.kv_exchange == "node"
         else 0.0
     )
-    menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s)
+    menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split)
     # Events: (height at which an option becomes allowed, the sequence, its area).
     ev_h, ev_seq, ev_area = [], [], []
     for j, mu in enumerate(menus):

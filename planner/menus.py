@@ -108,26 +108,39 @@ def length_menus(
     capacity: int,
     pow2: bool = False,
     floor_s: float = 0.0,
+    bounds: bool = True,
 ) -> tuple[Menu, ...]:
     """Priced degree menus of ``lengths`` (cached per cost model, so repeated lengths are free;
     the others are priced together, a numpy pass per stretch of degrees rather than per length):
     :func:`_zigzag_menus`, with the bound's :func:`ulysses_options` beside them. Megatron's
-    form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none."""
-    key = (cost, sync, capacity, pow2, floor_s)
-    todo = sorted({int(x) for x in lengths if (key, int(x)) not in _MENUS})
+    form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none. A
+    head-parallel menu's bound entries are the P2P menu's, priced only where ``bounds`` asks."""
+    heads = cost.kv_exchange == "ulysses" and not pow2
+    key = (cost, sync, capacity, pow2, floor_s, bounds or not heads)
+    keys = (key, key[:-1] + (True,))  # a menu with the bound's entries serves either
+    menus = {x: _MENUS.get((k, x)) for x in map(int, lengths) for k in keys if (k, x) in _MENUS}
+    todo = sorted({int(x) for x in lengths} - menus.keys())
     if todo:
         if len(_MENUS) + len(todo) > _MOST_MENUS:
             _MENUS.clear()
-        _MENUS.update(((key, x), mu) for x, mu in zip(todo, _new_menus(cost, todo, *key[1:])))
-    return tuple(_MENUS[key, int(x)] for x in lengths)
+        new = _new_menus(cost, todo, sync, capacity, pow2, floor_s, key[-1])
+        _MENUS.update(((key, x), mu) for x, mu in zip(todo, new))
+        menus.update(zip(todo, new))
+    return tuple(menus[int(x)] for x in lengths)
 
 
 def _new_menus(
-    cost: CostModel, lengths: list[int], sync: str, capacity: int, pow2: bool, floor_s: float
+    cost: CostModel,
+    lengths: list[int],
+    sync: str,
+    capacity: int,
+    pow2: bool,
+    floor_s: float,
+    bounds: bool,
 ) -> list[Menu]:
     heads = cost.kv_exchange == "ulysses" and not pow2
     menus = _zigzag_menus(cost, lengths, sync, capacity, pow2, floor_s, bounds=not heads)
-    if pow2:
+    if pow2 or (heads and not bounds):
         return menus
     if heads:  # hdp's head-parallel entries; the bound's are the P2P menus'
         p2p = length_menus(cost.with_exchange("rank"), lengths, sync, capacity, pow2, floor_s)

@@ -28,12 +28,12 @@ def test_menus_match_pricing_every_coarse_degree(monkeypatch, profile, exchange)
         cap = cost.capacity(sync)
         lengths = np.exp(rng.uniform(np.log(4_000), np.log(2_000_000), 4)).astype(int).tolist()
         for floor_s in [0.0, 1.0]:
-            got = menus._new_menus(cost, lengths, sync, cap, False, floor_s)  # all at once
+            got = menus._new_menus(cost, lengths, sync, cap, False, floor_s, True)  # all at once
             for length, menu in zip(lengths, got):
                 with monkeypatch.context() as m:
                     m.setattr(menus, "_coarse_done", lambda *args: False)
                     m.setattr(menus, "_MENUS", {})
-                    want = menus._new_menus(cost, [length], sync, cap, False, floor_s)[0]
+                    want = menus._new_menus(cost, [length], sync, cap, False, floor_s, True)[0]
                 for name in menus.Menu.__dataclass_fields__:
                     assert np.array_equal(getattr(menu, name), getattr(want, name)), (
                         f"{model} on {ranks} {profile} ranks, {exchange} exchange, {sync} sync: "

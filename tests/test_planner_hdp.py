@@ -369,3 +369,30 @@ def test_equal_group_plans_fill_every_member_before_a_new_wave():
     assert plan.num_waves <= -(-int(lens.sum()) // (4 * 1024))
     whole = np.isin(plan.seq, np.flatnonzero(lens <= 1024))
     assert set(plan.rank[whole].tolist()) == set(range(4))
+
+
+@pytest.mark.parametrize("exchange", ["rank", "ulysses"])
+def test_splits_of_many_pairs_follow_the_split_rule(exchange):
+    """``Context.splits`` prices many (length, parts) pairs in one pass; each pair's align and
+    fullest member are those of the rule itself: blocks where every share holds two and the
+    fullest member stays within the offload capacity (never in ``ulysses`` exchange), counted
+    on the shares that :func:`zigzag_arrays` lays out."""
+    ctx = _wave_context([4096], 8, 2048)
+    ctx = replace(ctx, cost=ctx.cost.with_exchange(exchange))
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 40_000, 300)
+    parts = rng.integers(1, 64, 300)
+    aligns, most = ctx.splits(lengths, parts)
+    for L, d, align, fullest in zip(lengths, parts, aligns, most):
+        blocks = exchange == "rank" and L >= 2 * d * 128
+        blocks = blocks and _fullest(L, d, 128) <= ctx.offload_capacity
+        assert align == (128 if blocks else 1), (L, d)
+        assert fullest == _fullest(L, d, align), (L, d)
+
+
+def _fullest(length: int, parts: int, align: int) -> int:
+    """Tokens of the fullest member of a zigzag split as :func:`zigzag_arrays` lays it out."""
+    rank, _, start, end = zigzag_arrays(
+        np.array([0]), np.array([length]), np.array([parts]), np.array([0]), align=align
+    )
+    return int(np.bincount(rank, weights=end - start).max())

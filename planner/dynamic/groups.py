@@ -67,7 +67,7 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> Pla
     split = split & (lens >= g)
     align = np.ones(lens.size, dtype=np.int64)
     if not exact:
-        align[split] = [ctx.split(int(lens[i]), g).align for i in np.flatnonzero(split).tolist()]
+        align[split] = ctx.splits(lens[split], np.full(int(split.sum()), g))[0]
     busy = ctx.whole_s.copy()
     busy[split] = split_busy(ctx, lens[split], np.full(int(split.sum()), g), align[split])
     order = np.argsort(-busy, kind="stable")

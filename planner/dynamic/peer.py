@@ -30,10 +30,14 @@ def place_peer(ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candid
     )
     gaps: list[tuple[float, int, int]] = []  # (idle seconds, rank, job k) before job k on rank
     nodes = NodeLoads(rank_load, rpn)
+    most = ctx.splits(lens[multi], cand.degree[multi])[1]
+    if (most > off_cap).any():
+        i = int(multi[np.argmax(most > off_cap)])
+        raise PlanningError(
+            f"hdp: sequence {i} ({lens[i]} tokens) does not fit {cand.degree[i]} ranks"
+        )
     for k, i in enumerate(multi.tolist()):
-        L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
-        if ctx.split(L, d).most_tokens > off_cap:
-            raise PlanningError(f"hdp: sequence {i} ({L} tokens) does not fit {d} ranks")
+        d, t = int(cand.degree[i]), float(cand.job_time[i])
         members = nodes.pick(d)
         start = float(rank_load[members].max())
         for r in members.tolist():

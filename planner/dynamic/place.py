@@ -41,11 +41,8 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
         )
     builder = PlanBuilder(ctx, "hdp")
     if multi.size:
-        aligns = [ctx.split(int(lens[i]), int(cand.degree[i])).align
-                  for i in multi.tolist()]  # fmt: skip
-        builder.add_zigzag(
-            multi, job_wave, assignment.job_members, align=np.array(aligns, np.int64)
-        )
+        aligns = ctx.splits(lens[multi], cand.degree[multi])[0]
+        builder.add_zigzag(multi, job_wave, assignment.job_members, align=aligns)
     if single.size:
         builder.add(single_wave, assignment.single_rank[single], single, 0, lens[single])
     builder.offload_where_needed()

@@ -155,8 +155,7 @@ class Search:
         ok = (degrees <= most_members(ctx)) & (degrees <= np.maximum(1, lens // 2)[:, None])
         times = np.full(degrees.shape, np.inf)
         lengths, parts = np.broadcast_to(lens[:, None], ok.shape)[ok], degrees[ok]
-        aligns = [ctx.split(int(L), int(d)).align for L, d in zip(lengths, parts)]
-        times[ok] = split_busy(ctx, lengths, parts, np.asarray(aligns, dtype=np.int64))
+        times[ok] = split_busy(ctx, lengths, parts, ctx.splits(lengths, parts)[0])
         faster = times < cand.job_time[seqs][:, None] * (1 - 1e-9)
         has = faster.any(axis=1)
         if not has.any():
@@ -287,7 +286,9 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     if form not in ("free", "whole"):
         raise ValueError(f"unknown hdp form {form!r}: choose 'free', 'whole' or 'megatron'")
     check_fits(ctx)
-    bound_s = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity))
+    bound_s = ctx.bound_s
+    if bound_s is None:
+        bound_s = float(step_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity))
     if form == "whole":
         plan = _plan_whole(ctx)
         plan.predicted["bound_s"] = bound_s

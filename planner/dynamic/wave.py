@@ -65,9 +65,9 @@ def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candi
     lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
     off_cap = ctx.offload_capacity
     layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
-    for i in multi.tolist():
-        L, d, t = int(lens[i]), int(cand.degree[i]), float(cand.job_time[i])
-        per_rank = ctx.split(L, d).most_tokens
+    most = ctx.splits(lens[multi], cand.degree[multi])[1].tolist()
+    for i, per_rank in zip(multi.tolist(), most):
+        d, t = int(cand.degree[i]), float(cand.job_time[i])
         room = per_rank <= off_cap - layer.tokens
         best = _best_wave(layer.load, room, d, rpn, t, cand.stack_share)
         if best is None:  # no wave takes it: a new one
