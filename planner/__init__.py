@@ -42,7 +42,7 @@ import numpy as np
 from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
-from .degrees import packed_time, relaxation_bound, step_bound
+from .degrees import heads_bound, packed_time, step_bound
 from .dynamic.options import DynamicOptions
 from .menus import fastest_height, menu_floor
 from .pricing import Settled, StepPricing
@@ -199,15 +199,14 @@ def nic_may_bind(cost: CostModel, seq_lens: np.ndarray, sync: str, capacity: int
 def heads_may_win(heads: Context, step_s: float) -> bool:
     """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside a P2P
     plan of ``step_s``: where groups of at most one rank a head hold the longest sequence and
-    the relaxation of head-parallel jobs (a lower bound of the plans of their menus) is below
+    a lower bound of head-parallel plans (:func:`hdp.planner.degrees.heads_bound`) is below
     ``step_s``."""
     cost, lens, sync = heads.cost, heads.seq_lens, heads.sync
     top = ulysses.most_members(cost.model, heads.num_ranks)
     room = max(cost.offload_capacity(sync), heads.capacity)
     if top < 2 or lens.size == 0 or int(lens.max()) > room * top:
         return False
-    rel = relaxation_bound(cost, lens, sync, heads.capacity, heads.num_ranks)
-    return rel.bound_s < step_s
+    return heads_bound(cost, lens, sync, heads.num_ranks) < step_s
 
 
 def _rest_of_budget(options: Any, plan: Plan) -> Any:

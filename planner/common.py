@@ -221,9 +221,6 @@ class PlanBuilder:
         self.add(wave, rank, seq, start, end)
         return wave, rank, seq, start, end
 
-    def add_whole(self, wave: int, rank: int, seq: int) -> None:
-        self.add(wave, rank, seq, 0, int(self.ctx.seq_lens[seq]))
-
     def offload_where_needed(self) -> None:
         """Offload, in every cell holding more than the capacity, the share of its activations
         the cost model says it must (cells already given a fraction keep it)."""

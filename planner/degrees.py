@@ -55,8 +55,7 @@ import numpy as np
 from hdp import CostModel
 
 from .menus import Menu, length_menus, menu_floor
-
-SHELF_GIANTS = 4  # longest sequences :func:`shelf_bound` places in waves explicitly
+from .splits import ulysses_options
 
 
 def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
@@ -155,24 +154,36 @@ def relaxation_bound(
         else 0.0
     )
     menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split)
-    # Events: (height at which an option becomes allowed, the sequence, its area).
-    ev_h, ev_seq, ev_area = [], [], []
+    # Events: (height at which an option becomes allowed, its area), per sequence.
+    ev_h, ev_area = [], []
     for j, mu in enumerate(menus):
         h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split, alone)
         if not np.isfinite(h).any():
             raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
         ev_h.append(h)
         ev_area.append(a)
-        ev_seq.append(np.full(h.size, j))
     if not menus:
         b = max(base_height, simple, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)
-    H = np.concatenate(ev_h)
-    A = np.concatenate(ev_area)
-    S = np.concatenate(ev_seq)
+    value, m_star, area = _sweep(ev_h, ev_area, base_height, base_area, slots, min_step_s)
+    return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
+
+
+def _sweep(
+    heights: list[np.ndarray],
+    areas: list[np.ndarray],
+    base_height: float,
+    base_area: float,
+    slots: int,
+    min_step_s: float = 0.0,
+) -> tuple[float, float, float]:
+    """(least ``max(M, area / slots)``, its ``M``, its area) when each sequence takes its
+    smallest-area option (``heights[j]``, ``areas[j]``) no taller than ``M``, beside work of
+    ``base_area`` that is ``base_height`` tall: ``M`` swept over every option's height."""
+    H, A = np.concatenate(heights), np.concatenate(areas)
+    S = np.repeat(np.arange(len(heights)), [h.size for h in heights])
     order = np.lexsort((A, H))
-    # Sweep M over the option heights, keeping each sequence's smallest allowed area.
-    best_area = np.full(len(menus), np.inf)
+    best_area = np.full(len(heights), np.inf)
     total, feasible = 0.0, 0
     best = (np.inf, 0.0, 0.0)
     for h, a, s in zip(H[order].tolist(), A[order].tolist(), S[order].tolist()):
@@ -184,13 +195,38 @@ def relaxation_bound(
             else:
                 total += a - cur
             best_area[s] = a
-        if feasible == len(menus):
+        if feasible == len(heights):
             m_here = max(h, base_height)  # the short sequences are as tall as base_height anyway
             value = max(m_here, (base_area + total) / slots, min_step_s)
             if value < best[0]:
                 best = (value, m_here, base_area + total)
-    value, m_star, area = best
-    return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
+    return best
+
+
+def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) -> float:
+    """A lower bound of the busy part of plans that run each sequence whole or on one
+    head-parallel group (``cost`` in ``ulysses`` exchange): the sweep of
+    :func:`relaxation_bound` over the options bounds give them (:func:`ulysses_options`, by
+    bytes, dense work at the packed speed), with no menus to price."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    room = cost.offload_capacity(sync)
+    packed = packed_time(cost, lens, room)
+    simple = float(packed.sum()) / max(slots, 1)
+    split = (lens > room) | (packed > simple)
+    whole = ~split
+    heights, areas = [], []
+    for (h, a), length, t in zip(
+        ulysses_options(cost, lens[split].tolist(), sync), lens[split], packed[split]
+    ):
+        fits = length <= room  # whole on one rank, sharing its cell
+        heights.append(np.concatenate([[t] if fits else [], h]))
+        areas.append(np.concatenate([[t] if fits else [], a]))
+    if any(h.size == 0 for h in heights):
+        return math.inf
+    base_height, base_area = float(packed[whole].max(initial=0.0)), float(packed[whole].sum())
+    if not heights:
+        return max(base_height, simple)
+    return _sweep(heights, areas, base_height, base_area, slots)[0]
 
 
 def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
@@ -248,12 +284,13 @@ def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
 
 
 def shelf_bound(
-    cost: CostModel, rel: Relaxation, sync: str, giants: int = SHELF_GIANTS, pow2: bool = False
+    cost: CostModel, rel: Relaxation, sync: str, giants: int = 4, pow2: bool = False
 ) -> float:
     """``wave`` sync: a lower bound of the busy part of the step (s, collectives left out) that
     :func:`relaxation_bound` misses where one sequence dominates the batch.
 
-    Take the ``giants`` sequences of largest least area. In any plan they lie in some waves. A
+    Take the ``giants`` sequences of largest least area (4: their Bell(4) = 15 partitions into
+    waves are each priced). In any plan they lie in some waves. A
     wave holding the set ``S`` of them lasts ``H >= max height`` of their options and covers
     ``n H`` rank-seconds: at least their areas ``A`` plus the work of the other sequences beside
     them. It holds at most ``n C`` tokens (``C`` the offload capacity). So the work the other

@@ -287,8 +287,10 @@ def _priced_many(
         sizes = [d.size for d in degrees[lo:hi]]
         flat_len = np.repeat(np.asarray(lengths[lo:hi], dtype=np.int64), sizes)
         mu = _priced(cost, flat_len, sync, np.concatenate(degrees[lo:hi]), pow2, with_bounds)
-        cuts = np.cumsum(sizes)[:-1]
-        out.extend(Menu(*x) for x in zip(*(np.split(getattr(mu, f), cuts) for f in _ENTRY_FIELDS)))
+        ends = np.cumsum(sizes).tolist()
+        cuts = list(zip([0, *ends[:-1]], ends))
+        fields = [getattr(mu, f) for f in _ENTRY_FIELDS]
+        out.extend(Menu(*(x[a:b] for x in fields)) for a, b in cuts)
     return out
 
 

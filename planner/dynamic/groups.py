@@ -1,4 +1,4 @@
-"""Plans of a whole batch on rank groups, for hdp's search (family 6).
+"""Plans of a whole batch on rank groups, seeds of hdp's search (Note [One search]).
 
 The relaxation's packing gives a long sequence most ranks and puts the short ones whole beside
 its shares. Two things it misses, which a system like FlexSP exploits, are cheap to build here:

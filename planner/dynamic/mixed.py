@@ -1,4 +1,4 @@
-"""Plans on rank groups of mixed power-of-two sizes, for hdp's search (family 6).
+"""Plans on rank groups of mixed power-of-two sizes, seeds of hdp's search (Note [One search]).
 
 Note [Mixed group sizes]
 ------------------------
@@ -9,16 +9,18 @@ sequences each size runs. Without a MILP, for one ``H``:
 1. Every sequence takes the size of least area (size times its time there) among those where it
    runs within ``H``.
 2. A size needs ``ceil(load / H)`` groups, at least one where used (in ``wave`` sync also
-   enough to hold its sequences' tokens in one wave, at ``ONE_WAVE_FILL`` of the capacity).
+   enough to hold its sequences' tokens in one wave at 90% of the capacity: sequences do not
+   pack whole groups full).
    Where they need more ranks than there are, the sequences of one size move wholesale to
    another where they also run within ``H``, whichever move needs the fewest ranks, until they
    fit; else ``H`` is too short.
 3. Spare ranks become more groups of the size with the most load per group.
 
-The least ``H`` that fits is bisected, and the layouts at ``MIXED_HEIGHTS`` times it are each
-dealt twice, longest first to the group where a sequence would finish first: among its own
-size's groups, or among all (a group its own sequences leave short of the step then takes
-shorter ones). The cost model prices every plan; the search keeps the fastest.
+The least ``H`` that fits is bisected. Layouts follow at heights above it, each gap twice the
+last (4%, 8%, 16% and 32% of it, up to twice it), while the search's budget lasts. Each is dealt
+twice, longest first to the group where a sequence would finish first: among its own size's
+groups, or among all (a group its own sequences leave short of the step then takes shorter
+ones). The cost model prices every plan; the search keeps the fastest.
 
 Example, 16 ranks: two long sequences of 2 s on 4 ranks, 1.25 s on 8 and 0.75 s on 16 (areas
 8, 10 and 12 rank-s), and 40 short ones of 0.25 s whole or 0.1875 s on 2 (areas 0.25 and
@@ -37,6 +39,7 @@ each laid out on all ranks in turn.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -46,47 +49,45 @@ from hdp import Plan
 from ..common import Context, PlanBuilder, fewest_micro_batches, micro_batches
 from .groups import finish, most_members, split_busy, stack
 
-# Heights tried, as multiples of the least where a layout fits the ranks.
-MIXED_HEIGHTS = (1.0, 1.05, 1.12, 1.25, 1.5)
-BISECTION_STEPS = 8
-# The least height is searched up to this many doublings of its lower bound.
-MAX_DOUBLINGS = 12
-# Where a layout must run in one wave, its groups of each size are counted to hold their tokens
-# at this share of the capacity: sequences do not pack whole groups full.
-ONE_WAVE_FILL = 0.9
 
-
-def mixed_group_plans(ctx: Context) -> list[Plan]:
-    """Plans on groups of mixed power-of-two sizes (Note [Mixed group sizes]): for each height
-    of ``MIXED_HEIGHTS`` that gives a new layout, one plan per way of dealing it. In ``wave``
-    sync the batch is first dealt into the fewest micro-batches that hold it, each laid out on
-    all ranks in turn."""
+def mixed_group_plans(ctx: Context) -> Iterator[Callable[[], list[Plan]]]:
+    """Makers of plans on groups of mixed power-of-two sizes (Note [Mixed group sizes]), one per
+    height, from the least where a layout fits up to twice it; each
+    makes one plan per way of dealing the height's layout (none where an earlier height gave
+    the same). In ``wave`` sync the batch is first dealt into the fewest micro-batches that
+    hold it, each laid out on all ranks in turn."""
     sizes = 1 << np.arange(int(math.log2(most_members(ctx))) + 1)
     time = _size_times(ctx, sizes)
     ids = np.flatnonzero(ctx.seq_lens > 0)
     if ids.size == 0 or not np.isfinite(time.min(axis=1)).all():
-        return []
+        return
     parts = [ids]
     fewest = fewest_micro_batches(ctx)
     if ctx.sync == "wave" and fewest > 1:
         parts = micro_batches(ctx, ids, fewest) or parts
-    tables, ladders = [], []
+    tables, least = [], []
     for part in parts:
-        table = _Table(time[part], sizes, ctx.seq_lens[part], ctx.num_ranks, ctx.capacity)
-        ladder = _layouts(table) if ctx.sync == "wave" else [None]
-        if not any(ladder):  # ``peer`` sync, or no layout holds the part in one wave: let it stack
+        room = ctx.capacity if ctx.sync == "wave" else None
+        table = _Table(time[part], sizes, ctx.seq_lens[part], ctx.num_ranks, room)
+        height = _least_height(table)
+        if height is None and room is not None:  # no layout holds the part in one wave
             table = table._replace(room=None)
-            ladder = _layouts(table)
+            height = _least_height(table)
+        if height is None:
+            return
         tables.append(table)
-        ladders.append(ladder)
-    plans, seen = [], set()
-    for layouts in zip(*ladders):  # one height in every micro-batch
+        least.append(height)
+    seen: set[bytes] = set()
+
+    def plans_at(factor: float) -> list[Plan]:
+        layouts = [_layout(table, h * factor) for table, h in zip(tables, least)]
         if None in layouts:
-            continue
+            return []
         key = b"".join(a.tobytes() for layout in layouts for a in layout)
         if key in seen:
-            continue
+            return []
         seen.add(key)
+        plans = []
         for any_size in (False, True):
             builder, wave = PlanBuilder(ctx, "hdp"), 0
             for part, table, layout in zip(parts, tables, layouts):
@@ -94,7 +95,12 @@ def mixed_group_plans(ctx: Context) -> list[Plan]:
             plan = finish(ctx, builder)
             if plan is not None:
                 plans.append(plan)
-    return plans
+        return plans
+
+    factor, gap = 1.0, 0.04
+    while factor < 2:
+        yield lambda f=factor: plans_at(f)
+        factor, gap = factor + gap, 2 * gap
 
 
 class _Layout(NamedTuple):
@@ -116,22 +122,20 @@ class _Table(NamedTuple):
     room: int | None
 
 
-def _layouts(table: _Table) -> list[_Layout | None]:
-    """Layouts (size index of each sequence, groups of each size) at ``MIXED_HEIGHTS`` times the
-    least step time a layout fits the ranks (bisected); ``None`` at a height none fits."""
+def _least_height(table: _Table) -> float | None:
+    """The least step time at which a layout fits the ranks, bisected to 0.5% (``None``: none
+    fits at the work of every sequence one after another)."""
     time, sizes = table.time, table.sizes
     lo = max(float(time.min(axis=1).max()), (time * sizes).min(axis=1).sum() / table.num_ranks)
-    hi = lo
-    for _ in range(MAX_DOUBLINGS):
-        if _layout(table, hi) is not None:
-            break
+    hi, serial = lo, float(time.min(axis=1).sum())
+    while _layout(table, hi) is None:
+        if hi > serial:
+            return None
         lo, hi = hi, hi * 2
-    else:
-        return [None] * len(MIXED_HEIGHTS)
-    for _ in range(BISECTION_STEPS):
+    while hi > lo * 1.005:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if _layout(table, mid) is not None else (mid, hi)
-    return [_layout(table, hi * f) for f in MIXED_HEIGHTS]
+    return hi
 
 
 def _layout(table: _Table, height: float) -> _Layout | None:
@@ -177,7 +181,7 @@ def _counts(table: _Table, size_of: np.ndarray, height: float) -> np.ndarray:
     need = np.ceil(_load(table, size_of) / height - 1e-9)
     if table.room is not None:
         tokens = np.bincount(size_of, weights=table.lens, minlength=sizes.size)
-        need = np.maximum(need, np.ceil(tokens / (sizes * table.room * ONE_WAVE_FILL) - 1e-9))
+        need = np.maximum(need, np.ceil(tokens / (sizes * table.room * 0.9) - 1e-9))
     used = np.bincount(size_of, minlength=sizes.size) > 0
     return np.where(used, np.maximum(1, need), 0).astype(np.int64)
 

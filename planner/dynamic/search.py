@@ -48,7 +48,7 @@ them in the share's cell: 2.525 s, one cell a rank, against a bound of 2.395 s.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -305,15 +305,14 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
             search.place(cand, seed=True)
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
-    for make, shards in group_layouts(ctx):
+    for makers, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)
-        if search.done():
-            break
-        if not search.budget.affords(cost_s, seed=True):
-            continue
-        search.budget.spend(cost_s)
-        for plan in make():
-            search.consider(plan)
+        for make in makers:
+            if search.done() or not search.budget.affords(cost_s, seed=True):
+                break
+            search.budget.spend(cost_s)
+            for plan in make():
+                search.consider(plan)
     search.local_search()
     plan = search.best[0]
     plan.predicted.update(info)
@@ -323,17 +322,18 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
-def group_layouts(ctx: Context) -> Iterator[tuple[Callable[[], list[Plan]], int]]:
-    """Plans on rank groups (Note [One search], item 3), each as (a maker of the plans, the
-    shards they hold at most): groups of mixed power-of-two sizes, then equal groups of each
-    size :func:`.groups.group_counts` gives."""
+def group_layouts(ctx: Context) -> Iterator[tuple[Iterable[Callable[[], list[Plan]]], int]]:
+    """Plans on rank groups (Note [One search], item 3), as families of makers of plans, each
+    family with the shards a maker's plans hold at most: groups of mixed power-of-two sizes
+    (a maker per height), then equal groups of each size
+    :func:`.groups.group_counts` gives, one maker per split."""
     lens, n = ctx.seq_lens, ctx.num_ranks
-    yield (lambda: mixed_group_plans(ctx)), lens.size * n
+    yield mixed_group_plans(ctx), lens.size * n
     for groups in group_counts(ctx):
         g = n // groups
         for split, exact in group_splits(ctx, g):
             shards = int((split & (lens >= g)).sum()) * g + lens.size
-            yield (lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))), shards
+            yield [lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))], shards
 
 
 def _some(plan: Plan | None) -> list[Plan]:
