@@ -307,8 +307,10 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
     for makers, shards in group_layouts(ctx):
         cost_s = search.budget.layout_s(ctx, shards)
-        for make in makers:
-            if search.done() or not search.budget.affords(cost_s, seed=True):
+        makers = iter(makers)  # (asked for the next maker only where the budget affords it)
+        while not search.done() and search.budget.affords(cost_s, seed=True):
+            make = next(makers, None)
+            if make is None:
                 break
             search.budget.spend(cost_s)
             for plan in make():
