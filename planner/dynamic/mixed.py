@@ -246,16 +246,21 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
 
 
 def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
-    """Time (s) of each sequence (rows) on a group of each size (columns), in exact shares; a
+    """Time (s) each sequence (rows) adds to a group of each size (columns), in exact shares; a
     sequence with fewer tokens than the group has members runs whole on one of them (a group
-    then still takes the short sequences a layout gives it). inf where it cannot run."""
+    then still takes the short sequences a layout gives it). inf where it cannot run. A group's
+    sequences share its members' micro-batches, so what a micro-batch takes however few its
+    tokens (the dense layers' weights read, their fixed costs) is left out: on a batch of short
+    sequences it is most of each one's time, and counting it per sequence would ask for a group
+    per few of them."""
     lens = ctx.seq_lens
+    fixed = float(ctx.cost.dense_time(np.ones(1))[0])  # what a micro-batch of one token takes
     whole = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
     time = np.repeat(whole[:, None], sizes.size, axis=1)
     for s, g in enumerate(sizes.tolist()[1:], start=1):
         ok = _splits(lens, g)
         time[ok, s] = split_busy(ctx, lens[ok], np.full(int(ok.sum()), g), 1)
-    return time
+    return time - fixed
 
 
 def _splits(tokens, group_size):
