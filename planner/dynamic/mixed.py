@@ -50,57 +50,83 @@ from ..common import Context, PlanBuilder, fewest_micro_batches, micro_batches
 from .groups import finish, most_members, split_busy, stack
 
 
-def mixed_group_plans(ctx: Context) -> Iterator[Callable[[], list[Plan]]]:
+class MixedGroupPlans:
     """Makers of plans on groups of mixed power-of-two sizes (Note [Mixed group sizes]), one per
-    height, from the least where a layout fits up to twice it; each
-    makes one plan per way of dealing the height's layout (none where an earlier height gave
-    the same). In ``wave`` sync the batch is first dealt into the fewest micro-batches that
-    hold it, each laid out on all ranks in turn."""
+    height and way of using the waves, from the least height where a layout fits up to twice
+    it, each with the shards its plans may hold (the budget's measure of its work); each makes
+    one plan per way of dealing its layout (none where an earlier one gave the same). In
+    ``wave`` sync the batch is dealt into the fewest micro-batches that hold it, each laid out
+    on all ranks in one wave, and also laid out whole with each group's sequences stacked into
+    as many waves as they need. The first maker prices every sequence on every size, so it is
+    said to hold a shard for each sequence on each rank; the others, what the plans made so far
+    held."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.ladders: list[tuple[list, list, list]] | None = None  # per way: parts, tables, least
+        self.shards = ctx.seq_lens.size * ctx.num_ranks
+        self.seen: set[bytes] = set()
+
+    def __iter__(self) -> Iterator[tuple[Callable[[], list[Plan]], int]]:
+        factor, gap = 1.0, 0.04
+        while factor < 2:
+            way = 0
+            while self.ladders is None or way < len(self.ladders):
+                yield (lambda f=factor, w=way: self.plans_at(f, w)), self.shards
+                way += 1
+            factor, gap = factor + gap, 2 * gap
+
+    def plans_at(self, factor: float, way: int) -> list[Plan]:
+        """The plans of way ``way``'s layout at ``factor`` times its least height."""
+        if self.ladders is None:
+            self.ladders = _ladders(self.ctx)
+        if way >= len(self.ladders):
+            return []
+        parts, tables, least = self.ladders[way]
+        layouts = [_layout(table, h * factor) for table, h in zip(tables, least)]
+        if None in layouts:
+            return []
+        key = b"".join(a.tobytes() for layout in layouts for a in layout) + bytes([way])
+        if key in self.seen:
+            return []
+        self.seen.add(key)
+        plans = []
+        for any_size in (False, True):
+            builder, wave = PlanBuilder(self.ctx, "hdp"), 0
+            for part, table, layout in zip(parts, tables, layouts):
+                wave += _stack_layout(self.ctx, builder, wave, part, table, layout, any_size)
+            plan = finish(self.ctx, builder)
+            if plan is not None:
+                plans.append(plan)
+        self.shards = max((plan.num_shards for plan in plans), default=self.shards)
+        return plans
+
+
+def _ladders(ctx: Context) -> list[tuple[list, list, list]]:
+    """Per way of using the waves where layouts fit: its parts of the batch, their tables and
+    the least height of each."""
     sizes = 1 << np.arange(int(math.log2(most_members(ctx))) + 1)
     time = _size_times(ctx, sizes)
     ids = np.flatnonzero(ctx.seq_lens > 0)
     if ids.size == 0 or not np.isfinite(time.min(axis=1)).all():
-        return
-    parts = [ids]
-    fewest = fewest_micro_batches(ctx)
-    if ctx.sync == "wave" and fewest > 1:
-        parts = micro_batches(ctx, ids, fewest) or parts
-    tables, least = [], []
-    for part in parts:
-        room = ctx.capacity if ctx.sync == "wave" else None
-        table = _Table(time[part], sizes, ctx.seq_lens[part], ctx.num_ranks, room)
-        height = _least_height(table)
-        if height is None and room is not None:  # no layout holds the part in one wave
-            table = table._replace(room=None)
-            height = _least_height(table)
-        if height is None:
-            return
-        tables.append(table)
-        least.append(height)
-    seen: set[bytes] = set()
-
-    def plans_at(factor: float) -> list[Plan]:
-        layouts = [_layout(table, h * factor) for table, h in zip(tables, least)]
-        if None in layouts:
-            return []
-        key = b"".join(a.tobytes() for layout in layouts for a in layout)
-        if key in seen:
-            return []
-        seen.add(key)
-        plans = []
-        for any_size in (False, True):
-            builder, wave = PlanBuilder(ctx, "hdp"), 0
-            for part, table, layout in zip(parts, tables, layouts):
-                wave += _stack_layout(ctx, builder, wave, part, table, layout, any_size)
-            plan = finish(ctx, builder)
-            if plan is not None:
-                plans.append(plan)
-        return plans
-
-    factor, gap = 1.0, 0.04
-    while factor < 2:
-        yield lambda f=factor: plans_at(f)
-        factor, gap = factor + gap, 2 * gap
+        return []
+    ways = [[ids]]
+    if ctx.sync == "wave":
+        fewest = fewest_micro_batches(ctx)
+        ways = [(micro_batches(ctx, ids, fewest) if fewest > 1 else None) or [ids], [ids]]
+    # In one wave a group's sequences share each member's micro-batch, so what a micro-batch
+    # takes however few its tokens (the dense layers' weights read, their fixed costs) is paid
+    # once, not by each sequence: on a batch of short sequences it is most of each one's time.
+    floor = float(ctx.cost.dense_time(np.ones(1))[0])
+    ladders = []
+    for way, parts in enumerate(ways):
+        room = ctx.capacity if ctx.sync == "wave" and way == 0 else None
+        added = time - floor if room else time
+        tables = [_Table(added[p], sizes, ctx.seq_lens[p], ctx.num_ranks, room) for p in parts]
+        least = [_least_height(table) for table in tables]
+        if None not in least:
+            ladders.append((parts, tables, least))
+    return ladders
 
 
 class _Layout(NamedTuple):
@@ -248,19 +274,14 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
 def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
     """Time (s) each sequence (rows) adds to a group of each size (columns), in exact shares; a
     sequence with fewer tokens than the group has members runs whole on one of them (a group
-    then still takes the short sequences a layout gives it). inf where it cannot run. A group's
-    sequences share its members' micro-batches, so what a micro-batch takes however few its
-    tokens (the dense layers' weights read, their fixed costs) is left out: on a batch of short
-    sequences it is most of each one's time, and counting it per sequence would ask for a group
-    per few of them."""
+    then still takes the short sequences a layout gives it). inf where it cannot run."""
     lens = ctx.seq_lens
-    fixed = float(ctx.cost.dense_time(np.ones(1))[0])  # what a micro-batch of one token takes
     whole = np.where(lens <= ctx.offload_capacity, ctx.whole_s, np.inf)
     time = np.repeat(whole[:, None], sizes.size, axis=1)
     for s, g in enumerate(sizes.tolist()[1:], start=1):
         ok = _splits(lens, g)
         time[ok, s] = split_busy(ctx, lens[ok], np.full(int(ok.sum()), g), 1)
-    return time - fixed
+    return time
 
 
 def _splits(tokens, group_size):

@@ -62,7 +62,7 @@ from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
 from .local import exact_moves, improve, rebuilt
 from .megatron import plan_megatron_form
-from .mixed import mixed_group_plans
+from .mixed import MixedGroupPlans
 from .options import DynamicOptions
 from .place import place
 
@@ -305,12 +305,10 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
             search.place(cand, seed=True)
     info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
-    for makers, shards in group_layouts(ctx):
-        cost_s = search.budget.layout_s(ctx, shards)
-        makers = iter(makers)  # (asked for the next maker only where the budget affords it)
-        while not search.done() and search.budget.affords(cost_s, seed=True):
-            make = next(makers, None)
-            if make is None:
+    for family in group_layouts(ctx):
+        for make, shards in family:
+            cost_s = search.budget.layout_s(ctx, shards)
+            if search.done() or not search.budget.affords(cost_s, seed=True):
                 break
             search.budget.spend(cost_s)
             for plan in make():
@@ -324,18 +322,18 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
-def group_layouts(ctx: Context) -> Iterator[tuple[Iterable[Callable[[], list[Plan]]], int]]:
+def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Plan]], int]]]:
     """Plans on rank groups (Note [One search], item 3), as families of makers of plans, each
-    family with the shards a maker's plans hold at most: groups of mixed power-of-two sizes
-    (a maker per height), then equal groups of each size
-    :func:`.groups.group_counts` gives, one maker per split."""
+    maker with the shards its plans hold at most: groups of mixed power-of-two sizes (a maker
+    per height, :class:`.mixed.MixedGroupPlans`), then equal groups of each size
+    :func:`.groups.group_counts` gives, a maker per split."""
     lens, n = ctx.seq_lens, ctx.num_ranks
-    yield mixed_group_plans(ctx), lens.size * n
+    yield MixedGroupPlans(ctx)
     for groups in group_counts(ctx):
         g = n // groups
         for split, exact in group_splits(ctx, g):
             shards = int((split & (lens >= g)).sum()) * g + lens.size
-            yield [lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e))], shards
+            yield [(lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e)), shards)]
 
 
 def _some(plan: Plan | None) -> list[Plan]:
