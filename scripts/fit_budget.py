@@ -72,8 +72,8 @@ def _instrument() -> None:
                   cells=trials * cells)  # fmt: skip
         return out, spent
 
-    def timed_layouts(ctx):
-        for make, shards in layouts(ctx):
+    def timed_family(ctx, family):
+        for make, shards in family:
 
             def timed(make=make, shards=shards):
                 t0 = time.process_time()
@@ -85,6 +85,10 @@ def _instrument() -> None:
                 return plans
 
             yield timed, shards
+
+    def timed_layouts(ctx):
+        for family in layouts(ctx):
+            yield timed_family(ctx, family)
 
     search.place, search.improve, search.exact_moves = timed_place, timed_improve, timed_exact
     search.group_layouts = timed_layouts

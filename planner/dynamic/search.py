@@ -14,10 +14,11 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
    model; the fastest is kept. The first is the search's first plan and always made.
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
-   their sequences in shared waves. No move below reaches such a plan from the relaxation's
-   (a degree at a time never lines many sequences up on the same ranks), and on small batches
-   they win where splitting saves work (the CPU's reference attention) or where sequences
-   share a group's fixed costs.
+   their sequences in shared waves, one layout at a time while the budget lasts (mixed sizes
+   at heights rising from the least that fits, then equal sizes). No move below reaches such
+   a plan from the relaxation's (a degree at a time never lines many sequences up on the same
+   ranks), and on small batches they win where splitting saves work (the CPU's reference
+   attention) or where sequences share a group's fixed costs.
 4. *Local search* on the kept plan, each move priced by the cost model and kept only where the
    step falls (:class:`Search`):
 
