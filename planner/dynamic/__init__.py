@@ -15,7 +15,7 @@ Read in this order:
 """
 
 from .candidates import Candidate
-from .megatron import aligned_groups, plan_megatron_form
+from .megatron import plan_megatron_form
 from .options import DynamicOptions
 from .search import NATIVE_SYNC, plan_dynamic, rounding_heights
 
@@ -23,7 +23,6 @@ __all__ = [
     "NATIVE_SYNC",
     "Candidate",
     "DynamicOptions",
-    "aligned_groups",
     "plan_dynamic",
     "plan_megatron_form",
     "rounding_heights",

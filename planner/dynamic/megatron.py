@@ -9,10 +9,11 @@ every candidate is priced with its padding (:func:`padded_plan`). Degrees come f
 relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Each
 choice of degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends
 at a barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
-start-time-ordered lists (:func:`_place_one_group`). Megatron's own ``BalancedCPScheduler``
-schedule is a candidate too where it keeps to the form. The fastest then
-takes the local search's whole-sequence moves (:func:`.local.improve`: a whole sequence stays on
-one rank, so the form holds) within the budget of :class:`~.options.DynamicOptions`.
+start-time-ordered lists (:func:`_place_one_group`). The fastest then takes the local search's
+whole-sequence moves (:func:`.local.improve`: a whole sequence stays on one rank, so the form
+holds) within the budget of :class:`~.options.DynamicOptions`. Megatron's own
+``BalancedCPScheduler`` is an oracle, not a candidate: tests check that no plan of this form
+steps slower than its schedule.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from hdp import Plan
 
 from ..common import Context, PlanBuilder, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
-from ..hybridcp import plan_from_sample_id_groups, plan_hybridcp
+from ..hybridcp import plan_from_sample_id_groups
 from ..splits import split_times
 from .budget import Budget
 from .local import improve
@@ -113,11 +114,6 @@ def plan_megatron_form(
         t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
-    theirs = _balanced_cp_candidate(ctx) if widest_pow2 == n else None
-    if theirs is not None:
-        t = cost.evaluate(padded_plan(ctx, theirs, token_multiple)).step_time_s
-        if t < best[0]:
-            best = (t, theirs)
     plan, best_s = _moved(ctx, options or DynamicOptions(), *best[::-1], token_multiple)
     plan.predicted["padded_step_time_s"] = best_s
     if np.array_equal(relaxed, lens):
@@ -143,17 +139,6 @@ def _moved(
             best = (moved, moved_s)
     budget.record(best[0])
     return best
-
-
-def _balanced_cp_candidate(ctx: Context) -> Plan | None:
-    """Megatron's own ``BalancedCPScheduler`` schedule as an hdp candidate, where it keeps to
-    the groups Megatron builds (its empty-rank filling can break alignment)."""
-    theirs = plan_hybridcp(ctx, implementation="ours")
-    if not aligned_groups(theirs):
-        return None
-    theirs.strategy = "hdp"
-    theirs.predicted["from_balanced_cp_scheduler"] = 1.0
-    return theirs
 
 
 def _megatron_sizes(ctx: Context, jobs: Jobs, sizes: list[int]) -> Jobs:
@@ -188,24 +173,6 @@ def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
             )
         )
     return choices
-
-
-def aligned_groups(plan: Plan) -> bool:
-    """Whether every sequence lies on one rank or on a CP group Megatron builds
-    (:func:`megatron_group_sizes`, :func:`megatron_cp_groups`): all ranks, or an aligned range of
-    ``2^i`` consecutive ranks of an allowed size."""
-    n = plan.num_ranks
-    pairs = np.unique(plan.seq * n + plan.rank)
-    seq, rank = pairs // n, pairs % n
-    first = np.searchsorted(seq, seq)  # index of each sequence's first (lowest) rank
-    size = np.bincount(seq, minlength=plan.seq_lens.size)[seq]
-    lowest = rank[first]
-    allowed = np.isin(size, megatron_group_sizes(n))
-    return bool(
-        allowed.all()
-        and ((size == n) | ((lowest % size == 0) & (lowest + size <= n))).all()
-        and (rank - lowest == np.arange(seq.size) - first).all()
-    )
 
 
 def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
