@@ -43,6 +43,7 @@ from hdp import ClusterSpec, CostModel, ModelSpec, Plan, StepReport, ulysses
 
 from .common import Context, PlanningError
 from .degrees import heads_bound, packed_time, step_bound
+from .dynamic.budget import Budget
 from .dynamic.options import DynamicOptions
 from .menus import fastest_height, menu_floor
 from .pricing import Settled, StepPricing
@@ -104,10 +105,13 @@ def plan_and_evaluate(
     by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
     bound = plan.predicted.get("bound_s")
     heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync), bound_s=bound)
-    if exchange == "auto" and heads_may_win(heads, report.step_time_s):
-        other, other_report = _plan_once(strategy, heads, _rest_of_budget(options, plan), validate)
+    rest = _rest_of_budget(options, plan, heads) if exchange == "auto" else None
+    if rest is not None and heads_may_win(heads, report.step_time_s):
+        rest_options, first_s = rest
+        other, other_report = _plan_once(strategy, heads, rest_options, validate)
         spent = report.plan_time_s + time.perf_counter() - t0
-        searched = plan.predicted.get("search_s", 0.0) + other.predicted.get("search_s", 0.0)
+        searched = plan.predicted.get("search_s", 0.0) + first_s
+        searched += other.predicted.get("search_s", 0.0)
         budget = plan.predicted.get("budget_s")
         if other_report.step_time_s < report.step_time_s:
             plan, report, cap = other, other_report, heads.capacity
@@ -209,13 +213,21 @@ def heads_may_win(heads: Context, step_s: float) -> bool:
     return heads_bound(cost, lens, sync, heads.num_ranks) < step_s
 
 
-def _rest_of_budget(options: Any, plan: Plan) -> Any:
-    """``options`` for a second search of the step (``auto``'s head-parallel plan): with what
-    the first search's budget left, where it had one (``hdp``)."""
+def _rest_of_budget(options: Any, plan: Plan, heads: Context) -> tuple[Any, float] | None:
+    """``options`` for ``auto``'s head-parallel search of the step, and what its first plan is
+    charged: with what the P2P search's budget left less the estimate of a first plan like the
+    P2P plan (:meth:`~hdp.planner.dynamic.budget.Budget.first_plan_s`), where the budget affords
+    that (``None`` where it does not); the options as they are, charged nothing, where the
+    strategy has no budget."""
     if not isinstance(options, DynamicOptions) or "budget_s" not in plan.predicted:
-        return options
+        return options, 0.0
     left = plan.predicted["budget_s"] - plan.predicted.get("search_s", 0.0)
-    return replace(options, plan_budget_s=max(0.0, left))
+    jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
+    most = ulysses.most_members(heads.cost.model, heads.num_ranks)
+    first_s = Budget.first_plan_s(heads, jobs, plan.num_shards, plan.num_waves, most)
+    if first_s > left:
+        return None
+    return replace(options, plan_budget_s=left - first_s), first_s
 
 
 def _plan_once(

@@ -61,6 +61,14 @@ class Budget:
         return 3.8e-8 * jobs * waves * n + 4.1e-6 * seqs * waves + offload
 
     @staticmethod
+    def first_plan_s(ctx: Context, jobs: int, shards: int, waves: int, degrees: int) -> float:
+        """Estimated seconds of a second search's first plan (``auto``'s head-parallel one) for
+        a plan of ``jobs`` multi-rank jobs, ``shards`` shards and about ``waves`` waves: the
+        menus of its jobs, each up to ``degrees`` members, and a placement."""
+        placed = Budget.placement_s(ctx, jobs, shards, waves)
+        return placed + 5.2e-6 * jobs * degrees + 1e-6 * ctx.seq_lens.size
+
+    @staticmethod
     def layout_s(ctx: Context, shards: int) -> float:
         """Estimated seconds of one group layout of at most ``shards`` shards and its
         pricing."""
