@@ -2,8 +2,9 @@ r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measu
 
 hdp's search charges its budget by estimates of each step's work, so that a plan never depends
 on the machine's load. This plans a grid of batches, records every placement, group layout,
-move search and exact trial with the work it did and the CPU seconds it took, and fits seconds
-per item of work by least squares on relative error (coefficients kept non-negative). It prints
+move search, exact trial and head-parallel first plan with the work it did and the CPU seconds
+it took, and fits seconds per item of work by least squares on relative error (coefficients
+kept non-negative). It prints
 the fitted coefficients and, for the ones in the code, how measured time compares with the
 estimate (quantiles of measured / estimated).
 
@@ -18,11 +19,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from hdp import ClusterSpec, model_preset
-from hdp.planner import StepPricing, plan_and_evaluate
-from hdp.planner.dynamic import search
+import hdp.planner as planner
+from hdp import ClusterSpec, model_preset, ulysses
+from hdp.planner import PlanningError, StepPricing, plan_and_evaluate
+from hdp.planner.dynamic import DynamicOptions, search
 from hdp.planner.dynamic.budget import Budget
 from hdp.planner.dynamic.candidates import num_waves_for
+from hdp.planner.menus import clear_menus
 from hdp.workloads import get_workload, workload_names
 
 RECORDS: list[dict] = []
@@ -90,8 +93,27 @@ def _instrument() -> None:
         for family in layouts(ctx):
             yield timed_family(ctx, family)
 
+    rest = planner._rest_of_budget
+
+    def timed_rest(options, plan, heads):
+        """Time a head-parallel first plan from cold menus beside the P2P plan it follows."""
+        jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
+        degrees = ulysses.most_members(heads.cost.model, heads.num_ranks)
+        placed = Budget.placement_s(heads, jobs, plan.num_shards, plan.num_waves)
+        clear_menus()
+        t0 = time.process_time()
+        try:
+            search.plan_dynamic(heads, DynamicOptions(plan_budget_s=0.0))
+        except PlanningError:
+            return rest(options, plan, heads)
+        estimate = Budget.first_plan_s(heads, jobs, plan.num_shards, plan.num_waves, degrees)
+        _recorded("first", heads, t0, estimate, placement=placed, jobs_degrees=jobs * degrees,
+                  seqs=heads.seq_lens.size)  # fmt: skip
+        return rest(options, plan, heads)
+
     search.place, search.improve, search.exact_moves = timed_place, timed_improve, timed_exact
     search.group_layouts = timed_layouts
+    planner._rest_of_budget = timed_rest
 
 
 def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
@@ -116,6 +138,8 @@ FEATURES = {
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
     "move wave": ["one", "seqs", "shards", "searches", "tried", "cells"],
     "trial peer": ["trials", "shards", "cells"],
+    "first peer": ["placement", "jobs_degrees", "seqs"],
+    "first wave": ["placement", "jobs_degrees", "seqs"],
 }
 
 

@@ -66,7 +66,10 @@ class Budget:
         a plan of ``jobs`` multi-rank jobs, ``shards`` shards and about ``waves`` waves: the
         menus of its jobs, each up to ``degrees`` members, and a placement."""
         placed = Budget.placement_s(ctx, jobs, shards, waves)
-        return placed + 5.2e-6 * jobs * degrees + 1e-6 * ctx.seq_lens.size
+        seqs = ctx.seq_lens.size
+        if ctx.sync == "peer":
+            return placed + 1.27e-5 * jobs * degrees + 9.4e-7 * seqs
+        return placed + 3.5e-6 * jobs * degrees + 6.4e-6 * seqs
 
     @staticmethod
     def layout_s(ctx: Context, shards: int) -> float:
