@@ -258,3 +258,39 @@ def test_hdp_keeps_up_with_head_parallel_meshes_past_the_rival_ranks():
     for name in ("flexsp", "ulysses"):
         rival = plan_step(lens, pricing, name).predicted["step_time_s"]
         assert hdp <= rival * (1 + TRAILS), name
+
+
+@settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    profile=st.sampled_from(sorted(PROFILES)),
+    n=st.sampled_from([2, 4, 8]),
+    cap=st.sampled_from([1024, 2048]),
+    sync=st.sampled_from(["peer", "wave"]),
+    data=st.data(),
+)
+def test_no_head_parallel_plan_beats_the_head_parallel_bound(profile, n, cap, sync, data):
+    """``auto`` plans head-parallel groups only where ``heads_bound`` is below the P2P plan, so
+    it must bound them: hdp's own head-parallel plan, FlexSP's and the DeepSpeed-Ulysses mesh's
+    step no faster."""
+    from hdp.planner.degrees import heads_bound
+    from hdp.planner.strategies import get_strategy
+
+    cluster = ClusterSpec.preset(profile, n, n)
+    model = model_preset(PROFILES[profile])
+    pricing = StepPricing.build(model, cluster, capacity=cap, sync=sync, kv_exchange="ulysses")
+    lens = data.draw(st.lists(st.integers(cap // 2, 3 * cap), min_size=1, max_size=3))
+    lens = np.asarray(lens + data.draw(st.lists(st.integers(1, cap), max_size=12)))
+    hdp = get_strategy("hdp")
+    try:
+        cost, settled_sync, _ = pricing.settle(hdp, int(lens.max()), hdp.options(None), "ulysses")
+    except PlanningError:  # the ranks cannot hold the longest sequence at all
+        return
+    bound = heads_bound(cost, lens, settled_sync, n)
+    for name in ("hdp", "flexsp", "ulysses"):
+        try:
+            plan = plan_step(lens, pricing, name)
+        except PlanningError:  # groups of at most one rank a head cannot hold the batch
+            continue
+        assert plan.predicted["step_time_s"] >= bound * (1 - 1e-9), name
