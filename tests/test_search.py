@@ -118,8 +118,9 @@ def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
 
 
 def test_both_searches_of_a_step_share_its_budget():
-    """Under ``auto`` at 16 ranks the head-parallel search runs beside the P2P one; the plan
-    says what the step had and what both searches charged, within a fifth of the budget."""
+    """Under ``auto`` at 16 ranks the plan says what the step had and what its searches
+    charged (a head-parallel search's first plan too, where what the P2P search left affords
+    it), within a fifth of the budget."""
     from hdp.planner import StepPricing, plan_and_evaluate
     from hdp.workloads import get_workload
 
