@@ -101,30 +101,42 @@ def plan_and_evaluate(
     if opts:
         raise TypeError(f"plan_step got unknown options: {', '.join(sorted(opts))}")
     plan, report = _plan_once(strategy, ctx, options, validate)
-    t0 = time.perf_counter()
-    by_heads = cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
-    bound = plan.predicted.get("bound_s")
-    heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(sync), bound_s=bound)
-    rest = _rest_of_budget(options, plan, heads) if exchange == "auto" else None
-    if rest is not None and heads_may_win(heads, report.step_time_s):
-        rest_options, first_s = rest
-        other, other_report = _plan_once(strategy, heads, rest_options, validate)
-        spent = report.plan_time_s + time.perf_counter() - t0
-        searched = plan.predicted.get("search_s", 0.0) + first_s
-        searched += other.predicted.get("search_s", 0.0)
-        budget = plan.predicted.get("budget_s")
-        if other_report.step_time_s < report.step_time_s:
-            plan, report, cap = other, other_report, heads.capacity
-            # Bounds price P2P bytes in their exchange at its capacity: where the
-            # head-parallel plan, with its own capacity, wins, the lesser bound holds for both.
-            bound = min(bound, float(step_bound(by_heads, lens, sync, heads.capacity)))
-        plan.predicted["bound_s"] = bound
-        if budget is not None:  # one step's budget, shared by both searches
-            plan.predicted.update(budget_s=budget, search_s=searched)
-        report = replace(report, plan_time_s=spent)
+    if exchange == "auto":  # (plan may be a head-parallel rival's: ``cost`` is P2P here)
+        plan, report, cap = _or_head_parallel(strategy, ctx, options, validate, plan, report)
     plan.predicted.update(report.summary())
     plan.predicted["capacity"] = float(cap)
     return plan, report
+
+
+def _or_head_parallel(
+    strategy: Strategy, ctx: Context, options: Any, validate: bool, plan: Plan, report: StepReport
+) -> tuple[Plan, StepReport, int]:
+    """``auto``: the P2P ``plan`` (its report, its capacity), or a head-parallel plan of the
+    same step where :func:`heads_may_win` and the budget let one be made and it is faster; the
+    plan says the lesser bound, and what both searches had and charged."""
+    t0 = time.perf_counter()
+    cap = ctx.capacity
+    by_heads = ctx.cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
+    bound = plan.predicted.get("bound_s")
+    heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(ctx.sync), bound_s=bound)
+    rest = _rest_of_budget(options, plan, heads)
+    if rest is None or not heads_may_win(heads, report.step_time_s):
+        return plan, report, cap
+    rest_options, first_s = rest
+    other, other_report = _plan_once(strategy, heads, rest_options, validate)
+    spent = report.plan_time_s + time.perf_counter() - t0
+    searched = plan.predicted.get("search_s", 0.0) + first_s
+    searched += other.predicted.get("search_s", 0.0)
+    budget = plan.predicted.get("budget_s")
+    if other_report.step_time_s < report.step_time_s:
+        plan, report, cap = other, other_report, heads.capacity
+        # Bounds price P2P bytes in their exchange at its capacity: where the head-parallel
+        # plan, with its own capacity, wins, the lesser bound holds for both.
+        bound = min(bound, float(step_bound(by_heads, ctx.seq_lens, ctx.sync, heads.capacity)))
+    plan.predicted["bound_s"] = bound
+    if budget is not None:  # one step's budget, shared by both searches
+        plan.predicted.update(budget_s=budget, search_s=searched)
+    return plan, replace(report, plan_time_s=spent), cap
 
 
 def _arguments(

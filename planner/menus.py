@@ -117,8 +117,12 @@ def length_menus(
     head-parallel menu's bound entries are the P2P menu's, priced only where ``bounds`` asks."""
     heads = cost.kv_exchange == "ulysses" and not pow2
     key = (cost, sync, capacity, pow2, floor_s, bounds or not heads)
-    keys = (key, key[:-1] + (True,))  # a menu with the bound's entries serves either
-    menus = {x: _MENUS.get((k, x)) for x in map(int, lengths) for k in keys if (k, x) in _MENUS}
+    full = key[:-1] + (True,)  # a menu with the bound's entries serves either
+    menus = {}
+    for x in map(int, lengths):
+        mu = _MENUS.get((key, x)) or _MENUS.get((full, x))
+        if mu is not None:
+            menus[x] = mu
     todo = sorted({int(x) for x in lengths} - menus.keys())
     if todo:
         if len(_MENUS) + len(todo) > _MOST_MENUS:
