@@ -147,13 +147,13 @@ fi
 # The cost model against this GPU: its kernel tables measured here, the shipped h100 profile and
 # the measured one checked against the measured H100 tables.
 if wanted calibrate; then
-  run 300 "hdp-calibrate measure (CUDA)" $PY -m hdp.launch.calibrate measure --out "$OUT_DIR/profile.json"
+  run 300 "hdp-calibrate measure (CUDA)" $PY -P -m hdp.launch.calibrate measure --out "$OUT_DIR/profile.json"
   for table in hdp/data/measured/h100_measured.csv hdp/data/measured/h100_cudnn_measured.csv; do
     [ -f "$table" ] || continue
-    run 60 "hdp-calibrate check h100 $(basename "$table")" $PY -m hdp.launch.calibrate check h100 \
+    run 60 "hdp-calibrate check h100 $(basename "$table")" $PY -P -m hdp.launch.calibrate check h100 \
       --table "$table"
     [ -f "$OUT_DIR/profile.json" ] && run 60 "hdp-calibrate check measured $(basename "$table")" \
-      $PY -m hdp.launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
+      $PY -P -m hdp.launch.calibrate check "$OUT_DIR/profile.json" --table "$table"
   done
 fi
 # The CPU suite under this machine's torch (a CUDA build): the gloo paths must not pick up the GPU.
