@@ -29,6 +29,12 @@ backward does 2.5x the forward's FLOPs). Those shares are assumed, not measured.
 layers are checkpointed (``recompute_share`` of them), a layer's price is the mean over the
 layers: its forward is recomputed ``recompute_share`` times on average. Where the recomputed
 layers keep attention's output (``attention_kept``), only their dense work runs again.
+
+Compiled layers (``compiled``: ``--compile``, Note [Compiled layers] in :mod:`hdp.launch.model`)
+fuse the memory-bound ops around attention and the loss's cross-entropy; those ops then take the
+profile's ``compiled_memory_bound_scale`` of their eager time in the tables, a share fitted to
+training steps measured with and without ``--compile`` (``docs/benchmarks.md``). The GEMMs and
+attention run the same kernels either way.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class ComputeModel:
     tensor_parallel: int = 1
     recompute_share: float = 1.0  # of the layers, with activation checkpointing
     attention_kept: bool = False  # the recomputed layers keep attention's output (no rerun)
+    compiled: bool = False  # the layers and the loss run as torch.compile fuses them
 
     @property
     def backend(self) -> str:
@@ -80,6 +87,11 @@ class ComputeModel:
     @property
     def dense_recompute(self) -> float:
         return 1.0 + self.recomputed / 3.0
+
+    @property
+    def memory_bound_scale(self) -> float:
+        """Time of the memory-bound ops as they run over their eager time in the tables."""
+        return self.gpu.compiled_memory_bound_scale if self.compiled else 1.0
 
     # ------------------------------------------------------------------ attention
     def attn_time(self, start, end) -> np.ndarray:
@@ -114,7 +126,7 @@ class ComputeModel:
             + 2 * t.memory_bound_time("residual_add", m.hidden, local)
             + t.memory_bound_time("swiglu", m.ffn, T)
             + t.memory_bound_time("rope", (m.heads + m.kv_heads) * m.head_dim, T)
-        )
+        ) * self.memory_bound_scale
         return (gemm + mem) * self.dense_recompute + self.tensor_comm_time(T)
 
     def tensor_comm_time(self, tokens) -> np.ndarray:
@@ -136,7 +148,8 @@ class ComputeModel:
 
         def chunk(n):
             gemm = t.gemm_time(n, m.hidden, m.vocab)
-            return np.where(n > 0, gemm + t.memory_bound_time("cross_entropy", m.vocab, n), 0.0)
+            loss = t.memory_bound_time("cross_entropy", m.vocab, n) * self.memory_bound_scale
+            return np.where(n > 0, gemm + loss, 0.0)
 
         full, rest = np.floor(T / c), T - np.floor(T / c) * c
         recompute = np.where(T > c, 4.0 / 3.0, 1.0)  # the chunks run under checkpoint

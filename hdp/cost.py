@@ -66,6 +66,10 @@ class CostModel:
         kept_attention: the recomputed layers keep attention's q, k, v, output and LSE, and
             recompute only the work around it (Note [Selective activation checkpointing] in
             :mod:`hdp.launch.model`).
+        compiled: the layers and the loss run compiled (``--compile``): their memory-bound ops
+            take the profile's ``compiled_memory_bound_scale`` of their eager time, and a layer
+            whose activations are kept holds one ``[tokens, hidden]`` tensor fewer (Note
+            [Compiled layers] in :mod:`hdp.launch.model`).
         capacity_override: tokens per rank per wave to use instead of the memory-derived value.
         grad_accum_bytes: bytes per parameter of the unsharded gradient accumulators (``peer``).
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
@@ -101,6 +105,7 @@ class CostModel:
     checkpointed_layers: int | None = None
     own_runtimes: bool = True
     kept_attention: bool = False
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.dkv_bytes not in (2, 4):
@@ -145,6 +150,7 @@ class CostModel:
             self.tensor_parallel,
             self.recomputed_layers / self.model.layers,
             self.kept_attention,
+            self.compiled,
         )
 
     @property
@@ -273,8 +279,12 @@ class CostModel:
         """Activation bytes per token of the layer(s) whose full activations are alive."""
         m = self.model
         hidden = m.hidden / self.tensor_parallel  # norms and residuals: sequence parallel
+        # Compiled, a layer saves one [tokens, hidden] tensor fewer (measured: docs/benchmarks.md).
         per_layer = (
-            6 * hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.ffn
+            (5 if self.compiled else 6) * hidden
+            + 2 * m.heads * m.head_dim
+            + 2 * m.kv_heads * m.head_dim
+            + 3 * m.ffn
         ) * m.dtype_bytes
         # The layers kept whole hold theirs from forward until their backward, which comes
         # before the recomputed (first) layers' backward, when one recomputed layer's are alive.

@@ -224,6 +224,10 @@ class GPUProfile:
     project's CI machine by ``hdp-calibrate measure --device cpu``. ``peak_flops`` serves MFU.
     ``activation_memory_scale`` is what a training step's activations measure over what the cost
     model counts for them on this device (``scripts/bench_fidelity.py metrics`` reports it).
+    ``compiled_memory_bound_scale`` is the time of the memory-bound ops (norms, residual adds,
+    SwiGLU, RoPE, the loss's cross-entropy) in ``--compile``'s fused regions over their eager
+    time in the tables: fitted to training steps measured with and without ``--compile`` on the
+    device (Note [What a layer costs] in :mod:`hdp.compute`); 1.0, no gain, where not measured.
     ``alltoall_nic_share`` and ``alltoall_nvlink_share``: the share of ``nic_bw`` and
     ``nvlink_bw`` a head-parallel all-to-all attains (every member sends to every other at once,
     so it moves slower than a ring). A profile states them where it measured them; the others,
@@ -244,6 +248,7 @@ class GPUProfile:
     reserved_bytes: float = 3.0e9
     layer_overhead_s: float = 40e-6
     activation_memory_scale: float = 1.0
+    compiled_memory_bound_scale: float = 1.0
     alltoall_nic_share: float = FLEXSP_ALLTOALL_NIC_SHARE
     alltoall_nvlink_share: float = FLEXSP_ALLTOALL_NVLINK_SHARE
     attention_backend: str = "torch_flash"
@@ -298,8 +303,9 @@ class GPUProfile:
 
 
 def _check_shares(fields: dict[str, Any], where: str) -> None:
-    """ProfileError naming ``where`` unless each all-to-all share is above 0 and at most 1."""
-    for k in ("alltoall_nic_share", "alltoall_nvlink_share"):
+    """ProfileError naming ``where`` unless each all-to-all share, and the compiled ops' scale,
+    is above 0 and at most 1."""
+    for k in ("alltoall_nic_share", "alltoall_nvlink_share", "compiled_memory_bound_scale"):
         if not 0 < fields.get(k, 1.0) <= 1:
             raise ProfileError(f"{where}: {k} must be above 0 and at most 1, got {fields[k]!r}")
 

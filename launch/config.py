@@ -131,7 +131,7 @@ class TrainingConfig(_Section):
     exit_signals: tuple[signal.Signals, ...] = _flag(
         (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1), "exit_signal"
     )
-    compile: bool = _flag(False)
+    compile: bool | None = _flag(None)  # None until resolved: on CUDA, off on CPU
     fused_loss: bool = _flag(False)
     attention_backend: AttentionBackend = _flag("auto")  # "auto" until training resolves it
     device: Device = _flag("auto")

@@ -224,9 +224,11 @@ def _training_flags(g) -> None:
     )
     g.add_argument(
         "--compile",
-        action="store_true",
-        help="torch.compile each decoder layer around its attention, for any wave length (the "
-        "first step says how long compiling took); see Note [Compiled layers] in launch/model.py",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile each decoder layer around its attention, and the loss, for any wave "
+        "length (the first step says how long compiling took; default: on CUDA, where it "
+        "measures faster, and not on CPU); see Note [Compiled layers] in launch/model.py",
     )
     g.add_argument(
         "--fused-loss",

@@ -24,10 +24,10 @@ fit (Note [Recomputing the fewest layers] in :mod:`hdp.launch.setup`).
 
 Note [Compiled layers]
 ----------------------
-``--compile`` compiles each decoder layer in two regions, the work before attention (norm,
-q/k/v, RoPE) and the work after it (output projection, residuals, norm, MLP), with
-``dynamic=True``: a wave's token count changes every step, and one graph per region serves them
-all. Attention itself stays eager between them (:func:`hdp.attention.dist_attn`: its P2P
+``--compile`` (the default on CUDA) compiles each decoder layer in two regions, the work before
+attention (norm, q/k/v, RoPE) and the work after it (output projection, residuals, norm, MLP),
+with ``dynamic=True``: a wave's token count changes every step, and one graph per region serves
+them all. Attention itself stays eager between them (:func:`hdp.attention.dist_attn`: its P2P
 exchanges follow each step's plan, a Python object no graph can hold). The regions are the ones
 selective checkpointing recomputes, so both compose, and so do full checkpointing (the recompute
 runs the compiled code again) and FSDP2 (its hooks wrap the layer's call, outside the regions).

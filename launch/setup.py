@@ -75,12 +75,16 @@ def resolve_auto(
     config: RunConfig, *, spec: ModelSpec, world: int, per_node: int, device: torch.device, log
 ) -> RunConfig:
     """``config`` with what its ``auto`` defaults resolve to here: the attention backend that
-    passed its first-use check (its kernels and its pricing alike), and activation checkpointing
-    where ``--max-seq`` needs it. Raises ValueError when a forced backend cannot run."""
+    passed its first-use check (its kernels and its pricing alike), compiled layers on CUDA
+    (Note [Compiled layers]), and activation checkpointing where ``--max-seq`` needs it (priced
+    with the layers as they will run). Raises ValueError when a forced backend cannot run."""
     backend = verify_attention_backend(
         config.training.attention_backend, spec=spec, device=device, log=log
     )
-    config = config.resolved(training={"attention_backend": backend})
+    compiled = config.training.compile
+    if compiled is None:
+        compiled = device.type == "cuda"
+    config = config.resolved(training={"attention_backend": backend, "compile": compiled})
     if config.training.fused_loss and device.type != "cuda":
         raise ValueError(
             f"--fused-loss runs Liger-Kernel's Triton kernels, on CUDA only, not on "
@@ -154,6 +158,7 @@ def build_pricing(
         activation_checkpointing=planning.activation_checkpointing,
         checkpointed_layers=planning.checkpointed_layers,
         kept_attention=bool(planning.activation_checkpointing and planning.keep_attention),
+        compiled=bool(config.training.compile),
         capacity=planning.capacity,
         sync=planning.sync,
         kv_exchange=planning.kv_exchange,

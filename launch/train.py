@@ -261,6 +261,7 @@ def run_line(run: Run, *, sync: str, capacity: int) -> str:
         f"tokens/step, max_seq {config.data.max_seq}, recomputing "
         f"{run.cost.recomputed_layers} of {spec.layers} layers"
         f"{' but their attention' if run.cost.kept_attention else ''}"
+        f"{', compiled' if config.training.compile else ''}"
     )
 
 

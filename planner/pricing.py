@@ -58,6 +58,7 @@ class StepPricing:
         activation_checkpointing: bool = True,
         checkpointed_layers: int | None = None,
         kept_attention: bool = False,
+        compiled: bool = False,
         capacity: int | None = None,
         sync: str | None = None,
         kv_exchange: str = "auto",
@@ -71,10 +72,10 @@ class StepPricing:
         of one node: the cost model prices one GPU's shard of the model, ``capacity`` counts
         the group's tokens, and ValueError says where the model or the nodes do not split.
         ``dkv_bytes``: :class:`~hdp.CostModel`'s, for hdp's plans; every baseline's are priced
-        in the model's compute dtype (:meth:`cost_for`). ``checkpointed_layers`` and
-        ``kept_attention``: :class:`~hdp.CostModel`'s. ``own_runtimes`` False: every plan runs
-        on hdp's runtime, as training runs a baseline's plan, and is priced so (one rule for
-        all: hdp's)."""
+        in the model's compute dtype (:meth:`cost_for`). ``checkpointed_layers``,
+        ``kept_attention`` and ``compiled``: :class:`~hdp.CostModel`'s. ``own_runtimes``
+        False: every plan runs on hdp's runtime, as training runs a baseline's plan, and is
+        priced so (one rule for all: hdp's)."""
         cost = CostModel(
             model.tensor_shard(tensor_parallel),
             cluster.tensor_groups(tensor_parallel),
@@ -82,6 +83,7 @@ class StepPricing:
             activation_checkpointing=activation_checkpointing,
             checkpointed_layers=checkpointed_layers,
             kept_attention=kept_attention,
+            compiled=compiled,
             capacity_override=capacity,
             tensor_parallel=tensor_parallel,
             dkv_bytes=dkv_bytes,

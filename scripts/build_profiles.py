@@ -34,6 +34,10 @@ MEMORY_OPS = {
 # on an H100 (FlashAttention-3's paper, arXiv 2407.08608; our H100 tables measure 33% at 128K
 # tokens). Scaling H100 attention by peak FLOP/s alone would make an A100's 1.8x too slow.
 FA2_PEAK_SHARE = {"h100": 0.35, "a100": (0.50 + 0.73) / 2}
+# The memory-bound ops in --compile's fused regions (and the loss) over these tables' eager time:
+# fitted to llama-1b training steps with and without --compile on an H200 (docs/benchmarks.md);
+# the presets scaled from the h100 tables by HBM bandwidth carry it by the same rule.
+COMPILED_MEMORY_BOUND_SCALE = 0.25
 LINKS = {  # achievable per-GPU, per-direction figures (see docs/cost_model.md)
     "h100": dict(nvlink_bw=360e9, nic_bw=45e9, nvlink_latency=5e-6, nic_latency=12e-6),
     "a100": dict(nvlink_bw=240e9, nic_bw=22.5e9, nvlink_latency=6e-6, nic_latency=15e-6),
@@ -106,7 +110,12 @@ def profile(name: str, source: str, tables: dict[str, list[list]], **figures) ->
 
 def build(folder: Path) -> list[dict]:
     h100 = measured_tables(folder)
-    common = dict(usable_memory_fraction=0.92, reserved_bytes=3e9, layer_overhead_s=40e-6)
+    common = dict(
+        usable_memory_fraction=0.92,
+        reserved_bytes=3e9,
+        layer_overhead_s=40e-6,
+        compiled_memory_bound_scale=COMPILED_MEMORY_BOUND_SCALE,
+    )
     scaled_from = "scaled from the h100 profile (measured on " + MEASURED + "): "
     out = [
         profile(

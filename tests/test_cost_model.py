@@ -135,6 +135,34 @@ def test_single_sequence_time(cm):
     assert rep.step_time_s == pytest.approx(rep.busy_s.max() + expected + cm.optimizer_s)
 
 
+def test_compiled_layers_take_the_profiles_share_of_their_memory_bound_time(cm):
+    """``compiled``: the GEMMs as eager, the memory-bound ops of a layer and of the loss at the
+    profile's ``compiled_memory_bound_scale`` of their table time, and one ``[tokens, hidden]``
+    activation fewer per layer whose activations are kept."""
+    gpu = replace(cm.cluster.gpu, compiled_memory_bound_scale=0.4)
+    eager = replace(cm, cluster=replace(cm.cluster, gpu=gpu))
+    compiled = replace(eager, compiled=True)
+    tables, m, T = gpu.tables, cm.model, 16384
+    memory_bound = (
+        2 * tables.memory_bound_time("rmsnorm", m.hidden, T)
+        + 2 * tables.memory_bound_time("residual_add", m.hidden, T)
+        + tables.memory_bound_time("swiglu", m.ffn, T)
+        + tables.memory_bound_time("rope", (m.heads + m.kv_heads) * m.head_dim, T)
+    )
+    saved = (1 - 0.4) * memory_bound * 4 / 3  # every layer recomputed
+    assert eager.compute.layer_time(T) - compiled.compute.layer_time(T) == pytest.approx(saved)
+    loss = tables.memory_bound_time("cross_entropy", m.vocab, 4096)
+    saved = (1 - 0.4) * loss * 4 * 4 / 3  # four 4K-token chunks, recomputed in backward
+    assert eager.compute.head_time(T) - compiled.compute.head_time(T) == pytest.approx(saved)
+    for layers in (None, 20):
+        e, c = (replace(x, checkpointed_layers=layers) for x in (eager, compiled))
+        kept = 32 - e.recomputed_layers if layers else 1  # all recomputed: one layer's at once
+        assert e.working_bytes_per_token - c.working_bytes_per_token == kept * 4096 * 2
+    with pytest.raises(ValueError, match="compiled_memory_bound_scale"):
+        data = json.loads((ROOT / "hdp/data/profiles/h100.json").read_text())
+        GPUProfile.from_json(data | {"compiled_memory_bound_scale": 1.5}, "h100.json")
+
+
 def test_memory_terms(cm):
     n = 8
     static_wave = 16 * P_TOTAL / n + P_LAYER * (2 * 2 + 4)

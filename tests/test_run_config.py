@@ -68,6 +68,12 @@ def test_rules_between_flags_fill_defaults_without_changing_what_was_given(tmp_p
     assert config.checkpointing.resume is True and config.checkpointing.resume_step == 3
     assert parse_config(["--max-seq", "1M"]).data.tokens_per_step == 1 << 20
     assert parse_config(["--keep-attention"]).planning.activation_checkpointing is True
+    # --compile's default is the device's, resolved where training knows it.
+    assert [parse_config(a).training.compile for a in ([], ["--compile"], ["--no-compile"])] == [
+        None,
+        True,
+        False,
+    ]
     assert isinstance(parse_config([]), RunConfig)
 
 

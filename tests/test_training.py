@@ -469,6 +469,7 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     pricing = build_pricing(args, spec=source.spec, world=1, per_node=1, device=cpu)
     cost = pricing.cost
     assert cost.attention_backend == "reference"
+    assert args.training.compile is False and cost.compiled is False  # eager on CPU by default
     sources, stream = build_data(args, source, vocab=cost.model.vocab)
     loader = build_loader(args, sources=sources, stream=stream, pricing=pricing)
     try:
