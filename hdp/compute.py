@@ -34,7 +34,8 @@ Compiled layers (``compiled``: ``--compile``, Note [Compiled layers] in :mod:`hd
 fuse the memory-bound ops around attention and the loss's cross-entropy; those ops then take the
 profile's ``compiled_memory_bound_scale`` of their eager time in the tables, a share fitted to
 training steps measured with and without ``--compile`` (``docs/benchmarks.md``). The GEMMs and
-attention run the same kernels either way.
+attention run the same kernels either way. A compiled layer whose activations are kept holds one
+``[tokens, hidden]`` tensor fewer (:attr:`hdp.CostModel.working_bytes_per_token`).
 """
 
 from __future__ import annotations

@@ -66,10 +66,7 @@ class CostModel:
         kept_attention: the recomputed layers keep attention's q, k, v, output and LSE, and
             recompute only the work around it (Note [Selective activation checkpointing] in
             :mod:`hdp.launch.model`).
-        compiled: the layers and the loss run compiled (``--compile``): their memory-bound ops
-            take the profile's ``compiled_memory_bound_scale`` of their eager time, and a layer
-            whose activations are kept holds one ``[tokens, hidden]`` tensor fewer (Note
-            [Compiled layers] in :mod:`hdp.launch.model`).
+        compiled: the layers and the loss run compiled (Note [What a layer costs]).
         capacity_override: tokens per rank per wave to use instead of the memory-derived value.
         grad_accum_bytes: bytes per parameter of the unsharded gradient accumulators (``peer``).
         kv_prefetch_blocks: KV blocks a rank holds in flight (double buffering = 2).
@@ -279,7 +276,6 @@ class CostModel:
         """Activation bytes per token of the layer(s) whose full activations are alive."""
         m = self.model
         hidden = m.hidden / self.tensor_parallel  # norms and residuals: sequence parallel
-        # Compiled, a layer saves one [tokens, hidden] tensor fewer (measured: docs/benchmarks.md).
         per_layer = (
             (5 if self.compiled else 6) * hidden
             + 2 * m.heads * m.head_dim
