@@ -65,3 +65,88 @@ def test_every_sequence_runs_on_one_aligned_power_of_two_group(profile, n, sync,
             assert ranks[0] % size == 0 and ranks[-1] == ranks[0] + size - 1, (s, ranks)
             if exchange == "ulysses":
                 assert size <= ctx.cost.model.heads
+
+
+def _deal_by_scan(table, layout, any_size):
+    """A brute force of ``mixed._deal``: every group scanned for every sequence."""
+    size_of, counts = layout
+    order = np.argsort(-table.time[np.arange(size_of.size), size_of], kind="stable")
+    size_idx = np.repeat(np.arange(table.sizes.size), counts)[::-1]
+    group_sizes = table.sizes[size_idx]
+    load = np.zeros(group_sizes.size)
+    held = np.zeros(group_sizes.size, dtype=np.int64)
+    group_of = np.empty(size_of.size, dtype=np.int64)
+    for k, i in enumerate(order.tolist()):
+        time_s = table.time[i, size_idx]
+        allowed = np.isfinite(time_s) & (any_size | (size_idx == size_of[i]))
+        tokens = int(table.lens[i])
+        share = np.where(tokens >= group_sizes, -(-tokens // group_sizes), tokens)
+        if table.room is not None:
+            roomy = allowed & (held + share <= table.room)
+            allowed = roomy if roomy.any() else allowed
+        done_s = np.where(allowed, load + time_s, np.inf)
+        g = int(np.argmin(done_s))
+        load[g], held[g], group_of[k] = done_s[g], held[g] + share[g], g
+    return order, group_sizes, group_of
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seqs=st.integers(1, 40),
+    n=st.sampled_from([4, 8, 16]),
+    room=st.sampled_from([None, 600, 2000]),
+    any_size=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_deal_gives_each_sequence_the_group_where_it_finishes_first(
+    seqs, n, room, any_size, seed
+):
+    """Each size's groups in a heap give what scanning every group gives: each sequence, longest
+    first, on the group where it finishes first (of those that still hold it), ties to the
+    first. Times are multiples of 1/8 s, so that ties happen and sums are exact."""
+    rng = np.random.default_rng(seed)
+    sizes = 1 << np.arange(int(np.log2(n)) + 1)
+    lens = rng.integers(1, 3000, seqs)
+    time = rng.integers(1, 40, (seqs, sizes.size)) / 8.0
+    time[rng.random(time.shape) < 0.3] = INF
+    time[np.arange(seqs), rng.integers(0, sizes.size, seqs)] = rng.integers(1, 40, seqs) / 8.0
+    table = mixed._Table(time, sizes, lens, n, room)
+    size_of = np.array([rng.choice(np.flatnonzero(np.isfinite(row))) for row in time])
+    counts = np.where(np.bincount(size_of, minlength=sizes.size) > 0, 1, 0)
+    counts += rng.integers(0, 3, sizes.size) * (counts > 0)
+    layout = mixed._Layout(size_of, counts)
+    got, want = mixed._deal(table, layout, any_size), _deal_by_scan(table, layout, any_size)
+    for a, b in zip(got, want):
+        assert a.tolist() == b.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16))
+def test_a_groups_waves_take_each_sequence_where_a_scan_of_every_wave_puts_it(size, seed):
+    """``groups._Waves`` against scanning every wave's members: a whole sequence on the
+    least-filled member of the first wave with room for it, a split one on the first wave
+    whose members all have room for their pieces, a new wave where none has."""
+    from hdp.planner.dynamic.groups import _Waves
+
+    rng, cap = np.random.default_rng(seed), 1000
+    waves, scanned = _Waves(size), []
+    for _ in range(60):
+        if rng.random() < 0.5:
+            length = int(rng.integers(1, cap + 1))
+            want = next((w for w, t in enumerate(scanned) if t.min() + length <= cap), None)
+            if want is None:
+                scanned.append(np.zeros(size, dtype=np.int64))
+                want, member = len(scanned) - 1, 0
+            else:
+                member = int(np.argmin(scanned[want]))
+            scanned[want][member] += length
+            assert waves.whole(length, cap) == (want, member)
+        else:
+            share = rng.integers(1, cap // 2, size) // rng.integers(1, 4)
+            want = next((w for w, t in enumerate(scanned) if (t + share <= cap).all()), None)
+            if want is None:
+                scanned.append(np.zeros(size, dtype=np.int64))
+                want = len(scanned) - 1
+            scanned[want] += share
+            assert waves.split(share, cap) == want
+        assert [t.tolist() for t in waves.tokens] == [t.tolist() for t in scanned]

@@ -108,7 +108,7 @@ def stack(
         if ctx.cost.kv_exchange == "ulysses":  # exact shares; count the fullest member's on each
             rows = [np.full(r.size, r.max()) for r in rows]
         held = dict(zip(splits.tolist(), rows))
-    wave_tokens: list[list[np.ndarray]] = [[] for _ in group_sizes]  # per wave: per member
+    waves = [_Waves(int(size)) for size in group_sizes.tolist()]
     jobs: tuple[list, list, list, list] = ([], [], [], [])  # split: ids, waves, members, align
     whole: tuple[list, list, list] = ([], [], [])  # whole ones: waves, ranks, ids
     for k, i in enumerate(ids.tolist()):
@@ -118,11 +118,11 @@ def stack(
         first, size = int(starts[group]), int(group_sizes[group])
         if split[k]:
             jobs[0].append(i)
-            jobs[1].append(wave0 + _first_fit(wave_tokens[group], held[k], ctx.capacity))
+            jobs[1].append(wave0 + waves[group].split(held[k], ctx.capacity))
             jobs[2].append(np.arange(first, first + size))
             jobs[3].append(align[k])
         else:
-            wave, member = _first_room(wave_tokens[group], int(lens[i]), ctx.capacity, size)
+            wave, member = waves[group].whole(int(lens[i]), ctx.capacity)
             whole[0].append(wave0 + wave)
             whole[1].append(first + member)
             whole[2].append(i)
@@ -131,7 +131,7 @@ def stack(
     if whole[0]:
         seqs = np.array(whole[2], dtype=np.int64)
         builder.add(np.array(whole[0]), np.array(whole[1]), seqs, 0, lens[seqs])
-    return max((len(w) for w in wave_tokens), default=0)
+    return max((len(w) for w in waves), default=0)
 
 
 def finish(ctx: Context, builder: PlanBuilder) -> Plan | None:
@@ -155,26 +155,56 @@ def split_busy(ctx: Context, lens: np.ndarray, degree: np.ndarray, align: np.nda
     return split_times(ctx.cost, lens, degree, ctx.sync, align)[0]
 
 
-def _first_room(waves: list[np.ndarray], length: int, capacity: int, size: int) -> tuple[int, int]:
-    """(wave, member) for a whole sequence in a group of ``size`` ranks: the least-filled
-    member of the first wave where it keeps room for ``length`` tokens (a new wave where none
-    does), with the tokens added."""
-    for w, tokens in enumerate(waves):
-        member = int(np.argmin(tokens))
-        if tokens[member] + length <= capacity:
-            tokens[member] += length
-            return w, member
-    waves.append(np.zeros(size, dtype=np.int64))
-    waves[-1][0] = length
-    return len(waves) - 1, 0
+class _Waves:
+    """One group's waves: the tokens each member holds in each, and each wave's least and most
+    (so that finding a wave with room scans numbers, not arrays)."""
 
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.tokens: list[np.ndarray] = []
+        self.least: list[int] = []
+        self.most: list[int] = []
 
-def _first_fit(waves: list[np.ndarray], share: np.ndarray, capacity: int) -> int:
-    """The first wave whose members all keep room for ``share`` (a new one where none does),
-    with ``share`` added to it."""
-    for w, tokens in enumerate(waves):
-        if (tokens + share <= capacity).all():
-            tokens += share
-            return w
-    waves.append(share.astype(np.int64).copy())
-    return len(waves) - 1
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def whole(self, length: int, capacity: int) -> tuple[int, int]:
+        """(wave, member) for a whole sequence: the least-filled member of the first wave where
+        it keeps room for ``length`` tokens (a new wave where none does), with the tokens
+        added."""
+        for w, least in enumerate(self.least):
+            if least + length <= capacity:
+                tokens = self.tokens[w]
+                member = int(np.argmin(tokens))
+                tokens[member] += length
+                self._update(w)
+                return w, member
+        tokens = np.zeros(self.size, dtype=np.int64)
+        tokens[0] = length
+        self._append(tokens)
+        return len(self) - 1, 0
+
+    def split(self, share: np.ndarray, capacity: int) -> int:
+        """The first wave whose members all keep room for ``share`` (a new one where none does),
+        with ``share`` added to it."""
+        low, high = int(share.min()), int(share.max())
+        for w, most in enumerate(self.most):
+            if most + low > capacity:  # its fullest member cannot take the smallest piece
+                continue
+            tokens = self.tokens[w]
+            if most + high <= capacity or (tokens + share <= capacity).all():
+                tokens += share
+                self._update(w)
+                return w
+        self._append(share.astype(np.int64).copy())
+        return len(self) - 1
+
+    def _append(self, tokens: np.ndarray) -> None:
+        self.tokens.append(tokens)
+        self.least.append(0)
+        self.most.append(0)
+        self._update(len(self) - 1)
+
+    def _update(self, w: int) -> None:
+        self.least[w] = int(self.tokens[w].min())
+        self.most[w] = int(self.tokens[w].max())

@@ -38,6 +38,7 @@ each laid out on all ranks in turn.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -243,32 +244,68 @@ def _deal(table: _Table, layout: _Layout, any_size: bool) -> tuple[np.ndarray, .
     """(the sequences' order, each group's size, each sequence's group in that order): the
     sequences go longest first, each to the group where it would finish first among those
     where it runs (where the layout runs in one wave: of those that still hold it, where any
-    does); a group of its own size, or with ``any_size`` of any, so that a group its own
-    sequences leave short of the step takes shorter ones. A sequence too short to split
-    (:func:`_splits`) counts whole against the group's time and every member's tokens, though
-    it runs on one member: a layout may then leave a group less full than it could be."""
+    does; ties to the first group); a group of its own size, or with ``any_size`` of any, so
+    that a group its own sequences leave short of the step takes shorter ones. A sequence too
+    short to split (:func:`_splits`) counts whole against the group's time and every member's
+    tokens, though it runs on one member: a layout may then leave a group less full than it
+    could be. A sequence's time is the same on every group of a size, so each size keeps its
+    groups in a heap by load, and a sequence looks at one group per size."""
     size_of, counts = layout
     order = np.argsort(-_chosen(table.time, size_of), kind="stable")
     size_idx = np.repeat(np.arange(table.sizes.size), counts)[::-1]  # of each group
     group_sizes = table.sizes[size_idx]
-    load = np.zeros(group_sizes.size)
-    held = np.zeros(group_sizes.size, dtype=np.int64)  # tokens on each member
+    sizes, room = table.sizes.tolist(), table.room
+    heaps: list[list[tuple[float, int]]] = [[] for _ in sizes]
+    for g, s in enumerate(size_idx.tolist()):  # groups in order: each list is a heap
+        heaps[s].append((0.0, g))
+    used = [s for s, heap in enumerate(heaps) if heap]
+    load = [0.0] * group_sizes.size
+    held = [0] * group_sizes.size  # tokens on each member
     group_of = np.empty(size_of.size, dtype=np.int64)
-    for k, i in enumerate(order.tolist()):
-        time_s = table.time[i, size_idx]
-        runs = np.isfinite(time_s)
-        allowed = runs if any_size else runs & (size_idx == size_of[i])
-        tokens = int(table.lens[i])
-        share = np.where(_splits(tokens, group_sizes), -(-tokens // group_sizes), tokens)
-        if table.room is not None:
-            roomy = allowed & (held + share <= table.room)
-            allowed = roomy if roomy.any() else allowed
-        done_s = np.where(allowed, load + time_s, np.inf)
-        g = int(np.argmin(done_s))
-        load[g] = done_s[g]
-        held[g] += share[g]
+    times, lens, own = table.time[order].tolist(), table.lens[order].tolist(), size_of[order]
+    for k, (row, tokens) in enumerate(zip(times, lens)):
+        first = roomy = None  # (finish, group, size, share): the least, the least with room
+        for s in used if any_size else (int(own[k]),):
+            if row[s] == math.inf:
+                continue
+            share = -(-tokens // sizes[s]) if tokens >= sizes[s] else tokens
+            top, fits = _least_loaded(heaps[s], load, held, share, room)
+            if top is not None and (first is None or (load[top] + row[s], top) < first[:2]):
+                first = (load[top] + row[s], top, s, share)
+            if fits is not None and (roomy is None or (load[fits] + row[s], fits) < roomy[:2]):
+                roomy = (load[fits] + row[s], fits, s, share)
+        done, g, s, share = roomy or first
+        load[g] = done
+        held[g] += share
+        heapq.heappush(heaps[s], (done, g))  # its old entry is now stale
         group_of[k] = g
     return order, group_sizes, group_of
+
+
+def _least_loaded(
+    heap: list[tuple[float, int]], load: list[float], held: list[int], share: int, room
+) -> tuple[int | None, int | None]:
+    """(the least loaded group of ``heap``, the least loaded that holds ``share`` more tokens
+    within ``room``, ``None`` where ``room`` is): stale entries, whose group's load has grown
+    since, are dropped on the way."""
+    full = []
+    top = fits = None
+    while heap:
+        entry = heap[0]
+        if entry[0] != load[entry[1]]:
+            heapq.heappop(heap)
+            continue
+        if top is None:
+            top = entry[1]
+            if room is None:
+                break
+        if held[entry[1]] + share <= room:
+            fits = entry[1]
+            break
+        full.append(heapq.heappop(heap))
+    for entry in full:
+        heapq.heappush(heap, entry)
+    return top, fits
 
 
 def _size_times(ctx: Context, sizes: np.ndarray) -> np.ndarray:
