@@ -61,7 +61,7 @@ from . import milp
 from .budget import Budget
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
-from .local import exact_moves, improve, rebuilt
+from .local import Work, exact_moves, improve, rebuilt
 from .megatron import plan_megatron_form
 from .mixed import MixedGroupPlans
 from .options import DynamicOptions
@@ -193,9 +193,12 @@ class Search:
         ``peer`` sync half of it, the other half for :func:`.local.exact_moves`."""
         plan, report, cand = self.best
         share = 0.5 if self.ctx.sync == "peer" else 1.0
-        moved, work = improve(self.ctx, plan, report, share * self.budget.left_s)
-        self.budget.spend(self.budget.move_s(self.ctx, work))
-        kept = moved is not None and self.consider(moved[0], cand, moved[1])
+        kept = False
+        # (Building the plan's cells and pricing the moved plan is paid before any move.)
+        if self.budget.move_s(self.ctx, Work(plan.num_shards)) < share * self.budget.left_s:
+            moved, work = improve(self.ctx, plan, report, share * self.budget.left_s)
+            self.budget.spend(self.budget.move_s(self.ctx, work))
+            kept = moved is not None and self.consider(moved[0], cand, moved[1])
         if self.ctx.sync == "peer" and not self.done():
             plan, report, cand = self.best
             exact, spent_s = exact_moves(self.ctx, plan, report, self.budget.left_s)
