@@ -154,53 +154,65 @@ def relaxation_bound(
         else 0.0
     )
     menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split)
-    # Events: (height at which an option becomes allowed, its area), per sequence.
-    ev_h, ev_area = [], []
-    for j, mu in enumerate(menus):
-        h, a = _bound_options(mu, float(packed[long_ids[j]]), pow2, any_split, alone)
-        if not np.isfinite(h).any():
-            raise ValueError(f"a sequence of {int(lens[long_ids[j]])} tokens fits no degree")
-        ev_h.append(h)
-        ev_area.append(a)
     if not menus:
         b = max(base_height, simple, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)
-    value, m_star, area = _sweep(ev_h, ev_area, base_height, base_area, slots, min_step_s)
+    # Events: (height at which an option becomes allowed, its area, its sequence).
+    options = _bound_options(menus, packed[long_ids], pow2, any_split, alone)
+    finite = np.bincount(options.seq[np.isfinite(options.height)], minlength=len(menus))
+    if (finite == 0).any():
+        length = int(lens[long_ids[int(np.argmin(finite))]])
+        raise ValueError(f"a sequence of {length} tokens fits no degree")
+    value, m_star, area = _sweep(options, len(menus), base_height, base_area, slots, min_step_s)
     return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
 
 
+class Options(NamedTuple):
+    """Options of many sequences, flat: each one's height (s), area (rank-s) and sequence."""
+
+    height: np.ndarray
+    area: np.ndarray
+    seq: np.ndarray
+
+
 def _sweep(
-    heights: list[np.ndarray],
-    areas: list[np.ndarray],
+    options: Options,
+    count: int,
     base_height: float,
     base_area: float,
     slots: int,
     min_step_s: float = 0.0,
 ) -> tuple[float, float, float]:
-    """(least ``max(M, area / slots)``, its ``M``, its area) when each sequence takes its
-    smallest-area option (``heights[j]``, ``areas[j]``) no taller than ``M``, beside work of
-    ``base_area`` that is ``base_height`` tall: ``M`` swept over every option's height."""
-    H, A = np.concatenate(heights), np.concatenate(areas)
-    S = np.repeat(np.arange(len(heights)), [h.size for h in heights])
-    order = np.lexsort((A, H))
-    best_area = np.full(len(heights), np.inf)
-    total, feasible = 0.0, 0
-    best = (np.inf, 0.0, 0.0)
-    for h, a, s in zip(H[order].tolist(), A[order].tolist(), S[order].tolist()):
-        cur = best_area[s]
-        if a < cur:
-            if cur == np.inf:
-                feasible += 1
-                total += a
-            else:
-                total += a - cur
-            best_area[s] = a
-        if feasible == len(heights):
-            m_here = max(h, base_height)  # the short sequences are as tall as base_height anyway
-            value = max(m_here, (base_area + total) / slots, min_step_s)
-            if value < best[0]:
-                best = (value, m_here, base_area + total)
-    return best
+    """(least ``max(M, area / slots)``, its ``M``, its area) when each of ``count`` sequences
+    takes its smallest-area option no taller than ``M``, beside work of ``base_area`` that is
+    ``base_height`` tall: ``M`` swept over every option's height, in order of height then
+    area; the first ``M`` where the least is reached."""
+    order = np.lexsort((options.area, options.height))
+    H, A, S = options.height[order], options.area[order], options.seq[order]
+    # Each sequence's least area before each of its options (in the sweep's order): a row per
+    # sequence, its options in order, the rest inf.
+    by_seq = np.argsort(S, kind="stable")
+    sizes = np.bincount(S, minlength=count)
+    row = S[by_seq]
+    col = np.arange(S.size) - (np.cumsum(sizes) - sizes)[row]
+    grid = np.full((count, int(sizes.max()) + 1), np.inf)
+    grid[row, col + 1] = A[by_seq]
+    cur = np.empty_like(A)
+    cur[by_seq] = np.minimum.accumulate(grid, axis=1)[row, col]
+    smaller = A < cur
+    first = smaller & (cur == np.inf)
+    # The total of the least areas changes by an option's area where its sequence had none, and
+    # by what it saves where it is smaller (the same sums, in the same order, as one by one).
+    change = np.subtract(A, cur, out=np.zeros_like(A), where=smaller)
+    change[first] = A[first]
+    total = np.cumsum(change)
+    m_here = np.maximum(H, base_height)
+    value = np.maximum(np.maximum(m_here, (base_area + total) / slots), min_step_s)
+    value[np.cumsum(first) < count] = np.inf
+    k = int(np.argmin(value))
+    if value[k] == np.inf:
+        return math.inf, 0.0, 0.0
+    return float(value[k]), float(m_here[k]), float(base_area + total[k])
 
 
 def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) -> float:
@@ -226,7 +238,9 @@ def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) ->
     base_height, base_area = float(packed[whole].max(initial=0.0)), float(packed[whole].sum())
     if not heights:
         return max(base_height, simple)
-    return _sweep(heights, areas, base_height, base_area, slots)[0]
+    seq = np.repeat(np.arange(len(heights)), [h.size for h in heights])
+    options = Options(np.concatenate(heights), np.concatenate(areas), seq)
+    return _sweep(options, len(heights), base_height, base_area, slots)[0]
 
 
 def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
@@ -241,34 +255,54 @@ def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
 
 
 def _bound_options(
-    mu: Menu, packed: float, pow2: bool, any_split: bool, alone: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """(height s, area s) of every option a bound may give a sequence with menu ``mu``.
-
-    The options are its menu entries: hdp's, or with ``any_split`` the bound's (either split,
-    the faster). Degree 1 counts at its ``packed`` time, since whole on one rank it may share its
-    cell as the short ones do (``alone``: its area only; its height is the menu's, alone in a
-    cell). For each run of degrees the menu skips, a virtual option takes the
-    smaller height and the smaller area of the two entries around it, so that a bound over the
-    options covers every degree."""
-    if any_split:
-        degrees, h, a = mu.bound_degrees, mu.bound_height.copy(), mu.bound_area.copy()
-    else:
-        degrees, h, a = mu.degrees, mu.height.copy(), mu.area.copy()
-    if h.size == 0:
-        return h, a
-    if degrees[0] == 1:
-        a[0] = packed
-        h[0] = h[0] if alone else packed
-    gaps = np.flatnonzero(np.diff(degrees) > 1) if not pow2 else np.zeros(0, dtype=np.int64)
-    # For bounds, the degrees past a cut menu's end (Note [Menus end at the floor]) at the menu's
-    # least height (at most the floor, which no relaxation value goes below) and least tail area.
-    tail_h = [float(np.min(h))] if any_split and np.isfinite(mu.tail_area) else []
-    tail_a = [mu.tail_area] if tail_h else []
-    uh, ua = (mu.ulysses_height, mu.ulysses_area) if any_split else (np.zeros(0), np.zeros(0))
-    return np.concatenate([h, np.minimum(h[gaps], h[gaps + 1]), tail_h, uh]), np.concatenate(
-        [a, np.minimum(a[gaps], a[gaps + 1]), tail_a, ua]
+    menus: tuple[Menu, ...], packed: np.ndarray, pow2: bool, any_split: bool, alone: bool = False
+) -> Options:
+    """Every option a bound may give each sequence (menu ``menus[j]``, packed time
+    ``packed[j]``), flat, each sequence's in one run: its menu entries, hdp's or with
+    ``any_split`` the bound's (either split, the faster). Degree 1 counts at its packed time,
+    since whole on one rank it may share its cell as the short ones do (``alone``: its area
+    only; its height is the menu's, alone in a cell). For each run of degrees the menu skips,
+    a virtual option takes the smaller height and the smaller area of the two entries around
+    it, so that a bound over the options covers every degree. With ``any_split``, the degrees
+    past a cut menu's end (Note [Menus end at the floor]) at the menu's least height (at most
+    the floor, which no relaxation value goes below) and least tail area, and the head-parallel
+    options (Note [Bounds cover head-parallel plans]). A sequence with an empty menu has
+    none."""
+    prefix = "bound_" if any_split else ""
+    degrees, height, area = (
+        [getattr(mu, prefix + f) for mu in menus] for f in ("degrees", "height", "area")
     )
+    sizes = np.array([d.size for d in degrees])
+    D, H, A = (np.concatenate(x) for x in (degrees, height, area))
+    S = np.repeat(np.arange(len(menus)), sizes)
+    starts = (np.cumsum(sizes) - sizes)[sizes > 0]
+    one = starts[D[starts] == 1]
+    A[one] = packed[S[one]]
+    if not alone:
+        H[one] = packed[S[one]]
+    kinds = [(H, A, S, np.arange(S.size))]
+    if not pow2:
+        gap = np.flatnonzero((np.diff(D) > 1) & (S[1:] == S[:-1]))
+        heights, areas = np.minimum(H[gap], H[gap + 1]), np.minimum(A[gap], A[gap + 1])
+        kinds.append((heights, areas, S[gap], gap))
+    if any_split:
+        tail = np.array([mu.tail_area for mu in menus])
+        cut = np.flatnonzero((sizes > 0) & np.isfinite(tail))
+        least = np.minimum.reduceat(H, starts) if starts.size else H[:0]
+        lowest = np.full(len(menus), np.inf)
+        lowest[sizes > 0] = least
+        kinds.append((lowest[cut], tail[cut], cut, cut))
+        heads = [mu.ulysses_height.size if size else 0 for mu, size in zip(menus, sizes)]
+        uh = [mu.ulysses_height for mu, k in zip(menus, heads) if k]
+        ua = [mu.ulysses_area for mu, k in zip(menus, heads) if k]
+        seq = np.repeat(np.arange(len(menus)), heads)
+        if uh:
+            kinds.append((np.concatenate(uh), np.concatenate(ua), seq, np.arange(seq.size)))
+    # Each sequence's options in one run, in the order above (ties in the sweep keep it).
+    kind = np.concatenate([np.full(k[2].size, i) for i, k in enumerate(kinds)])
+    H, A, S, at = (np.concatenate([k[i] for k in kinds]) for i in range(4))
+    order = np.lexsort((at, kind, S))
+    return Options(H[order], A[order], S[order].astype(np.int64))
 
 
 def _partitions(items: list[int]) -> Iterator[list[list[int]]]:
@@ -310,9 +344,10 @@ def shelf_bound(
     room = cost.offload_capacity(sync)
     packed = packed_time(cost, lens, room)
     least = packed.copy()
+    flat = _bound_options(rel.menus, packed[rel.long_ids], pow2, any_split=True)
+    ends = np.cumsum(np.bincount(flat.seq, minlength=len(rel.menus)))[:-1]
     options = []
-    for j, mu in enumerate(rel.menus):
-        h, a = _bound_options(mu, float(packed[rel.long_ids[j]]), pow2, any_split=True)
+    for j, (h, a) in enumerate(zip(np.split(flat.height, ends), np.split(flat.area, ends))):
         order = np.argsort(h, kind="stable")
         ok = np.isfinite(h[order])
         options.append(

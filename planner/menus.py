@@ -89,7 +89,7 @@ class Menu:
     ulysses_area: np.ndarray = field(default_factory=lambda: _NONE)
 
 
-_MENUS: dict[tuple, Menu] = {}
+_MENUS: dict[tuple, dict[int, Menu]] = {}  # per cost model and settings: per length
 
 
 def clear_menus() -> None:
@@ -117,20 +117,18 @@ def length_menus(
     head-parallel menu's bound entries are the P2P menu's, priced only where ``bounds`` asks."""
     heads = cost.kv_exchange == "ulysses" and not pow2
     key = (cost, sync, capacity, pow2, floor_s, bounds or not heads)
-    full = key[:-1] + (True,)  # a menu with the bound's entries serves either
-    menus = {}
-    for x in map(int, lengths):
-        mu = _MENUS.get((key, x)) or _MENUS.get((full, x))
-        if mu is not None:
-            menus[x] = mu
-    todo = sorted({int(x) for x in lengths} - menus.keys())
+    # (A cost model's hash walks its fields: each key is hashed once, not once a length.)
+    own, full = _MENUS.get(key, {}), _MENUS.get(key[:-1] + (True,), {})  # full: for either
+    wanted = [int(x) for x in lengths]
+    menus = {x: mu for x in set(wanted) if (mu := own.get(x) or full.get(x)) is not None}
+    todo = sorted(set(wanted) - menus.keys())
     if todo:
-        if len(_MENUS) + len(todo) > _MOST_MENUS:
+        if sum(map(len, _MENUS.values())) + len(todo) > _MOST_MENUS:
             _MENUS.clear()
-        new = _new_menus(cost, todo, sync, capacity, pow2, floor_s, key[-1])
-        _MENUS.update(((key, x), mu) for x, mu in zip(todo, new))
-        menus.update(zip(todo, new))
-    return tuple(menus[int(x)] for x in lengths)
+        new = dict(zip(todo, _new_menus(cost, todo, sync, capacity, pow2, floor_s, key[-1])))
+        _MENUS.setdefault(key, {}).update(new)
+        menus.update(new)
+    return tuple(menus[x] for x in wanted)
 
 
 def _new_menus(

@@ -294,3 +294,32 @@ def test_no_head_parallel_plan_beats_the_head_parallel_bound(profile, n, cap, sy
         except PlanningError:  # groups of at most one rank a head cannot hold the batch
             continue
         assert plan.predicted["step_time_s"] >= bound * (1 - 1e-9), name
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seqs=st.integers(1, 6),
+    base=st.tuples(st.integers(0, 8), st.integers(0, 40)),
+    slots=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_the_sweep_finds_the_least_step_over_every_height(seqs, base, slots, seed):
+    """``degrees._sweep`` against trying every option's height as the tallest job: each
+    sequence then takes its smallest-area option no taller (heights and areas in eighths,
+    ties included)."""
+    from hdp.planner.degrees import Options, _sweep
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 6, seqs)
+    seq = np.repeat(np.arange(seqs), sizes)
+    height = rng.integers(1, 30, seq.size) / 8.0
+    area = rng.integers(1, 60, seq.size) / 8.0
+    area[rng.random(seq.size) < 0.1] = np.inf
+    options = Options(height, area, seq)
+    base_height, base_area = base[0] / 8.0, base[1] / 8.0
+    best = np.inf
+    for m in np.unique(height):
+        least = [area[(seq == s) & (height <= m)].min(initial=np.inf) for s in range(seqs)]
+        if np.isfinite(least).all():
+            best = min(best, max(m, base_height, (base_area + sum(least)) / slots))
+    assert _sweep(options, seqs, base_height, base_area, slots)[0] == pytest.approx(best)
