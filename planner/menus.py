@@ -351,6 +351,7 @@ def _coarse(
     block each."""
     rpn = cost.cluster.ranks_per_node
     parts: list[list[Menu]] = [[] for _ in lengths]
+    past: list[list[float]] = [[] for _ in lengths]  # the heights priced past one node
     start = [0] * len(lengths)
     end = [max(1, int(np.searchsorted(c, 2 * rpn, side="right"))) for c in candidates]
     live = [i for i, c in enumerate(candidates) if c.size]
@@ -360,9 +361,9 @@ def _coarse(
         going = []
         for i, mu in zip(live, priced):
             parts[i].append(mu)
-            seen = _merged(parts[i])
+            past[i] += mu.height[mu.degrees > rpn].tolist()
             c = candidates[i]
-            if end[i] < c.size and not _coarse_done(seen.degrees, seen.height, rpn, floor_s):
+            if end[i] < c.size and not _coarse_done(mu.height, past[i], floor_s):
                 start[i] = end[i]
                 end[i] = max(end[i] + 1, int(np.searchsorted(c, 4 * c[end[i] - 1], side="right")))
                 going.append(i)
@@ -370,12 +371,12 @@ def _coarse(
     return [_until_lowest(_merged(p)) if p else _EMPTY for p in parts]
 
 
-def _coarse_done(degrees: np.ndarray, height: np.ndarray, rpn: int, floor_s: float) -> bool:
-    """Whether a coarse pass priced at ``degrees`` so far may stop: its heights reached the floor
-    or rose twice in a row past one node, from where they only rise (Note [Heights past a
+def _coarse_done(height: np.ndarray, past: list[float], floor_s: float) -> bool:
+    """Whether a coarse pass may stop after a stretch priced at ``height``, with ``past`` the
+    heights so far past one node: they reached the floor (the pass stops at the first stretch
+    that does) or rose twice in a row, from where they only rise (Note [Heights past a
     node])."""
-    past = height[degrees > rpn]
-    return bool((height <= floor_s).any()) or (past.size >= 3 and past[-1] > past[-2] > past[-3])
+    return bool((height <= floor_s).any()) or (len(past) >= 3 and past[-1] > past[-2] > past[-3])
 
 
 def _merged(parts: list[Menu]) -> Menu:
