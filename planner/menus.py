@@ -113,10 +113,10 @@ def length_menus(
     """Priced degree menus of ``lengths`` (cached per cost model, so repeated lengths are free;
     the others are priced together, a numpy pass per stretch of degrees rather than per length):
     :func:`_zigzag_menus`, with the bound's :func:`ulysses_options` beside them. Megatron's
-    form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none. A
-    head-parallel menu's bound entries are the P2P menu's, priced only where ``bounds`` asks."""
-    heads = cost.kv_exchange == "ulysses" and not pow2
-    key = (cost, sync, capacity, pow2, floor_s, bounds or not heads)
+    form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none. The
+    bound's entries (a head-parallel menu's are the P2P menu's) are priced only where
+    ``bounds`` asks: hdp's own relaxation needs none."""
+    key = (cost, sync, capacity, pow2, floor_s, bounds or pow2)  # (pow2 menus have them all)
     # (A cost model's hash walks its fields: each key is hashed once, not once a length.)
     own, full = _MENUS.get(key, {}), _MENUS.get(key[:-1] + (True,), {})  # full: for either
     wanted = [int(x) for x in lengths]
@@ -141,8 +141,8 @@ def _new_menus(
     bounds: bool,
 ) -> list[Menu]:
     heads = cost.kv_exchange == "ulysses" and not pow2
-    menus = _zigzag_menus(cost, lengths, sync, capacity, pow2, floor_s, bounds=not heads)
-    if pow2 or (heads and not bounds):
+    menus = _zigzag_menus(cost, lengths, sync, capacity, pow2, floor_s, bounds and not heads)
+    if pow2 or not bounds:
         return menus
     if heads:  # hdp's head-parallel entries; the bound's are the P2P menus'
         p2p = length_menus(cost.with_exchange("rank"), lengths, sync, capacity, pow2, floor_s)
