@@ -69,6 +69,12 @@ def _add_cluster_model_args(p: argparse.ArgumentParser) -> None:
         "what training runs by default (FlashAttention on GPUs, the reference on a CPU profile)",
     )
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="price the decoder layers and the loss as torch.compile runs them, as hdp-train "
+        "does by default on CUDA (default: eager, as the baselines' own systems run)",
+    )
+    g.add_argument(
         "--capacity",
         type=_size,
         default=None,
@@ -113,6 +119,7 @@ def _pricing(args: argparse.Namespace, strategy: str | None = None) -> StepPrici
         model,
         cluster,
         attention_backend=backend,
+        compiled=args.compile,
         capacity=args.capacity,
         sync=args.sync,
         kv_exchange=args.kv_exchange,

@@ -174,6 +174,7 @@ def _config(
         "tensor_parallel": tp,
         "gpu": pricing.cluster.gpu.name,
         "attention_backend": cost.attention_backend or pricing.cluster.gpu.attention_backend,
+        "compiled": cost.compiled,
         "model": pricing.model.name,
         "max_seq": max_seq,
         "tokens_per_step": tokens_per_step,

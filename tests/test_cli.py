@@ -283,3 +283,19 @@ def test_a_cpu_profile_for_a_large_cluster_is_questioned(capsys):
     assert "warning: the cpu profile prices CPU ranks" in capsys.readouterr().err
     assert sim_main([*argv, "--gpus", "2", "--gpu", "cpu"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_sim_prices_compiled_layers_where_asked(tmp_path, capsys):
+    """``--compile`` prices hdp-train's CUDA default: the same batch steps faster, its
+    memory-bound work at the h100 profile's compiled share."""
+    steps = []
+    for extra in ([], ["--compile"]):
+        out = tmp_path / f"sim{len(extra)}.json"
+        argv = ["--workload", "wlb-128k", "--gpus", "8", "--tokens-per-step", "256K"]
+        argv += ["--strategies", "static", "--steps", "1", "--json", str(out), *extra]
+        assert sim_main(argv) == 0
+        data = json.loads(out.read_text())
+        steps.append(data["results"]["static"]["step_time_s"])
+        assert data["config"]["compiled"] is bool(extra)
+    capsys.readouterr()
+    assert steps[1] < steps[0]
