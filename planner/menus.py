@@ -187,7 +187,8 @@ def _zigzag_menus(
             1 << np.arange(math.ceil(math.log2(max(1, -(-x // max(capacity, 1))))), top)
             for x in lengths
         ]
-        return [_until_lowest(mu) for mu in _priced_many(cost, lengths, degrees, sync, pow2, True)]
+        everything = [d.size for d in degrees]
+        return [mu for mu, _ in _priced_many(cost, lengths, degrees, sync, pow2, True, everything)]
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
     # Members hold at least one block: fewer tokens per member would leave the exact splits of
     # other strategies faster than every degree priced, and the bound would not be one.
@@ -204,8 +205,10 @@ def _zigzag_menus(
         _Fine.of(cost, *args, off_cap, floor_s, bounds)
         for args in zip(lengths, widest, candidates, coarse)
     ]
-    priced = _priced_many(cost, lengths, [f.priced for f in fine], sync, pow2, bounds)
-    return [f.menu(cost, x, sync, mu) for f, x, mu in zip(fine, lengths, priced)]
+    priced = _priced_many(
+        cost, lengths, [f.priced for f in fine], sync, pow2, bounds, [f.degrees.size for f in fine]
+    )
+    return [f.menu(cost, x, sync, *mu) for f, x, mu in zip(fine, lengths, priced)]
 
 
 class _Fine(NamedTuple):
@@ -256,15 +259,15 @@ class _Fine(NamedTuple):
         past = candidates[candidates > top] if cut and bounds else candidates[:0]
         return cls(np.unique(np.concatenate([fine, nodes])), top, past)
 
-    def menu(self, cost: CostModel, length: int, sync: str, priced: Menu) -> Menu:
-        """The menu from the entries priced at :attr:`priced`."""
-        in_menu = slice(self.degrees.size)
-        menu = _until_lowest(_entries(priced, in_menu, in_menu))
+    def menu(
+        self, cost: CostModel, length: int, sync: str, menu: Menu, last: tuple[float, float]
+    ) -> Menu:
+        """The menu (its entries up to the lowest height, :func:`_priced_many`), with the tail
+        walked from ``last``, the bound's (height, area) at the first degree past the end."""
         at_top = np.flatnonzero(menu.bound_degrees == self.top)
         if self.past.size == 0 or at_top.size == 0:  # (past its lowest height areas only grow)
             return menu
-        first_past = (float(priced.bound_height[-1]), float(priced.bound_area[-1]))
-        walk = _TailWalk(cost, length, sync, False, first_past)
+        walk = _TailWalk(cost, length, sync, False, last)
         end_area = float(menu.bound_area[at_top[0]])
         return replace(menu, tail_area=walk.least_area(end_area, self.past))
 
@@ -276,24 +279,66 @@ def _priced_many(
     sync: str,
     pow2: bool,
     with_bounds: bool,
-) -> list[Menu]:
+    menu_sizes: list[int] | None = None,
+) -> list:
     """:func:`_priced` of each length at its degrees, a pass per run of lengths whose jobs have
     about :data:`_PASS_MEMBERS` members in all: numpy's overhead per call is paid once a run,
-    and a run's arrays stay in the CPU's cache."""
+    and a run's arrays stay in the CPU's cache. With ``menu_sizes``, each length's first that
+    many entries cut as :func:`_until_lowest` cuts them, with the bound's (height, area) at
+    its last degree: ``(menu, (height, area))`` per length."""
     members = np.cumsum([int(d.sum()) for d in degrees])
     runs = np.searchsorted(members, np.arange(1, 1 + members[-1] // _PASS_MEMBERS) * _PASS_MEMBERS)
-    out: list[Menu] = []
+    out: list = []
     for lo, hi in zip([0, *(runs + 1).tolist()], [*(runs + 1).tolist(), len(lengths)]):
         if hi <= lo:
             continue
-        sizes = [d.size for d in degrees[lo:hi]]
+        sizes = np.array([d.size for d in degrees[lo:hi]])
         flat_len = np.repeat(np.asarray(lengths[lo:hi], dtype=np.int64), sizes)
         mu = _priced(cost, flat_len, sync, np.concatenate(degrees[lo:hi]), pow2, with_bounds)
-        ends = np.cumsum(sizes).tolist()
-        cuts = list(zip([0, *ends[:-1]], ends))
-        fields = [getattr(mu, f) for f in _ENTRY_FIELDS]
-        out.extend(Menu(*(x[a:b] for x in fields)) for a, b in cuts)
+        if menu_sizes is None:
+            out.extend(_split(mu, sizes, sizes))
+            continue
+        seg = np.repeat(np.arange(sizes.size), sizes)
+        in_menu = np.arange(seg.size) - (np.cumsum(sizes) - sizes)[seg]
+        in_menu = in_menu < np.asarray(menu_sizes[lo:hi])[seg]
+        own = _lowest_kept(seg, mu.degrees, np.where(in_menu, mu.height, np.inf), sizes.size)
+        bound = _lowest_kept(
+            seg, mu.bound_degrees, np.where(in_menu, mu.bound_height, np.inf), sizes.size
+        )
+        kept = Menu(*(getattr(mu, f)[own if k < 4 else bound] for k, f in enumerate(_ENTRY_FIELDS)))
+        per_seq = (
+            np.bincount(seg[own], minlength=sizes.size),
+            np.bincount(seg[bound], minlength=sizes.size),
+        )
+        last = np.where(sizes > 0, np.cumsum(sizes) - 1, -1)  # (-1: none, the inf appended)
+        tails = (np.append(x, np.inf)[last].tolist() for x in (mu.bound_height, mu.bound_area))
+        out.extend(zip(_split(kept, *per_seq), zip(*tails)))
     return out
+
+
+def _split(mu: Menu, own: np.ndarray, bound: np.ndarray) -> list[Menu]:
+    """``mu``'s entries as consecutive menus of ``own[k]`` of hdp's and ``bound[k]`` of the
+    bound's entries each."""
+    cuts = []
+    for counts in (own, bound):
+        ends = np.cumsum(counts).tolist()
+        cuts.append(list(zip([0, *ends[:-1]], ends)))
+    fields = [(getattr(mu, f), cuts[k >= 4]) for k, f in enumerate(_ENTRY_FIELDS)]
+    return [Menu(*(x[a:b] for x, c in fields for a, b in (c[i],))) for i in range(len(own))]
+
+
+def _lowest_kept(
+    seg: np.ndarray, degrees: np.ndarray, height: np.ndarray, count: int
+) -> np.ndarray:
+    """Which entries of ``count`` menus (``seg``: each entry's, in order) :func:`_until_lowest`
+    keeps: the feasible ones up to the first of its menu's lowest height."""
+    ok = np.isfinite(height)
+    idx = np.flatnonzero(ok)
+    order = idx[np.lexsort((idx, height[idx], seg[idx]))]
+    first = order[np.concatenate([[True], seg[order][1:] != seg[order][:-1]])] if idx.size else idx
+    top = np.full(count, -1, dtype=np.int64)
+    top[seg[first]] = degrees[first]
+    return ok & (degrees <= top[seg])
 
 
 _PASS_MEMBERS = 1 << 13
