@@ -234,9 +234,7 @@ def _rest_of_budget(options: Any, plan: Plan, heads: Context) -> tuple[Any, floa
     if not isinstance(options, DynamicOptions) or "budget_s" not in plan.predicted:
         return options, 0.0
     left = plan.predicted["budget_s"] - plan.predicted.get("search_s", 0.0)
-    jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
-    most = ulysses.most_members(heads.cost.model, heads.num_ranks)
-    first_s = Budget.first_plan_s(heads, jobs, plan.num_shards, plan.num_waves, most)
+    first_s = Budget.first_plan_s(heads, *Budget.first_plan_work(heads, plan))
     if first_s > left:
         return None
     return replace(options, plan_budget_s=left - first_s), first_s

@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 import hdp.planner as planner
-from hdp import ClusterSpec, model_preset, ulysses
+from hdp import ClusterSpec, model_preset
 from hdp.planner import PlanningError, StepPricing, plan_and_evaluate
 from hdp.planner.dynamic import DynamicOptions, search
 from hdp.planner.dynamic.budget import Budget
@@ -97,16 +97,15 @@ def _instrument() -> None:
 
     def timed_rest(options, plan, heads):
         """Time a head-parallel first plan from cold menus beside the P2P plan it follows."""
-        jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
-        degrees = ulysses.most_members(heads.cost.model, heads.num_ranks)
-        placed = Budget.placement_s(heads, jobs, plan.num_shards, plan.num_waves)
+        jobs, shards, waves, degrees = Budget.first_plan_work(heads, plan)
+        placed = Budget.placement_s(heads, jobs, shards, waves)
         clear_menus()
         t0 = time.process_time()
         try:
             search.plan_dynamic(heads, DynamicOptions(plan_budget_s=0.0))
         except PlanningError:
             return rest(options, plan, heads)
-        estimate = Budget.first_plan_s(heads, jobs, plan.num_shards, plan.num_waves, degrees)
+        estimate = Budget.first_plan_s(heads, jobs, shards, waves, degrees)
         _recorded("first", heads, t0, estimate, placement=placed, jobs_degrees=jobs * degrees,
                   seqs=heads.seq_lens.size)  # fmt: skip
         return rest(options, plan, heads)

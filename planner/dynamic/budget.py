@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..common import Context
+from .groups import most_members
 
 if TYPE_CHECKING:
     from hdp import Plan
@@ -70,6 +73,13 @@ class Budget:
         if ctx.sync == "peer":
             return placed + 1.27e-5 * jobs * degrees + 9.4e-7 * seqs
         return placed + 3.5e-6 * jobs * degrees + 6.4e-6 * seqs
+
+    @staticmethod
+    def first_plan_work(ctx: Context, plan: Plan) -> tuple[int, int, int, int]:
+        """The terms of :meth:`first_plan_s` for a first plan of ``ctx`` like ``plan``: its
+        multi-rank jobs, shards and waves, and the most members a job has in ``ctx``."""
+        jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
+        return jobs, plan.num_shards, plan.num_waves, most_members(ctx)
 
     @staticmethod
     def layout_s(ctx: Context, shards: int) -> float:
