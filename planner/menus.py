@@ -284,8 +284,8 @@ def _priced_many(
     """:func:`_priced` of each length at its degrees, a pass per run of lengths whose jobs have
     about :data:`_PASS_MEMBERS` members in all: numpy's overhead per call is paid once a run,
     and a run's arrays stay in the CPU's cache. With ``menu_sizes``, each length's first that
-    many entries cut as :func:`_until_lowest` cuts them, with the bound's (height, area) at
-    its last degree: ``(menu, (height, area))`` per length."""
+    many entries cut to their lowest height (:func:`_until_lowest`), with the bound's (height,
+    area) at its last degree: ``(menu, (height, area))`` per length."""
     members = np.cumsum([int(d.sum()) for d in degrees])
     runs = np.searchsorted(members, np.arange(1, 1 + members[-1] // _PASS_MEMBERS) * _PASS_MEMBERS)
     out: list = []
@@ -301,19 +301,23 @@ def _priced_many(
         seg = np.repeat(np.arange(sizes.size), sizes)
         in_menu = np.arange(seg.size) - (np.cumsum(sizes) - sizes)[seg]
         in_menu = in_menu < np.asarray(menu_sizes[lo:hi])[seg]
-        own = _lowest_kept(seg, mu.degrees, np.where(in_menu, mu.height, np.inf), sizes.size)
-        bound = _lowest_kept(
-            seg, mu.bound_degrees, np.where(in_menu, mu.bound_height, np.inf), sizes.size
-        )
-        kept = Menu(*(getattr(mu, f)[own if k < 4 else bound] for k, f in enumerate(_ENTRY_FIELDS)))
-        per_seq = (
-            np.bincount(seg[own], minlength=sizes.size),
-            np.bincount(seg[bound], minlength=sizes.size),
-        )
+        inside = Menu(*(getattr(mu, f)[in_menu] for f in _ENTRY_FIELDS))
         last = np.where(sizes > 0, np.cumsum(sizes) - 1, -1)  # (-1: none, the inf appended)
         tails = (np.append(x, np.inf)[last].tolist() for x in (mu.bound_height, mu.bound_area))
-        out.extend(zip(_split(kept, *per_seq), zip(*tails)))
+        cut = _until_lowest(inside, seg[in_menu], seg[in_menu], sizes.size)
+        out.extend(zip(cut, zip(*tails)))
     return out
+
+
+def _until_lowest(mu: Menu, own_seg: np.ndarray, bound_seg: np.ndarray, count: int) -> list[Menu]:
+    """``count`` menus laid end to end in ``mu`` (``own_seg``, ``bound_seg``: the menu of each
+    of hdp's and of the bound's entries, in order), each set of entries cut to the feasible
+    ones up to its lowest height."""
+    own = _lowest_kept(own_seg, mu.degrees, mu.height, count)
+    bound = _lowest_kept(bound_seg, mu.bound_degrees, mu.bound_height, count)
+    kept = Menu(*(getattr(mu, f)[own if k < 4 else bound] for k, f in enumerate(_ENTRY_FIELDS)))
+    per_menu = [np.bincount(s[k], minlength=count) for s, k in ((own_seg, own), (bound_seg, bound))]
+    return _split(kept, *per_menu)
 
 
 def _split(mu: Menu, own: np.ndarray, bound: np.ndarray) -> list[Menu]:
@@ -330,8 +334,8 @@ def _split(mu: Menu, own: np.ndarray, bound: np.ndarray) -> list[Menu]:
 def _lowest_kept(
     seg: np.ndarray, degrees: np.ndarray, height: np.ndarray, count: int
 ) -> np.ndarray:
-    """Which entries of ``count`` menus (``seg``: each entry's, in order) :func:`_until_lowest`
-    keeps: the feasible ones up to the first of its menu's lowest height."""
+    """Which entries of ``count`` menus (``seg``: each entry's, in order) to keep: the
+    feasible ones up to the first of its menu's lowest height."""
     ok = np.isfinite(height)
     idx = np.flatnonzero(ok)
     order = idx[np.lexsort((idx, height[idx], seg[idx]))]
@@ -413,7 +417,13 @@ def _coarse(
                 end[i] = max(end[i] + 1, int(np.searchsorted(c, 4 * c[end[i] - 1], side="right")))
                 going.append(i)
         live = going
-    return [_until_lowest(_merged(p)) if p else _EMPTY for p in parts]
+    if not parts:
+        return []
+    merged = [_merged(p) if p else _EMPTY for p in parts]
+    everything = Menu(*(np.concatenate([getattr(m, f) for m in merged]) for f in _ENTRY_FIELDS))
+    own = np.repeat(np.arange(len(merged)), [m.degrees.size for m in merged])
+    bound = np.repeat(np.arange(len(merged)), [m.bound_degrees.size for m in merged])
+    return _until_lowest(everything, own, bound, len(merged))
 
 
 def _coarse_done(height: np.ndarray, past: list[float], floor_s: float) -> bool:
@@ -483,26 +493,3 @@ def menu_floor(work_s: np.ndarray, slots: int) -> float:
     is each sequence's :func:`least_time`."""
     simple = float(np.sum(work_s)) / max(slots, 1)
     return 0.0 if simple <= 0 else float(2.0 ** (math.floor(math.log2(simple) * 4) / 4))
-
-
-def _until_lowest(mu: Menu) -> Menu:
-    """Each set of entries (hdp's, the bound's) cut to the feasible ones up to its lowest height."""
-
-    def keep(degrees: np.ndarray, height: np.ndarray) -> np.ndarray:
-        ok = np.isfinite(height)
-        return ok & (degrees <= degrees[ok][int(np.argmin(height[ok]))]) if ok.any() else ok
-
-    return _entries(mu, keep(mu.degrees, mu.height), keep(mu.bound_degrees, mu.bound_height))
-
-
-def _entries(mu: Menu, own, bound) -> Menu:
-    """The menu's entries ``own`` of hdp's and ``bound`` of the bound's (masks or slices)."""
-    return Menu(
-        mu.degrees[own],
-        mu.height[own],
-        mu.area[own],
-        mu.most_tokens[own],
-        mu.bound_degrees[bound],
-        mu.bound_height[bound],
-        mu.bound_area[bound],
-    )
