@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -95,21 +96,35 @@ class Relaxation:
     long_ids: np.ndarray
     menus: tuple[Menu, ...]
 
+    @cached_property
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The menus' entries end to end: degrees, heights, areas, and the menu of each."""
+        fields = [np.concatenate([getattr(mu, f) for mu in self.menus] or [_NONE]) for f in _FLAT]
+        sizes = [mu.degrees.size for mu in self.menus]
+        return (*fields, np.repeat(np.arange(len(sizes)), sizes))
+
     def degrees_at(self, height: float, whole_s: np.ndarray) -> Jobs:
         """Each sequence's smallest-area menu degree no taller than ``height`` (the lowest one
         where none is), and its busy time; ``whole_s`` for the sequences that stay whole."""
         degrees = np.ones(self.seq_lens.size, dtype=np.int64)
         job_time = np.array(whole_s, dtype=np.float64)
-        for i, mu in zip(self.long_ids.tolist(), self.menus):
-            allowed = mu.height <= height * (1 + 1e-12)
-            k = (
-                int(np.argmin(np.where(allowed, mu.area, np.inf)))
-                if allowed.any()
-                else int(np.argmin(mu.height))
-            )
-            degrees[i] = mu.degrees[k]
-            job_time[i] = mu.height[k]
+        if not self.menus:
+            return Jobs(degrees, job_time)
+        deg, h, area, seg = self.entries
+        allowed = h <= height * (1 + 1e-12)
+        some = np.bincount(seg[allowed], minlength=len(self.menus)) > 0
+        # Per menu, the first entry of the least area among those allowed, else of the least
+        # height (what ``np.argmin`` picks, one menu at a time).
+        key = np.where(some[seg], np.where(allowed, area, np.inf), h)
+        order = np.lexsort((np.arange(seg.size), key, seg))
+        first = order[np.concatenate([[True], seg[order][1:] != seg[order][:-1]])]
+        ids = self.long_ids[seg[first]]
+        degrees[ids], job_time[ids] = deg[first], h[first]
         return Jobs(degrees, job_time)
+
+
+_FLAT = ("degrees", "height", "area")
+_NONE = np.zeros(0)
 
 
 def relaxation_bound(

@@ -71,8 +71,14 @@ class NodeLoads:
         self.sorted = np.take_along_axis(self.grid, self.order, axis=1)
 
     def set(self, ranks: np.ndarray, load: float) -> None:
-        """Ranks ``ranks`` now carry ``load``."""
+        """Ranks ``ranks`` (sorted) now carry ``load``."""
         self.grid.reshape(-1)[ranks] = load
+        first, last = int(ranks[0]) // self.rpn, int(ranks[-1]) // self.rpn
+        if first == last:  # (most jobs: one node, sorted without numpy's general machinery)
+            row = self.grid[first]
+            order = row.argsort(kind="stable")
+            self.order[first], self.sorted[first] = order, row[order]
+            return
         nodes = np.unique(ranks // self.rpn)
         order = np.argsort(self.grid[nodes], axis=1, kind="stable")
         self.order[nodes] = order

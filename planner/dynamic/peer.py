@@ -36,29 +36,30 @@ def place_peer(ctx: Context, multi: np.ndarray, single: np.ndarray, cand: Candid
         raise PlanningError(
             f"hdp: sequence {i} ({lens[i]} tokens) does not fit {cand.degree[i]} ranks"
         )
-    for k, i in enumerate(multi.tolist()):
-        d, t = int(cand.degree[i]), float(cand.job_time[i])
+    degrees, times = cand.degree[multi].tolist(), cand.job_time[multi].tolist()
+    for k, (d, t) in enumerate(zip(degrees, times)):
         members = nodes.pick(d)
-        start = float(rank_load[members].max())
-        for r in members.tolist():
-            if start - rank_load[r] > 0:
-                gaps.append((start - float(rank_load[r]), r, k))
+        before = rank_load[members]
+        start = float(before.max())
+        for r, load in zip(members.tolist(), before.tolist()):
+            if start - load > 0:
+                gaps.append((start - load, r, k))
         rank_load[members] = start + t
         nodes.set(members, start + t)
         assignment.job_members.append(members)
         assignment.job_key.append((2 * k + 1) * stride)
     rest = _fill_gaps(ctx, assignment, single, sorted(gaps), stride)
     tail_key = (2 * len(assignment.job_members) + 2) * stride
-    tail_waves: list[list[int]] = [[] for _ in range(n)]  # tokens per tail wave of each rank
+    tail_waves: dict[int, list[int]] = {}  # tokens per tail wave of each rank
     # The rest: LPT onto the least-loaded rank, after its last multi-rank job.
-    heap = [(float(rank_load[r]), r) for r in range(n)]
+    heap = list(zip(rank_load.tolist(), range(n)))
     heapq.heapify(heap)
     whole_s, tokens, ranks, slots = ctx.packed_s.tolist(), lens.tolist(), [], []
     for i in rest:
         load, r = heap[0]
         heapq.heapreplace(heap, (load + whole_s[i], r))
         ranks.append(r)
-        slots.append(_first_fit(tail_waves[r], tokens[i], ctx.capacity))
+        slots.append(_first_fit(tail_waves.setdefault(r, []), tokens[i], ctx.capacity))
     assignment.single_rank[rest] = ranks
     assignment.single_key[rest] = tail_key + np.asarray(slots, dtype=np.int64)
     return assignment

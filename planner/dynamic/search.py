@@ -375,10 +375,11 @@ def work_s(ctx: Context, rel: Relaxation, cand: Candidate) -> float:
     """The rank-seconds of compute ``cand``'s degrees cover at least (split sequences their
     menu area, whole ones their packed time), over the ranks."""
     area = ctx.packed_s.copy()
-    for i, mu in zip(rel.long_ids.tolist(), rel.menus):
-        k = int(np.searchsorted(mu.degrees, cand.degree[i]))
-        if cand.degree[i] > 1 and k < mu.degrees.size and mu.degrees[k] == cand.degree[i]:
-            area[i] = float(mu.area[k])
+    if rel.menus:
+        degrees, _, menu_area, seg = rel.entries
+        ids = rel.long_ids[seg]
+        chosen = (degrees == cand.degree[ids]) & (cand.degree[ids] > 1)
+        area[ids[chosen]] = menu_area[chosen]
     return float(area.sum()) / ctx.num_ranks
 
 
