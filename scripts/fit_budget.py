@@ -9,6 +9,7 @@ the fitted coefficients and, for the ones in the code, how measured time compare
 estimate (quantiles of measured / estimated).
 
     python scripts/fit_budget.py            # about 5 minutes on one core
+    python scripts/fit_budget.py --models llama-70b --scaling 1024:2 --worst 5
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from hdp.planner.menus import clear_menus
 from hdp.workloads import get_workload, workload_names
 
 RECORDS: list[dict] = []
+CASE = [""]  # the batch being planned, for --worst
 
 
 def _recorded(kind: str, ctx, t0: float, estimate: float, **work: float) -> None:
-    RECORDS.append(
-        dict(kind=f"{kind} {ctx.sync}", measured=time.process_time() - t0, est=estimate, **work)
-    )
+    measured = time.process_time() - t0
+    RECORDS.append(dict(kind=f"{kind} {ctx.sync}", measured=measured, est=estimate, **work))
+    RECORDS[-1]["case"] = CASE[0]
 
 
 def _instrument() -> None:
@@ -151,6 +153,9 @@ def main() -> None:
         default="1024:2,16384:2,1024:32,4096:128,16384:256",
         help="RANKS:MTOKENS batches of llama-7b (byted-2m and wikipedia-384k) besides the grid",
     )
+    ap.add_argument(
+        "--worst", type=int, default=0, help="also print each kind's N records furthest over"
+    )
     args = ap.parse_args()
     _instrument()
     cases = [
@@ -165,6 +170,7 @@ def main() -> None:
     for model, wl, n, mtok in cases:
         size = {} if mtok is None else {"tokens_per_step": mtok << 20}
         lens = get_workload(wl).sample_batch(np.random.default_rng(0), **size)
+        CASE[0] = f"{model} {wl} {n} ranks"
         t0 = time.process_time()
         pricing = StepPricing.build(model_preset(model), ClusterSpec.preset("h100", n))
         plan_and_evaluate(lens, pricing, "hdp", validate=False)
@@ -182,6 +188,10 @@ def main() -> None:
             f"{'':12s} measured / the code's estimate: p10 {p10:.2f}, median {p50:.2f}, "
             f"p90 {p90:.2f}"
         )
+        over = sorted(rows, key=lambda r: -r["measured"] / max(r["est"], 1e-12))[: args.worst]
+        for r in over:
+            work = ", ".join(f"{f} {r[f]:.3g}" for f in FEATURES[kind])
+            print(f"{'':14s}{r['measured'] / max(r['est'], 1e-12):6.2f}x {r['case']}: {work}")
 
 
 if __name__ == "__main__":
