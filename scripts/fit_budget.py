@@ -188,10 +188,10 @@ def main() -> None:
             f"{'':12s} measured / the code's estimate: p10 {p10:.2f}, median {p50:.2f}, "
             f"p90 {p90:.2f}"
         )
-        over = sorted(rows, key=lambda r: -r["measured"] / max(r["est"], 1e-12))[: args.worst]
-        for r in over:
+        charged = [r for r in rows if r["est"] > 0]
+        for r in sorted(charged, key=lambda r: -r["measured"] / r["est"])[: args.worst]:
             work = ", ".join(f"{f} {r[f]:.3g}" for f in FEATURES[kind])
-            print(f"{'':14s}{r['measured'] / max(r['est'], 1e-12):6.2f}x {r['case']}: {work}")
+            print(f"{'':14s}{r['measured'] / r['est']:6.2f}x {r['case']}: {work}")
 
 
 if __name__ == "__main__":
