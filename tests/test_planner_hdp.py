@@ -354,6 +354,42 @@ def _wave_context(lens, n: int, cap: int) -> Context:
     )
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_the_offloading_cell_is_the_one_a_scan_of_every_cell_finds(seed):
+    """``wave`` sync: the cell where a whole sequence, offloading what it must, raises its wave
+    least (then the least loaded, then the first) is the one a scan of every cell finds, each
+    priced alone by the cost model's offload terms."""
+    from hdp.planner.dynamic.wave import JobLayer, offloaded_cell
+
+    rng = np.random.default_rng(seed)
+    cost = CostModel(model_preset("llama-70b"), ClusterSpec.preset("h100", 64))  # (8 in a layer)
+    lens = np.array([1000])
+    ctx = Context(lens, cost, "wave", cost.capacity("wave"), 1000, 1000)
+    assert ctx.offload_capacity > ctx.capacity
+    waves = int(rng.integers(1, 4))
+    tokens = rng.integers(0, ctx.offload_capacity + 1, (waves, 8))
+    load = np.round(rng.uniform(0.0, 2.0, (waves, 8)), 1)  # (ties on purpose)
+    heights = (load.max(axis=1) + rng.choice([0.0, 0.5], waves)).tolist()
+    L = int(rng.integers(1, ctx.offload_capacity // 2))
+    t, beat_s = float(rng.uniform(0.1, 1.0)), float(rng.choice([np.inf, rng.uniform(0, 2)]))
+    got = offloaded_cell(ctx, JobLayer([], [], tokens, load), heights, L, t, beat_s)
+    best = None
+    for w, r in itertools.product(range(waves), range(8)):
+        held = np.array([tokens[w, r] + L])
+        if held[0] > ctx.offload_capacity or load[w, r] + t - heights[w] >= beat_s:
+            continue
+        copy = float(cost.offload_time(held, cost.offload_needed(held, "wave"))[0])
+        new_load = load[w, r] + t + max(0.0, copy - (load[w, r] + t))
+        key = (max(0.0, new_load - heights[w]), new_load, w, r)
+        best = key if best is None or key < best else best
+    if best is None:
+        assert got is None
+    else:
+        assert (got.wave, got.rank) == best[2:]
+        assert got.raise_s == pytest.approx(best[0]) and got.new_load == pytest.approx(best[1])
+
+
 def test_equal_group_plans_fill_every_member_before_a_new_wave():
     """One group of 4 ranks, the sequences over the capacity split in hdp's block shares (their
     members then offload in the first waves) and 15 whole ones: each whole sequence takes the

@@ -243,33 +243,26 @@ def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.nd
     return single_rank, single_key
 
 
-def loads_with(ctx: Context, tokens: np.ndarray, load: np.ndarray, L: int, t: float) -> np.ndarray:
-    """Each cell's busy time once it also takes a sequence of ``L`` tokens and ``t`` seconds,
-    offloading what it then must (its exposed host-copy time added); ``inf`` where even offload
-    leaves no room. ``tokens``, ``load``: per-cell arrays of any shape."""
-    cost = ctx.cost
-    new_tokens = tokens + L
-    ok = new_tokens <= ctx.offload_capacity
-    frac = np.where(ok, cost.offload_needed(np.where(ok, new_tokens, 0), ctx.sync), 0.0)
-    exposed = np.maximum(0.0, cost.offload_time(new_tokens, frac) - (load + t))
-    return np.where(ok, load + t + exposed, np.inf)
-
-
 def offloaded_cell(
     ctx: Context, layer: JobLayer, heights: list[float], L: int, t: float, beat_s: float
 ) -> CellChoice | None:
     """The cell that raises its wave least (then the least loaded, then the first) when it
-    takes a sequence of ``L`` tokens and ``t`` seconds beyond the capacity
-    (:func:`loads_with`), among those whose load alone would raise it by less than ``beat_s``
-    (offload only adds to it); ``None`` if none of them has room even with offload."""
-    load, tokens, waves = layer.load, layer.tokens, np.asarray(heights)
-    ranks = load.shape[1]
+    takes a sequence of ``L`` tokens and ``t`` seconds and offloads what it then must (its
+    exposed host-copy time added to its busy time), among those whose load alone would raise
+    it by less than ``beat_s`` (offload only adds to it); ``None`` if none of them has room even
+    with offload. (In ``wave`` sync with offload this runs for nearly every sequence: few numpy
+    passes, over the cells that may win.)"""
+    cost, ranks = ctx.cost, layer.load.shape[1]
+    waves = np.asarray(heights)
+    busy = layer.load + t
     maybe = np.flatnonzero(
-        ((load + t - waves[:, None]) < beat_s) & (tokens + L <= ctx.offload_capacity)
+        (busy - waves[:, None] < beat_s) & (layer.tokens <= ctx.offload_capacity - L)
     )
     if maybe.size == 0:
         return None
-    new_load = loads_with(ctx, tokens.flat[maybe], load.flat[maybe], L, t)
+    new_tokens, busy = layer.tokens.ravel()[maybe] + L, busy.ravel()[maybe]
+    copy_s = cost.offload_time(new_tokens, cost.offload_needed(new_tokens, ctx.sync))
+    new_load = busy + np.maximum(0.0, copy_s - busy)
     raise_by = np.maximum(0.0, new_load - waves[maybe // ranks])
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
     k = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
