@@ -52,12 +52,12 @@ def _instrument() -> None:
         plan = place(ctx, waves, cand)
         ctx.cost.evaluate(plan)
         n, seqs = ctx.num_ranks, ctx.seq_lens.size
-        offload = float(ctx.offload_capacity > ctx.capacity)
-        _recorded("place", ctx, t0, Budget.placement_s(ctx, jobs, shards, guess), one=1,
-                  ranks=n, jobs_ranks=jobs * n, seqs=seqs, shards=shards,
+        searched = plan.predicted["offload_searches"]
+        _recorded("place", ctx, t0, Budget.placement_s(ctx, jobs, shards, guess, searched),
+                  one=1, ranks=n, jobs_ranks=jobs * n, seqs=seqs, shards=shards,
                   waves_ranks=guess * n, jobs_waves_ranks=jobs * guess * n,
-                  seqs_waves=seqs * guess, offload_seqs=offload * seqs,
-                  offload_cells=offload * seqs * guess * n)  # fmt: skip
+                  seqs_waves=seqs * guess, searches=searched,
+                  searches_cells=searched * plan.num_waves * n)  # fmt: skip
         return plan
 
     def timed_improve(ctx, plan, report, seconds):
@@ -99,15 +99,15 @@ def _instrument() -> None:
 
     def timed_rest(options, plan, heads):
         """Time a head-parallel first plan from cold menus beside the P2P plan it follows."""
-        jobs, shards, waves, degrees = Budget.first_plan_work(heads, plan)
-        placed = Budget.placement_s(heads, jobs, shards, waves)
+        jobs, shards, waves, searches, degrees = Budget.first_plan_work(heads, plan)
+        placed = Budget.placement_s(heads, jobs, shards, waves, searches)
         clear_menus()
         t0 = time.process_time()
         try:
             search.plan_dynamic(heads, DynamicOptions(plan_budget_s=0.0))
         except PlanningError:
             return rest(options, plan, heads)
-        estimate = Budget.first_plan_s(heads, jobs, shards, waves, degrees)
+        estimate = Budget.first_plan_s(heads, jobs, shards, waves, searches, degrees)
         _recorded("first", heads, t0, estimate, placement=placed, jobs_degrees=jobs * degrees,
                   seqs=heads.seq_lens.size)  # fmt: skip
         return rest(options, plan, heads)
@@ -133,7 +133,7 @@ def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
 
 FEATURES = {
     "place peer": ["one", "ranks", "jobs_ranks", "seqs", "shards", "waves_ranks"],
-    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "offload_seqs", "offload_cells"],
+    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "searches", "searches_cells"],
     "layout peer": ["one", "seqs", "shards"],
     "layout wave": ["one", "seqs", "shards"],
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],

@@ -4,7 +4,10 @@ Estimates, not the clock, so that a plan depends only on the batch and the optio
 how busy the machine is. Each is a sum of the work a step does (ranks scanned per job, sequences
 placed, shards priced, ...) times seconds per item fitted on the bench's batches by
 ``scripts/fit_budget.py`` (llama-7b and llama-70b, 64 to 16,384 ranks); ``docs/benchmarks.md``
-says how closely the search then keeps to its budget.
+says how closely the search then keeps to its budget. Work that only the step itself reveals is
+counted as it is done and charged after it: in ``wave`` sync with offload, how many sequences
+searched every cell for one that offloads (for llama-70b nearly all of them, most of a
+placement's time), estimated beforehand as the last placement's count.
 """
 
 from __future__ import annotations
@@ -52,34 +55,40 @@ class Budget:
         return cls(max(LEAST_S, step_s / STEP_SHARE) if given_s is None else given_s)
 
     @staticmethod
-    def placement_s(ctx: Context, jobs: int, shards: int, waves: int) -> float:
+    def placement_s(ctx: Context, jobs: int, shards: int, waves: int, searches: float) -> float:
         """Estimated seconds of one placement of ``jobs`` multi-rank jobs, ``shards`` shards in
         all, in a plan of about ``waves`` waves, and its pricing: ``peer`` sync picks each job's
-        nodes among all ranks; ``wave`` sync tries each job on every wave's ranks and each
-        sequence on every wave (and on every cell where it may offload)."""
+        nodes among all ranks; ``wave`` sync tries each job on every wave's ranks, each
+        sequence on every wave, and for ``searches`` sequences every cell for one that
+        offloads (``predicted["offload_searches"]`` of a plan placed so)."""
         n, seqs = ctx.num_ranks, ctx.seq_lens.size
         if ctx.sync == "peer":
             return 1.2e-3 + 5.8e-8 * n * (1 + waves) + 1.5e-8 * jobs * n + 1.9e-6 * shards
-        offload = seqs * (5.3e-7 + 1.3e-8 * waves * n) if ctx.offload_capacity > ctx.capacity else 0
-        return 3.8e-8 * jobs * waves * n + 4.1e-6 * seqs * waves + offload
+        placed = 7.7e-8 * jobs * waves * n + 1.65e-6 * seqs * waves + 3.6e-6 * shards
+        return placed + 3.1e-5 * searches
 
     @staticmethod
-    def first_plan_s(ctx: Context, jobs: int, shards: int, waves: int, degrees: int) -> float:
+    def first_plan_s(
+        ctx: Context, jobs: int, shards: int, waves: int, searches: float, degrees: int
+    ) -> float:
         """Estimated seconds of a second search's first plan (``auto``'s head-parallel one) for
-        a plan of ``jobs`` multi-rank jobs, ``shards`` shards and about ``waves`` waves: the
-        menus of its jobs, each up to ``degrees`` members, and a placement."""
-        placed = Budget.placement_s(ctx, jobs, shards, waves)
+        a plan of ``jobs`` multi-rank jobs, ``shards`` shards, about ``waves`` waves and
+        ``searches`` offload searches: the menus of its jobs, each up to ``degrees`` members,
+        and a placement."""
+        placed = Budget.placement_s(ctx, jobs, shards, waves, searches)
         seqs = ctx.seq_lens.size
         if ctx.sync == "peer":
             return placed + 1.27e-5 * jobs * degrees + 9.4e-7 * seqs
         return placed + 3.5e-6 * jobs * degrees + 6.4e-6 * seqs
 
     @staticmethod
-    def first_plan_work(ctx: Context, plan: Plan) -> tuple[int, int, int, int]:
+    def first_plan_work(ctx: Context, plan: Plan) -> tuple[int, int, int, float, int]:
         """The terms of :meth:`first_plan_s` for a first plan of ``ctx`` like ``plan``: its
-        multi-rank jobs, shards and waves, and the most members a job has in ``ctx``."""
+        multi-rank jobs, shards, waves and offload searches (none where a group layout made
+        it), and the most members a job has in ``ctx``."""
         jobs = int((np.bincount(plan.seq, minlength=plan.seq_lens.size) > 1).sum())
-        return jobs, plan.num_shards, plan.num_waves, most_members(ctx)
+        searches = plan.predicted.get("offload_searches", 0.0)
+        return jobs, plan.num_shards, plan.num_waves, searches, most_members(ctx)
 
     @staticmethod
     def layout_s(ctx: Context, shards: int) -> float:
@@ -94,8 +103,8 @@ class Budget:
         priced for it."""
         seqs = ctx.seq_lens.size
         if ctx.sync == "wave":
-            fixed = 5.5e-7 * seqs + 2.2e-8 * work.shards
-            return fixed + 4e-4 * work.searches + 3e-8 * work.cells
+            fixed = 2.3e-4 + 4.1e-7 * work.shards
+            return fixed + 3.8e-4 * work.searches + 4.7e-8 * work.cells
         fixed = 3.7e-7 * seqs + 1.1e-7 * work.shards
         return fixed + 1.9e-4 * work.searches + 1e-4 * work.tried + 2.3e-8 * work.cells
 

@@ -22,8 +22,9 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
     """Place ``cand`` on ranks and waves and build its plan."""
     lens = ctx.seq_lens
     multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
+    searches = 0
     if ctx.sync == "wave":
-        assignment = place_wave(ctx, num_waves, multi, single, cand)
+        assignment, searches = place_wave(ctx, num_waves, multi, single, cand)
     else:
         assignment = place_peer(ctx, multi, single, cand)
     job_key = np.asarray(assignment.job_key, dtype=np.int64)
@@ -50,5 +51,6 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
         "multi_rank_sequences": float(multi.size),
         "max_degree": float(cand.degree.max(initial=1)),
         "offloading_cells": float(len(builder.offload)),
+        "offload_searches": float(searches),
     }
     return builder.build()

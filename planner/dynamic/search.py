@@ -77,6 +77,7 @@ class Search:
         self.ctx, self.options, self.rel, self.bound_s = ctx, options, rel, bound_s
         self.budget = Budget(math.inf if options.plan_budget_s is None else options.plan_budget_s)
         self.best: tuple[Plan, StepReport, Candidate] | None = None
+        self.searches = 0.0  # the last placement's offload searches (Budget.placement_s)
 
     @property
     def step_s(self) -> float:
@@ -105,21 +106,27 @@ class Search:
         default that plan's predicted step sets it (:class:`DynamicOptions`)."""
         first = self.best is None
         if not first:
-            cost_s = self.placement_s(cand)
+            cost_s = self.placement_s(cand, self.searches)
             if not self.budget.affords(cost_s, seed):
                 return False
             self.budget.spend(cost_s)
-        kept = self.consider(place(self.ctx, num_waves_for(self.ctx), cand), cand)
+        plan = place(self.ctx, num_waves_for(self.ctx), cand)
+        # Offload searches are charged as counted; the estimate assumed the last placement's.
+        self.searches = plan.predicted["offload_searches"]
+        if not first:
+            self.budget.spend(self.placement_s(cand, self.searches) - cost_s)
+        kept = self.consider(plan, cand)
         if first and self.options.plan_budget_s is None:
             self.budget = Budget.for_step(None, self.step_s)
         return kept
 
-    def placement_s(self, cand: Candidate) -> float:
-        """The budget's estimate of placing ``cand``."""
+    def placement_s(self, cand: Candidate, searches: float) -> float:
+        """The budget's estimate of placing ``cand`` with ``searches`` offload searches."""
         split = cand.degree > 1
         jobs, shards = int(split.sum()), int(cand.degree[split].sum())
         waves = max(num_waves_for(self.ctx), self.best[0].num_waves if self.best else 0)
-        return self.budget.placement_s(self.ctx, jobs, shards + self.ctx.seq_lens.size, waves)
+        shards += self.ctx.seq_lens.size
+        return self.budget.placement_s(self.ctx, jobs, shards, waves, searches)
 
     def solve_milp(self, warm: Candidate) -> dict[str, float]:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
@@ -140,7 +147,7 @@ class Search:
         """Step every sequence as tall as the one that sets the step (within 2% of its busy
         time) up its menu and place again (Note [One search]); whether that was faster."""
         plan, report, cand = self.best
-        if cand is None or not self.budget.affords(self.placement_s(cand)):
+        if cand is None or not self.budget.affords(self.placement_s(cand, self.searches)):
             return False
         seq = critical_sequence(self.ctx, plan, report)
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])

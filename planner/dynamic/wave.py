@@ -49,11 +49,13 @@ class CellChoice:
 
 def place_wave(
     ctx: Context, num_waves: int, multi: np.ndarray, single: np.ndarray, cand: Candidate
-) -> Assignment:
-    """Multi-rank jobs, then whole sequences; keys are waves."""
+) -> tuple[Assignment, int]:
+    """Multi-rank jobs, then whole sequences; keys are waves. Also how many sequences searched
+    the cells for one that offloads (:func:`offloaded_cell`, most of a placement's time where
+    it runs), which the budget charges as counted."""
     layer = place_wave_jobs(ctx, num_waves, multi, cand)
-    single_rank, single_key = fill_waves(ctx, layer, single)
-    return Assignment(layer.members, layer.wave, single_rank, single_key)
+    single_rank, single_key, searches = fill_waves(ctx, layer, single)
+    return Assignment(layer.members, layer.wave, single_rank, single_key), searches
 
 
 def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate) -> JobLayer:
@@ -139,6 +141,7 @@ class _Cells:
         # a full cell's speed) and what the cell's dense work grows by, fixed costs and all.
         self.per_token = float(ctx.cost.dense_s_per_token(max(ctx.capacity, 1)))
         self.dense = _dense_by_tokens(ctx.cost, ctx.capacity)
+        self.offload_searches = 0
 
     def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> tuple:
         """(load, rank) of wave ``w``'s least-loaded cell with room for ``L`` tokens, the first
@@ -189,6 +192,7 @@ class _Cells:
             # Every cell with room raises its wave (or none has room): a cell that offloads part
             # of its activations may raise it less.
             beat_s = math.inf if best is None else best.raise_s
+            self.offload_searches += 1
             off = offloaded_cell(self.ctx, self.layer, self.heights, L, t, beat_s)
             if off is not None and (best is None or off.raise_s < best.raise_s):
                 best = off
@@ -227,11 +231,14 @@ def _dense_by_tokens(cost: CostModel, capacity: int) -> list[float]:
     return out.tolist()
 
 
-def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fill_waves(
+    ctx: Context, layer: JobLayer, single: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Whole sequences, longest first, onto the cells of ``layer`` (updated in place): a cell
     whose load stays under its wave's height (the least-loaded such), else the cell that raises
     its wave least (with offload where that raises it less: :func:`offloaded_cell`); a new wave
-    when that costs less than the raise. Returns each sequence's rank and wave (-1: not placed)."""
+    when that costs less than the raise. Returns each sequence's rank and wave (-1: not placed),
+    and how many sequences searched the cells for offload."""
     lens = ctx.seq_lens
     single_rank = np.full(lens.size, -1, dtype=np.int64)
     single_key = np.full(lens.size, -1, dtype=np.int64)
@@ -240,7 +247,7 @@ def fill_waves(ctx: Context, layer: JobLayer, single: np.ndarray) -> tuple[np.nd
         L, t = int(lens[i]), float(ctx.packed_s[i])
         choice = cells.choose(L, t) or cells.new_wave(L, t)
         single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
-    return single_rank, single_key
+    return single_rank, single_key, cells.offload_searches
 
 
 def offloaded_cell(
