@@ -3,14 +3,16 @@ r"""The planner's targets, measured side by side in one run.
 1. Quality: every strategy on the four standard workloads at several cluster sizes, for each
    model: step / simple lower bound, step / the planner's bound (``predicted["bound_s"]``), and
    hdp's speed-up over each baseline.
-2. Planning time of hdp on one core as the cluster and the batch grow (llama-7b; byted-2m by
-   default, 32K tokens per rank: 1024 ranks = 32M tokens, 16,384 ranks = 512M; plus 16,384
-   ranks at 256M tokens), at each budget asked for.
+2. Planning time of hdp on one core as the cluster and the batch grow (llama-7b unless
+   ``--planning-model`` says; byted-2m by default, 32K tokens per rank: 1024 ranks = 32M
+   tokens, 16,384 ranks = 512M; plus 16,384 ranks at 256M tokens), at each budget asked for.
 
     python scripts/bench_planner.py --models llama-7b,llama-70b --gpus 64,256,1024 \
         --out docs/figures
     python scripts/bench_planner.py --parts planning --scaling 1024:2M,16384:2M \
         --planning-workloads byted-2m,wikipedia-384k --plan-budgets 0,default,0.2
+    python scripts/bench_planner.py --parts planning --planning-model llama-70b \
+        --scaling 64:32M,256:32M --planning-workloads byted-2m,github-2m --plan-budgets 0,0.5,2
 """
 
 from __future__ import annotations
@@ -85,14 +87,18 @@ def quality(models: list[str], gpus: list[int], workloads: list[str], seed: int)
 
 
 def planning_time(
-    points: list[tuple[int, int]], seeds: list[int], workloads: list[str], budgets: list[str]
+    points: list[tuple[int, int]],
+    seeds: list[int],
+    workloads: list[str],
+    budgets: list[str],
+    model_name: str = "llama-7b",
 ) -> list[dict]:
     """hdp's planning time (CPU of one core) on a fresh batch of each workload and seed at each
     (ranks, tokens) point, at each of ``budgets`` (``default`` or seconds), after one warm-up
     plan (imports, kernel tables) that is not counted. Where ``0`` is among the budgets, each
     other budget's row says what its search spent past the first plan, as a share of it."""
     rows = []
-    model = model_preset("llama-7b")
+    model = model_preset(model_name)
     if points:  # the warm-up: a batch of a seed not asked for
         warm = get_workload(workloads[0]).sample_batch(
             np.random.default_rng(max(seeds) + 1), tokens_per_step=1 << 22
@@ -148,6 +154,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--models", default="llama-7b,llama-70b")
+    ap.add_argument(
+        "--planning-model",
+        default="llama-7b",
+        help="model of the planning-time part (llama-70b plans in wave sync, llama-7b in peer)",
+    )
     ap.add_argument("--gpus", default="64,256,1024")
     ap.add_argument("--workloads", default=",".join(workload_names()))
     ap.add_argument(
@@ -200,7 +211,11 @@ def main() -> None:
     seeds = [int(x) for x in args.planning_seeds.split(",") if x]
     s = (
         planning_time(
-            points, seeds, args.planning_workloads.split(","), args.plan_budgets.split(",")
+            points,
+            seeds,
+            args.planning_workloads.split(","),
+            args.plan_budgets.split(","),
+            args.planning_model,
         )
         if "planning" in parts and seeds
         else []
