@@ -99,7 +99,7 @@ class Relaxation:
     @cached_property
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The menus' entries end to end: degrees, heights, areas, and the menu of each."""
-        fields = [np.concatenate([getattr(mu, f) for mu in self.menus] or [_NONE]) for f in _FLAT]
+        fields = [np.concatenate([getattr(mu, f) for mu in self.menus] or [[]]) for f in _FLAT]
         sizes = [mu.degrees.size for mu in self.menus]
         return (*fields, np.repeat(np.arange(len(sizes)), sizes))
 
@@ -124,7 +124,6 @@ class Relaxation:
 
 
 _FLAT = ("degrees", "height", "area")
-_NONE = np.zeros(0)
 
 
 def relaxation_bound(
