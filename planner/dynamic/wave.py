@@ -259,7 +259,7 @@ def offloaded_cell(
     it by less than ``beat_s`` (offload only adds to it); ``None`` if none of them has room even
     with offload. (In ``wave`` sync with offload this runs for nearly every sequence: few numpy
     passes, over the cells that may win.)"""
-    cost, ranks = ctx.cost, layer.load.shape[1]
+    ranks = layer.load.shape[1]
     waves = np.asarray(heights)
     busy = layer.load + t
     maybe = np.flatnonzero(
@@ -267,11 +267,23 @@ def offloaded_cell(
     )
     if maybe.size == 0:
         return None
+    held, s_per_token = _host_copy(ctx.cost, ctx.sync)
     new_tokens, busy = layer.tokens.ravel()[maybe] + L, busy.ravel()[maybe]
-    copy_s = cost.offload_time(new_tokens, cost.offload_needed(new_tokens, ctx.sync))
-    new_load = busy + np.maximum(0.0, copy_s - busy)
+    new_load = np.maximum(busy, s_per_token * (new_tokens - held))  # (busy + exposed copy)
     raise_by = np.maximum(0.0, new_load - waves[maybe // ranks])
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
     k = int(np.argmin(np.where(raise_by == raise_by.min(), new_load, np.inf)))
     w, r = divmod(int(maybe[k]), ranks)
     return CellChoice(float(raise_by[k]), float(new_load[k]), w, r)
+
+
+@lru_cache(maxsize=8)
+def _host_copy(cost: CostModel, sync: str) -> tuple[int, float]:
+    """The cost model's host copy (out and back) as a line: a rank holding ``T`` tokens past
+    the ``held`` it holds without offload copies for ``s_per_token * (T - held)`` s (the
+    offloaded share grows so that the bytes kept stay fixed); ``(held, s_per_token)``."""
+    held, most = cost.capacity(sync), cost.offload_capacity(sync)
+    if most <= held:
+        return held, 0.0
+    top = np.array([most])
+    return held, float(cost.offload_time(top, cost.offload_needed(top, sync))[0]) / (most - held)
