@@ -56,8 +56,7 @@ def _instrument() -> None:
         _recorded("place", ctx, t0, Budget.placement_s(ctx, jobs, shards, guess, searched),
                   one=1, ranks=n, jobs_ranks=jobs * n, seqs=seqs, shards=shards,
                   waves_ranks=guess * n, jobs_waves_ranks=jobs * guess * n,
-                  seqs_waves=seqs * guess, searches=searched,
-                  searches_cells=searched * plan.num_waves * n)  # fmt: skip
+                  seqs_waves=seqs * guess, searches=searched)  # fmt: skip
         return plan
 
     def timed_improve(ctx, plan, report, seconds):
@@ -133,7 +132,7 @@ def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
 
 FEATURES = {
     "place peer": ["one", "ranks", "jobs_ranks", "seqs", "shards", "waves_ranks"],
-    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "searches", "searches_cells"],
+    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "searches"],
     "layout peer": ["one", "seqs", "shards"],
     "layout wave": ["one", "seqs", "shards"],
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
