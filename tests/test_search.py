@@ -160,3 +160,23 @@ def test_moves_keep_a_plans_barriers_between_waves_it_still_has():
     cluster, model = ClusterSpec.preset("h100", 2, 4), model_preset("llama-7b")
     plan = plan_step([1, 2, 2], cluster, model, "hdp", capacity=64, form="megatron")
     assert all(0 < b < plan.num_waves for b in plan.barriers)
+
+
+def test_a_wave_placement_reports_the_offload_searches_the_budget_charges(monkeypatch):
+    """llama-70b in ``wave`` sync offloads: the first placement says how many sequences
+    searched the cells for one that offloads (the count the budget charges), one per search
+    the placer ran."""
+    from hdp.planner.dynamic import wave
+    from hdp.workloads import get_workload
+
+    searched = []
+    search = wave.offloaded_cell
+    monkeypatch.setattr(wave, "offloaded_cell", lambda *a: searched.append(1) or search(*a))
+    lens = get_workload("wikipedia-384k").sample_batch(np.random.default_rng(0), 1 << 21)
+    cluster, model = ClusterSpec.preset("h100", 64), model_preset("llama-70b")
+    options = DynamicOptions(plan_budget_s=0.0)  # the first placement and nothing else
+    plan = plan_step(
+        lens, cluster, model, "hdp", sync="wave", kv_exchange="rank", hdp_options=options
+    )
+    assert len(searched) > lens.size // 2
+    assert plan.predicted["offload_searches"] == len(searched)
