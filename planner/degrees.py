@@ -55,7 +55,7 @@ import numpy as np
 
 from hdp import CostModel
 
-from .menus import Menu, length_menus, menu_floor
+from .menus import Menu, first_least, length_menus, menu_floor
 from .splits import ulysses_options
 
 
@@ -114,10 +114,8 @@ class Relaxation:
         allowed = h <= height * (1 + 1e-12)
         some = np.bincount(seg[allowed], minlength=len(self.menus)) > 0
         # Per menu, the first entry of the least area among those allowed, else of the least
-        # height (what ``np.argmin`` picks, one menu at a time).
-        key = np.where(some[seg], np.where(allowed, area, np.inf), h)
-        order = np.lexsort((np.arange(seg.size), key, seg))
-        first = order[np.concatenate([[True], seg[order][1:] != seg[order][:-1]])]
+        # height.
+        first = first_least(seg, np.where(some[seg], np.where(allowed, area, np.inf), h))
         ids = self.long_ids[seg[first]]
         degrees[ids], job_time[ids] = deg[first], h[first]
         return Jobs(degrees, job_time)

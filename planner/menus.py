@@ -331,6 +331,15 @@ def _split(mu: Menu, own: np.ndarray, bound: np.ndarray) -> list[Menu]:
     return [Menu(*(x[a:b] for x, c in fields for a, b in (c[i],))) for i in range(len(own))]
 
 
+def first_least(seg: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Of entries laid out menu after menu (``seg``: each entry's menu, in order), each menu's
+    first entry of least ``key`` (what ``np.argmin`` picks one menu at a time), menu by menu."""
+    if seg.size == 0:
+        return seg
+    order = np.lexsort((np.arange(seg.size), key, seg))
+    return order[np.concatenate([[True], seg[order][1:] != seg[order][:-1]])]
+
+
 def _lowest_kept(
     seg: np.ndarray, degrees: np.ndarray, height: np.ndarray, count: int
 ) -> np.ndarray:
@@ -338,8 +347,7 @@ def _lowest_kept(
     feasible ones up to the first of its menu's lowest height."""
     ok = np.isfinite(height)
     idx = np.flatnonzero(ok)
-    order = idx[np.lexsort((idx, height[idx], seg[idx]))]
-    first = order[np.concatenate([[True], seg[order][1:] != seg[order][:-1]])] if idx.size else idx
+    first = idx[first_least(seg[idx], height[idx])]
     top = np.full(count, -1, dtype=np.int64)
     top[seg[first]] = degrees[first]
     return ok & (degrees <= top[seg])
