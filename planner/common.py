@@ -86,6 +86,15 @@ def next_pow2(x: float) -> int:
     return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
 
 
+def megatron_group_sizes(n: int) -> list[int]:
+    """The CP sizes Megatron's hybrid context parallelism can run on a DPxCP group of ``n``
+    ranks, ascending: 1, the powers of two ``2^i`` with ``1 <= i < floor(log2 n)`` (it builds a
+    group of each such size over every aligned range of ranks), and ``n`` (the DPxCP group
+    itself). For 6 ranks: 1, 2, 6; for 12: 1, 2, 4, 12; for 8: 1, 2, 4, 8."""
+    top = int(math.floor(math.log2(n))) if n >= 1 else 0
+    return sorted({1, n, *(1 << i for i in range(1, top))})
+
+
 def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.ndarray) -> np.ndarray:
     """Boundary ``i`` of ``parts`` near-equal shares of ``L`` tokens, rounded to ``align`` where
     every share can hold at least ``2 * align`` tokens (``align`` 1: no rounding)."""

@@ -362,3 +362,23 @@ def plan_from_sample_id_groups(
         wave0 = wave
     builder.add_zigzag(seq_rows, wave_rows, member_rows)
     return builder.build()
+
+
+def sample_id_groups_from_plan(plan: Plan, ids: np.ndarray) -> list[list[list[int]]]:
+    """Megatron's ``sample_id_groups`` of a Megatron-form plan: one group per barrier-separated run
+    of waves; each rank lists its sequences (as ``ids[seq]``) by wave, ties by sequence index, so
+    the CP partners of a sequence list it in the same relative order."""
+    n = plan.num_ranks
+    bounds = [0, *sorted(b for b in plan.barriers if 0 < b < plan.num_waves), plan.num_waves]
+    pairs = np.unique(
+        np.stack([plan.wave, plan.seq, plan.rank], axis=1), axis=0
+    )  # sorted by wave, seq
+    groups: list[list[list[int]]] = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        lists: list[list[int]] = [[] for _ in range(n)]
+        for _, s, r in pairs[(pairs[:, 0] >= a) & (pairs[:, 0] < b)].tolist():
+            if not lists[r] or lists[r][-1] != int(ids[s]):
+                lists[r].append(int(ids[s]))
+        if any(lists):
+            groups.append(lists)
+    return groups

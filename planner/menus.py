@@ -46,7 +46,7 @@ import numpy as np
 from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
-from .common import blocks_fit, use_blocks
+from .common import blocks_fit, megatron_group_sizes, use_blocks
 from .splits import menu_pricing, split_times, split_times_both, ulysses_options
 
 
@@ -174,21 +174,18 @@ def _zigzag_menus(
     bounds: bool = True,
 ) -> list[Menu]:
     """Priced degree menus of lengths split in zigzag shares. Degrees above the one with the
-    smallest height are dropped: they are slower and larger. ``pow2``: powers of two only
-    (Megatron's CP group sizes). ``floor_s``: a lower bound of the step (:func:`menu_floor`);
-    a menu ends a little past the first degree no taller than it (Note [Menus end at the
-    floor]). ``bounds`` False leaves the bound's entries unpriced: they repeat hdp's and bound
+    smallest height are dropped: they are slower and larger. ``pow2``: only the CP group sizes
+    Megatron builds (:func:`hdp.planner.common.megatron_group_sizes`), each priced until the
+    heights rise for good. ``floor_s``: a lower bound of the step (:func:`menu_floor`); a menu
+    ends a little past the first degree no taller than it (Note [Menus end at the floor]).
+    ``bounds`` False leaves the bound's entries unpriced: they repeat hdp's and bound
     nothing."""
     off_cap = cost.offload_capacity(sync)
     most_ranks = menu_pricing(cost, pow2)[1]
     if pow2:
-        top = int(np.log2(cost.cluster.num_ranks)) + 1
-        degrees = [
-            1 << np.arange(math.ceil(math.log2(max(1, -(-x // max(capacity, 1))))), top)
-            for x in lengths
-        ]
-        everything = [d.size for d in degrees]
-        return [mu for mu, _ in _priced_many(cost, lengths, degrees, sync, pow2, True, everything)]
+        sizes = np.asarray(megatron_group_sizes(cost.cluster.num_ranks), dtype=np.int64)
+        degrees = [sizes[sizes * max(capacity, 1) >= x] for x in lengths]
+        return _coarse(cost, lengths, sync, degrees, 0.0, pow2=True)
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
     # Members hold at least one block: fewer tokens per member would leave the exact splits of
     # other strategies faster than every degree priced, and the bound would not be one.
@@ -400,12 +397,13 @@ def _coarse(
     sync: str,
     candidates: list[np.ndarray],
     floor_s: float,
+    pow2: bool = False,
 ) -> list[Menu]:
     """hdp's entries at each length's coarse ``candidates``, priced a stretch at a time (the
     first up to two nodes, each next one to four times its last degree; all lengths' stretches
     in one pass) until its heights reach the floor or rise for good past one node
     (:func:`_coarse_done`). A long sequence's menu ends far below the ranks that could hold a
-    block each."""
+    block each. ``pow2``: Megatron's menus, priced in exact shares with the bound's entries."""
     rpn = cost.cluster.ranks_per_node
     parts: list[list[Menu]] = [[] for _ in lengths]
     past: list[list[float]] = [[] for _ in lengths]  # the heights priced past one node
@@ -414,7 +412,7 @@ def _coarse(
     live = [i for i, c in enumerate(candidates) if c.size]
     while live:
         stretches = [candidates[i][start[i] : end[i]] for i in live]
-        priced = _priced_many(cost, [lengths[i] for i in live], stretches, sync, False, False)
+        priced = _priced_many(cost, [lengths[i] for i in live], stretches, sync, pow2, pow2)
         going = []
         for i, mu in zip(live, priced):
             parts[i].append(mu)

@@ -121,7 +121,8 @@ def test_megatron_group_sizes_are_the_groups_megatron_builds(monkeypatch):
     """Megatron's own group construction, with its process-group factory recording the ranks."""
     import megatron.core.parallel_state as ps
 
-    from hdp.planner.dynamic.megatron import megatron_cp_groups, megatron_group_sizes
+    from hdp.planner.common import megatron_group_sizes
+    from hdp.planner.dynamic.megatron import megatron_cp_groups
 
     built: list[list[int]] = []
     monkeypatch.setattr(ps, "create_group", lambda ranks, **kw: built.append(list(ranks)))
@@ -418,3 +419,32 @@ def test_megatron_install_replaces_the_wrapper(monkeypatch):
     assert isinstance(w, HDPDataLoaderWrapper)
     assert w.cp_balancing_scheduler.cost.model.name == "llama-70b"
     assert w.cp_balancing_scheduler.max_seq_len_per_rank == CAP
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([2, 4, 6, 8, 12, 16]),
+    sync=st.sampled_from(["peer", "wave"]),
+    cap=st.integers(256, 2048),
+    data=st.data(),
+)
+def test_the_megatron_form_predicts_the_step_megatron_runs(n, sync, cap, data):
+    """Megatron runs each sequence of a schedule as a micro-batch of its own: the form's
+    predicted step (its local search included) is the step of the plan Megatron executes for
+    the form's schedule, and that is no faster than the form's bound."""
+    from hdp import ClusterSpec, model_preset
+    from hdp.dataloader.megatron import megatron_plan, sample_id_groups_from_plan
+    from hdp.planner import StepPricing, get_strategy, plan_and_evaluate
+
+    lens = data.draw(st.lists(st.integers(1, cap * n), min_size=n, max_size=6 * n))
+    pricing = StepPricing.build(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity=cap, sync=sync
+    )
+    plan, report = plan_and_evaluate(lens, pricing, "hdp", form="megatron")
+    hdp = get_strategy("hdp")
+    cost = pricing.settle(hdp, max(lens), hdp.options(form="megatron")).cost
+    items = list(enumerate(lens))
+    groups = sample_id_groups_from_plan(plan, np.arange(len(lens)))
+    ran = megatron_plan(cost, items, groups, plan.sync).predicted["step_time_s"]
+    assert ran == pytest.approx(plan.predicted["padded_step_time_s"], rel=1e-9)
+    assert plan.predicted["bound_s"] <= report.step_time_s * (1 + 1e-9)

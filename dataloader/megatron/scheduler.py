@@ -4,7 +4,7 @@
 with ``groups[g][r]`` the sub-sample lengths and ``sample_id_groups[g][r]`` the sub-sample ids
 rank ``r`` of the DPxCP group runs in group ``g`` (in order, one micro-batch each). A sample
 listed by several ranks of a group runs zigzag-split over them, always one of the CP groups
-Megatron builds (:func:`hdp.planner.dynamic.megatron.megatron_group_sizes`).
+Megatron builds (:func:`hdp.planner.common.megatron_group_sizes`).
 
 A training run must not stop because one batch is hard to schedule: where hdp's plan cannot be
 made into a schedule Megatron runs, the scheduler falls back to Megatron's own schedule (where it
@@ -23,14 +23,13 @@ import numpy as np
 
 from hdp import ClusterSpec, CostModel, Plan, gpu_preset, model_preset
 from hdp.planner import PlanningError, StepPricing, get_strategy
-from hdp.planner.common import Context
-from hdp.planner.dynamic.megatron import (
-    megatron_cp_groups,
-    megatron_group_sizes,
-    padded_length,
-    plan_megatron_form,
+from hdp.planner.common import Context, megatron_group_sizes
+from hdp.planner.dynamic.megatron import megatron_cp_groups, padded_length, plan_megatron_form
+from hdp.planner.hybridcp import (
+    BalancedCPSchedule,
+    plan_from_sample_id_groups,
+    sample_id_groups_from_plan,
 )
-from hdp.planner.hybridcp import BalancedCPSchedule, plan_from_sample_id_groups
 
 
 @dataclass
@@ -279,26 +278,6 @@ def megatron_plan(
     plan.predicted.update(cost.evaluate(plan).summary())
     plan.predicted["padding_tokens"] = float((padded - lens).sum())
     return plan
-
-
-def sample_id_groups_from_plan(plan: Plan, ids: np.ndarray) -> list[list[list[int]]]:
-    """Megatron's ``sample_id_groups`` of a Megatron-form plan: one group per barrier-separated run
-    of waves; each rank lists its sequences (as ``ids[seq]``) by wave, ties by sequence index, so
-    the CP partners of a sequence list it in the same relative order."""
-    n = plan.num_ranks
-    bounds = [0, *sorted(b for b in plan.barriers if 0 < b < plan.num_waves), plan.num_waves]
-    pairs = np.unique(
-        np.stack([plan.wave, plan.seq, plan.rank], axis=1), axis=0
-    )  # sorted by wave, seq
-    groups: list[list[list[int]]] = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        lists: list[list[int]] = [[] for _ in range(n)]
-        for _, s, r in pairs[(pairs[:, 0] >= a) & (pairs[:, 0] < b)].tolist():
-            if not lists[r] or lists[r][-1] != int(ids[s]):
-                lists[r].append(int(ids[s]))
-        if any(lists):
-            groups.append(lists)
-    return groups
 
 
 def _runnable(

@@ -1,19 +1,21 @@
 """``hdp`` restricted to what Megatron's hybrid context parallelism executes (``form="megatron"``).
 
 Each sequence lies whole on one rank or zigzag-split over one of the CP groups Megatron builds
-for a DPxCP group of ``n`` ranks (:func:`megatron_group_sizes`): a range of ``2^i`` consecutive
-ranks starting at a multiple of ``2^i`` for ``2^i < 2^floor(log2 n)``, or all ``n`` ranks; with
-no offload. On ``k > 1`` ranks Megatron needs the sub-sample's length to be a multiple of
-``2k`` (times the tensor-parallel size with sequence parallelism), so sub-samples are padded and
-every candidate is priced with its padding (:func:`padded_plan`). Degrees come from the
-relaxation over power-of-two menus, each raised to the nearest group size Megatron builds. Each
-choice of degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends
-at a barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
+for a DPxCP group of ``n`` ranks (:func:`~hdp.planner.common.megatron_group_sizes`): a range of
+``2^i`` consecutive ranks starting at a multiple of ``2^i`` for ``2^i < 2^floor(log2 n)``, or all
+``n`` ranks; with no offload. Megatron runs each sequence as a micro-batch of its own, so every
+candidate is priced as Megatron runs it (:func:`as_run`): what the form predicts is what the
+scheduler's ``megatron_plan`` prices. On ``k > 1`` ranks Megatron needs the sub-sample's length
+to be a multiple of ``2k`` (times the tensor-parallel size with sequence parallelism), so
+sub-samples are padded, and priced with their padding (:func:`padded_plan`).
+
+Degrees come from the relaxation over menus of the group sizes Megatron builds. Each choice of
+degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends at a
+barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
 start-time-ordered lists (:func:`_place_one_group`). The fastest then takes the local search's
-whole-sequence moves (:func:`.local.improve`: a whole sequence stays on one rank, so the form
-holds) within the budget of :class:`~.options.DynamicOptions`. Megatron's own
-``BalancedCPScheduler`` is an oracle, not a candidate: tests check that no plan of this form
-steps slower than its schedule.
+whole-sequence moves into empty cells (:func:`.local.improve` with ``one_per_cell``) within the
+budget of :class:`~.options.DynamicOptions`. Megatron's own ``BalancedCPScheduler`` is an
+oracle, not a candidate: tests check that no plan of this form steps slower than its schedule.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import math
 
 import numpy as np
 
@@ -29,20 +30,10 @@ from hdp import Plan
 
 from ..common import Context, PlanBuilder, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
-from ..hybridcp import plan_from_sample_id_groups
-from ..splits import split_times
+from ..hybridcp import plan_from_sample_id_groups, sample_id_groups_from_plan
 from .budget import Budget
 from .local import improve
 from .options import DynamicOptions
-
-
-def megatron_group_sizes(n: int) -> list[int]:
-    """The CP sizes Megatron's hybrid context parallelism can run on a DPxCP group of ``n``
-    ranks, ascending: 1, the powers of two ``2^i`` with ``1 <= i < floor(log2 n)`` (it builds a
-    group of each such size over every aligned range of ranks), and ``n`` (the DPxCP group
-    itself). For 6 ranks: 1, 2, 6; for 12: 1, 2, 4, 12; for 8: 1, 2, 4, 8."""
-    top = int(math.floor(math.log2(n))) if n >= 1 else 0
-    return sorted({1, n, *(1 << i for i in range(1, top))})
 
 
 def megatron_cp_groups(n: int, size: int) -> list[range]:
@@ -86,10 +77,9 @@ def plan_megatron_form(
 ) -> Plan:
     """The fastest Megatron-form plan by the cost model with its padding priced
     (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted`` where the
-    bound applies (every sequence fits a power-of-two group)."""
+    bound."""
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
-    sizes = megatron_group_sizes(n)
     longest = int(lens.max(initial=0))
     if longest > 0 and -(-longest // cap) > n:
         raise PlanningError(
@@ -97,27 +87,21 @@ def plan_megatron_form(
             f"{-(-longest // cap)} ranks at {cap} tokens each, but the DPxCP group has {n}: "
             "raise --max-seqlen-per-dp-cp-rank or use more GPUs"
         )
-    # The power-of-two menus stop at 2^floor(log2 n): a sequence only all n ranks hold is
-    # relaxed at that size (and raised to n below), which leaves the relaxation no bound.
-    widest_pow2 = 1 << int(math.floor(math.log2(n)))
-    relaxed = np.minimum(lens, widest_pow2 * cap)
-    rel = relaxation_bound(cost, relaxed, ctx.sync, cap, n, pow2=True)
+    rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
     place = _place_waves if ctx.sync == "wave" else _place_one_group
-    for jobs in _degree_choices(ctx, rel):
-        degree, job_time = _megatron_sizes(ctx, jobs, sizes)
+    for degree, job_time in _degree_choices(ctx, rel):
         if any(np.array_equal(degree, d) for d in seen):
             continue
         seen.append(degree)
-        plan = place(ctx, degree, job_time)
+        plan = as_run(ctx, place(ctx, degree, job_time))
         t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
     plan, best_s = _moved(ctx, options or DynamicOptions(), *best[::-1], token_multiple)
     plan.predicted["padded_step_time_s"] = best_s
-    if np.array_equal(relaxed, lens):
-        plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
+    plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
 
@@ -126,14 +110,14 @@ def _moved(
     ctx: Context, options: DynamicOptions, plan: Plan, step_s: float, token_multiple: int
 ) -> tuple[Plan, float]:
     """``plan`` after the local search's whole-sequence moves (:func:`.local.improve`, which
-    keep every sequence on its rank group) within the budget, where that is faster with its
-    padding priced; and its step."""
+    keep every sequence on its rank group, each in a cell of its own) within the budget, where
+    that is faster as Megatron runs it with its padding priced; and its step."""
     budget = Budget.for_step(options.plan_budget_s, step_s)
-    improved, work = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s)
+    improved, work = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s, one_per_cell=True)
     budget.spend(budget.move_s(ctx, work))
     best = (plan, step_s)
     if improved is not None:
-        moved = improved[0]
+        moved = as_run(ctx, improved[0])
         moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
         if moved_s < step_s:
             best = (moved, moved_s)
@@ -141,18 +125,15 @@ def _moved(
     return best
 
 
-def _megatron_sizes(ctx: Context, jobs: Jobs, sizes: list[int]) -> Jobs:
-    """Each degree raised to the smallest CP size Megatron builds that is at least as large,
-    with the busy time re-priced where it changed."""
-    table = np.asarray(sizes, dtype=np.int64)
-    degree = table[np.searchsorted(table, jobs.degree)]
-    job_time = np.array(jobs.job_time, dtype=np.float64)
-    changed = np.flatnonzero(degree != jobs.degree)
-    if changed.size:
-        job_time[changed] = split_times(ctx.cost, ctx.seq_lens[changed], degree[changed], ctx.sync)[
-            0
-        ]
-    return Jobs(degree, job_time)
+def as_run(ctx: Context, plan: Plan) -> Plan:
+    """``plan`` as Megatron runs it: each rank's sequences in the order of their waves, a
+    micro-batch each, and every sequence as soon as all its ranks reach it
+    (:func:`~hdp.planner.hybridcp.plan_from_sample_id_groups` of the plan's sample-id groups).
+    Two sequences in one cell of ``plan`` run one after the other."""
+    ids = np.arange(ctx.seq_lens.size)
+    run = plan_from_sample_id_groups(ctx, sample_id_groups_from_plan(plan, ids), None, "hdp")
+    run.predicted.update({k: v for k, v in plan.predicted.items() if k not in run.predicted})
+    return run
 
 
 def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
@@ -226,6 +207,16 @@ def _free_group(free: np.ndarray, size: int) -> int | None:
     return b * size if blocks[b] else None
 
 
+def _least_busy_group(load: np.ndarray, size: int) -> tuple[int, float]:
+    """(first rank, start) of the CP group of ``size`` ranks Megatron builds
+    (:func:`megatron_cp_groups`) whose busiest member frees first (the first of ties)."""
+    if size >= load.size:
+        return 0, float(load.max())
+    starts = load[: load.size // size * size].reshape(-1, size).max(axis=1)
+    b = int(np.argmin(starts))
+    return b * size, float(starts[b])
+
+
 def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
     """One group (no barrier): each rank runs its list of sub-samples in order and waits only
     for the CP partners of each; a rank may change CP size between its sub-samples.
@@ -241,11 +232,9 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     gaps: list[tuple[float, float, int]] = []  # (length, start, rank), sorted
     by_time = np.argsort(-job_time, kind="stable").tolist()
     for i in [i for i in by_time if degree[i] > 1 and lens[i] > 0]:
-        cp_groups = megatron_cp_groups(n, int(degree[i]))
-        starts = [float(load[g.start : g.stop].max()) for g in cp_groups]
-        b = int(np.argmin(starts))
-        members = cp_groups[b]
-        t0 = starts[b]
+        size = int(degree[i])
+        first, t0 = _least_busy_group(load, size)
+        members = range(first, first + size)
         for r in members:
             if t0 - load[r] > 0:
                 bisect.insort(gaps, (t0 - float(load[r]), float(load[r]), r))
