@@ -95,7 +95,7 @@ def plan_megatron_form(
         if any(np.array_equal(degree, d) for d in seen):
             continue
         seen.append(degree)
-        plan = as_run(ctx, place(ctx, degree, job_time))
+        plan = place(ctx, degree, job_time)
         t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
@@ -159,7 +159,8 @@ def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
 def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
     """Waves filled tallest first, for ``wave`` sync, where every wave ends at a barrier: a
     wave's height is its first job's, and the jobs after it, in order, take the aligned CP
-    groups (or single ranks) still free in it; the rest wait for the next wave."""
+    groups (or single ranks) still free in it; the rest wait for the next wave. The plan as
+    Megatron runs it (:func:`as_run`): a rank free in a wave runs its next sequence there."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     time_of = np.where(degree > 1, job_time, ctx.whole_s)
     todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
@@ -190,7 +191,7 @@ def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan
     builder = PlanBuilder(ctx, "hdp")
     builder.add_zigzag(seqs, waves, members)
     builder.info = {"max_degree": float(degree.max(initial=1))}
-    return builder.build()
+    return as_run(ctx, builder.build())
 
 
 def _free_group(free: np.ndarray, size: int) -> int | None:
@@ -225,7 +226,7 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
     CP group whose busiest member frees first (the others idle until then); whole sequences,
     longest first, into the tightest idle gap they fit, else after the least-loaded rank's work.
     Every rank lists its items by start time, so partners meet in the same order and no CP group
-    waits for another in a cycle."""
+    waits for another in a cycle. The plan is these lists as Megatron runs them."""
     lens, n, whole = ctx.seq_lens, ctx.num_ranks, ctx.whole_s
     load = np.zeros(n)
     items: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # per rank: (start, sequence)
