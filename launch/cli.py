@@ -74,6 +74,12 @@ def check_environment(config: RunConfig) -> None:
     new, the model and the GPU profile can be read, ``HDP_KILL_AT`` parses. Raises ValueError
     naming the flag otherwise."""
     planning = config.planning
+    for flag in ("plan_budget", "max_ranks_per_seq"):
+        if getattr(planning, flag) is not None and planning.strategy != "hdp":
+            raise ValueError(
+                f"--{flag.replace('_', '-')} applies to --strategy hdp: the baselines plan by "
+                "their own rules"
+            )
     if planning.kv_exchange != "auto" and not get_strategy(planning.strategy).takes_kv_exchange:
         takers = [name for name in STRATEGIES if get_strategy(name).takes_kv_exchange]
         raise ValueError(

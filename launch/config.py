@@ -163,6 +163,8 @@ class PlanningConfig(_Section):
     gpu: str | None = _flag(None)
     gpu_profile: str | None = _flag(None)
     plan_ahead: int = _flag(2)
+    plan_budget: float | None = _flag(None)  # hdp's search, seconds; None: its default
+    max_ranks_per_seq: int | None = _flag(None)  # hdp: None, as many as help
 
 
 @dataclass(frozen=True)

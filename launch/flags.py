@@ -358,6 +358,22 @@ def _planning_flags(g) -> None:
         help="GPU profile file for planning (from hdp-calibrate measure) instead of a preset",
     )
     g.add_argument("--plan-ahead", type=integer(1), default=2, help="steps planned ahead")
+    g.add_argument(
+        "--plan-budget",
+        type=number(0.0, max_value=1e6),
+        default=None,
+        metavar="SECONDS",
+        help="--strategy hdp: seconds of one core its search may spend on a step past its first "
+        "plan, in the loader's background thread (default: a 100th of the step, at least 0.05)",
+    )
+    g.add_argument(
+        "--max-ranks-per-seq",
+        type=integer(1, MAX_RANKS),
+        default=None,
+        metavar="RANKS",
+        help="--strategy hdp: the most ranks one sequence may span (default: as many as make it "
+        "faster)",
+    )
 
 
 def _checkpointing_flags(g) -> None:

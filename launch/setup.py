@@ -56,6 +56,7 @@ from hdp.dataloader import (
     open_source,
 )
 from hdp.planner import PlanningError, StepPricing, get_strategy
+from hdp.planner.dynamic import DynamicOptions
 
 from .attention_backend import (
     forced_attention_backend,
@@ -311,14 +312,22 @@ def build_loader(
     are priced by ``pricing``, what training runs (the attention backend verified, each rank's
     memory, the sync mode the model is built for), so a plan is optimised for the kernels that
     run and the metrics' two predictions come from one model."""
+    planning = config.planning
+    options = {}
+    if planning.strategy == "hdp":
+        given = DynamicOptions(
+            plan_budget_s=planning.plan_budget, max_ranks_per_seq=planning.max_ranks_per_seq
+        )
+        options = {"hdp_options": given}
     return HDPDataLoader(
         sources,
         stream,
         pricing.cluster,
         pricing.model,
-        config.planning.strategy,
-        plan_ahead=config.planning.plan_ahead,
+        planning.strategy,
+        plan_ahead=planning.plan_ahead,
         pricing=pricing,
+        plan_options=options,
     )
 
 

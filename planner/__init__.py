@@ -118,7 +118,14 @@ def _or_head_parallel(
     cap = ctx.capacity
     by_heads = ctx.cost.with_exchange("ulysses")  # (no K/V buffers: its own capacity)
     bound = plan.predicted.get("bound_s")
-    heads = replace(ctx, cost=by_heads, capacity=by_heads.capacity(ctx.sync), bound_s=bound)
+    limit = getattr(options, "max_ranks_per_seq", None)
+    heads = replace(
+        ctx,
+        cost=by_heads,
+        capacity=by_heads.capacity(ctx.sync),
+        bound_s=bound,
+        max_ranks_per_seq=limit,
+    )
     rest = _rest_of_budget(options, plan, heads)
     if rest is None or not heads_may_win(heads, report.step_time_s):
         return plan, report, cap
@@ -216,9 +223,10 @@ def heads_may_win(heads: Context, step_s: float) -> bool:
     """``auto`` exchange: whether to plan head-parallel (``ulysses``) groups too, beside a P2P
     plan of ``step_s``: where groups of at most one rank a head hold the longest sequence and
     a lower bound of head-parallel plans (:func:`hdp.planner.degrees.heads_bound`) is below
-    ``step_s``."""
+    ``step_s``; groups of at most ``heads.max_ranks_per_seq``."""
     cost, lens, sync = heads.cost, heads.seq_lens, heads.sync
     top = ulysses.most_members(cost.model, heads.num_ranks)
+    top = min(top, heads.max_ranks_per_seq or top)
     room = max(cost.offload_capacity(sync), heads.capacity)
     if top < 2 or lens.size == 0 or int(lens.max()) > room * top:
         return False

@@ -25,7 +25,8 @@ class Context:
     """What a strategy gets: the batch, the cost model, the sync mode and its capacity.
     ``any_exchange``: the plan may run in either P2P exchange (``auto``), not only the one
     ``cost`` prices. ``bound_s``: a lower bound of the step already priced (``auto``'s
-    head-parallel search takes the P2P search's), so the strategy need not price its own."""
+    head-parallel search takes the P2P search's), so the strategy need not price its own.
+    ``max_ranks_per_seq``: the most ranks one sequence may span (``None``: all)."""
 
     seq_lens: np.ndarray
     cost: CostModel
@@ -36,6 +37,7 @@ class Context:
     seed: int = 0
     any_exchange: bool = False
     bound_s: float | None = None
+    max_ranks_per_seq: int | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -287,8 +289,8 @@ def seconds_flag(default: float, *, flag: str, help: str) -> Any:
 
 
 def knob_flag(*, flag: str, metavar: str, help: str) -> Any:
-    """A baseline's knob (a size in tokens or ranks, ``None``: not set) that is also a flag of
-    ``hdp-sim`` and ``hdp-plan``; ``hdp-sim`` searches a knob that is not set
+    """A strategy's knob (a size in tokens or ranks, ``None``: not set) that is also a flag of
+    ``hdp-sim`` and ``hdp-plan``; ``hdp-sim`` searches a baseline's knob that is not set
     (:mod:`hdp.planner.tuning`)."""
     return field(default=None, metadata={"flag": flag, "metavar": metavar, "help": help})
 

@@ -135,6 +135,7 @@ def relaxation_bound(
     pow2: bool = False,
     any_split: bool = False,
     alone: bool = False,
+    most_ranks: int | None = None,
 ) -> Relaxation:
     """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
     that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
@@ -144,7 +145,9 @@ def relaxation_bound(
     hdp plans with the relaxation of its own splits). ``alone``: a sequence that stays whole is
     as tall as it runs alone in a cell (dense layers at its own speed, their fixed cost paid), so
     one taller than the mean busy time of a rank gets a menu too: in ``peer`` sync a sequence
-    that long is often alone on its rank (not a bound: a cell it shares costs less)."""
+    that long is often alone on its rank (not a bound: a cell it shares costs less).
+    ``most_ranks``: no sequence on more ranks (hdp's ``--max-ranks-per-seq``; not a bound of
+    plans without that limit)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     packed = packed_time(cost, lens, cost.offload_capacity(sync))
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
@@ -165,7 +168,9 @@ def relaxation_bound(
         if cost.kv_exchange == "node"
         else 0.0
     )
-    menus = length_menus(cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split)
+    menus = length_menus(
+        cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split, most_ranks
+    )
     if not menus:
         b = max(base_height, simple, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)

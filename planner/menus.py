@@ -109,14 +109,17 @@ def length_menus(
     pow2: bool = False,
     floor_s: float = 0.0,
     bounds: bool = True,
+    most_ranks: int | None = None,
 ) -> tuple[Menu, ...]:
     """Priced degree menus of ``lengths`` (cached per cost model, so repeated lengths are free;
     the others are priced together, a numpy pass per stretch of degrees rather than per length):
     :func:`_zigzag_menus`, with the bound's :func:`ulysses_options` beside them. Megatron's
     form (``pow2``) is bounded over its own zigzag CP groups, so its menus have none. The
     bound's entries (a head-parallel menu's are the P2P menu's) are priced only where
-    ``bounds`` asks: hdp's own relaxation needs none."""
-    key = (cost, sync, capacity, pow2, floor_s, bounds or pow2)  # (pow2 menus have them all)
+    ``bounds`` asks: hdp's own relaxation needs none. ``most_ranks``: no degree above it (hdp's
+    ``--max-ranks-per-seq``)."""
+    # (pow2 menus have the bound's entries all)
+    key = (cost, sync, capacity, pow2, floor_s, most_ranks, bounds or pow2)
     # (A cost model's hash walks its fields: each key is hashed once, not once a length.)
     own, full = _MENUS.get(key, {}), _MENUS.get(key[:-1] + (True,), {})  # full: for either
     wanted = [int(x) for x in lengths]
@@ -125,7 +128,9 @@ def length_menus(
     if todo:
         if sum(map(len, _MENUS.values())) + len(todo) > _MOST_MENUS:
             _MENUS.clear()
-        new = dict(zip(todo, _new_menus(cost, todo, sync, capacity, pow2, floor_s, key[-1])))
+        new = dict(
+            zip(todo, _new_menus(cost, todo, sync, capacity, pow2, floor_s, key[-1], most_ranks))
+        )
         _MENUS.setdefault(key, {}).update(new)
         menus.update(new)
     return tuple(menus[x] for x in wanted)
@@ -139,9 +144,12 @@ def _new_menus(
     pow2: bool,
     floor_s: float,
     bounds: bool,
+    most_ranks: int | None = None,
 ) -> list[Menu]:
     heads = cost.kv_exchange == "ulysses" and not pow2
-    menus = _zigzag_menus(cost, lengths, sync, capacity, pow2, floor_s, bounds and not heads)
+    menus = _zigzag_menus(
+        cost, lengths, sync, capacity, pow2, floor_s, bounds and not heads, most_ranks
+    )
     if pow2 or not bounds:
         return menus
     if heads:  # hdp's head-parallel entries; the bound's are the P2P menus'
@@ -172,6 +180,7 @@ def _zigzag_menus(
     pow2: bool = False,
     floor_s: float = 0.0,
     bounds: bool = True,
+    most_ranks: int | None = None,
 ) -> list[Menu]:
     """Priced degree menus of lengths split in zigzag shares. Degrees above the one with the
     smallest height are dropped: they are slower and larger. ``pow2``: only the CP group sizes
@@ -179,11 +188,12 @@ def _zigzag_menus(
     heights rise for good. ``floor_s``: a lower bound of the step (:func:`menu_floor`); a menu
     ends a little past the first degree no taller than it (Note [Menus end at the floor]).
     ``bounds`` False leaves the bound's entries unpriced: they repeat hdp's and bound
-    nothing."""
+    nothing. ``most_ranks``: no degree above it."""
     off_cap = cost.offload_capacity(sync)
-    most_ranks = menu_pricing(cost, pow2)[1]
+    most_ranks = min(menu_pricing(cost, pow2)[1], most_ranks or cost.cluster.num_ranks)
     if pow2:
         sizes = np.asarray(megatron_group_sizes(cost.cluster.num_ranks), dtype=np.int64)
+        sizes = sizes[sizes <= most_ranks]
         degrees = [sizes[sizes * max(capacity, 1) >= x] for x in lengths]
         return _coarse(cost, lengths, sync, degrees, 0.0, pow2=True)
     # A coarse pass finds where the height stops falling; the fine menu stops a little beyond.
@@ -403,10 +413,12 @@ def _coarse(
     first up to two nodes, each next one to four times its last degree; all lengths' stretches
     in one pass) until its heights reach the floor or rise for good past one node
     (:func:`_coarse_done`). A long sequence's menu ends far below the ranks that could hold a
-    block each. ``pow2``: Megatron's menus, priced in exact shares with the bound's entries."""
+    block each. ``pow2``: Megatron's menus, priced in exact shares with the bound's entries,
+    until the bound's heights rise for good too."""
     rpn = cost.cluster.ranks_per_node
     parts: list[list[Menu]] = [[] for _ in lengths]
     past: list[list[float]] = [[] for _ in lengths]  # the heights priced past one node
+    past_bound: list[list[float]] = [[] for _ in lengths]  # (pow2: the bound's too)
     start = [0] * len(lengths)
     end = [max(1, int(np.searchsorted(c, 2 * rpn, side="right"))) for c in candidates]
     live = [i for i, c in enumerate(candidates) if c.size]
@@ -417,8 +429,12 @@ def _coarse(
         for i, mu in zip(live, priced):
             parts[i].append(mu)
             past[i] += mu.height[mu.degrees > rpn].tolist()
+            done = _coarse_done(mu.height, past[i], floor_s)
+            if pow2:  # the bound's entries end at their own lowest height, often past hdp's
+                past_bound[i] += mu.bound_height[mu.bound_degrees > rpn].tolist()
+                done = done and _coarse_done(mu.bound_height, past_bound[i], floor_s)
             c = candidates[i]
-            if end[i] < c.size and not _coarse_done(mu.height, past[i], floor_s):
+            if end[i] < c.size and not done:
                 start[i] = end[i]
                 end[i] = max(end[i] + 1, int(np.searchsorted(c, 4 * c[end[i] - 1], side="right")))
                 going.append(i)

@@ -27,13 +27,14 @@ def test_menus_match_pricing_every_coarse_degree(monkeypatch, profile, exchange)
         )
         cap = cost.capacity(sync)
         lengths = np.exp(rng.uniform(np.log(4_000), np.log(2_000_000), 4)).astype(int).tolist()
-        for floor_s in [0.0, 1.0]:
-            got = menus._new_menus(cost, lengths, sync, cap, False, floor_s, True)  # all at once
+        # (The Megatron form's menus, ``pow2``, stop by the same rule.)
+        for floor_s, pow2 in [(0.0, False), (1.0, False), (0.0, True)]:
+            got = menus._new_menus(cost, lengths, sync, cap, pow2, floor_s, True)  # all at once
             for length, menu in zip(lengths, got):
                 with monkeypatch.context() as m:
                     m.setattr(menus, "_coarse_done", lambda *args: False)
                     m.setattr(menus, "_MENUS", {})
-                    want = menus._new_menus(cost, [length], sync, cap, False, floor_s, True)[0]
+                    want = menus._new_menus(cost, [length], sync, cap, pow2, floor_s, True)[0]
                 for name in menus.Menu.__dataclass_fields__:
                     assert np.array_equal(getattr(menu, name), getattr(want, name)), (
                         f"{model} on {ranks} {profile} ranks, {exchange} exchange, {sync} sync: "

@@ -133,3 +133,13 @@ def test_the_flags_offer_the_configs_values():
     for section, field in [(PlanningConfig, "sync"), (TrainingConfig, "device")]:
         (action,) = [a for a in parser._actions if a.dest == field]
         assert tuple(action.choices) == choices(section, field)
+
+
+def test_hdp_search_flags_apply_to_hdp_only(capsys):
+    config = parse_config(["--plan-budget", "0.5", "--max-ranks-per-seq", "4"])
+    assert (config.planning.plan_budget, config.planning.max_ranks_per_seq) == (0.5, 4)
+    assert "plan_budget" not in config.fingerprint()["planning"]  # checkpoints resume across it
+    for flag, value in (("--plan-budget", "1"), ("--max-ranks-per-seq", "2")):
+        with pytest.raises(SystemExit):
+            parse_config(["--strategy", "static", flag, value])
+        assert f"{flag} applies to --strategy hdp" in capsys.readouterr().err

@@ -180,3 +180,47 @@ def test_a_wave_placement_reports_the_offload_searches_the_budget_charges(monkey
     )
     assert len(searched) > lens.size // 2
     assert plan.predicted["offload_searches"] == len(searched)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.sampled_from([2, 4, 6, 8, 16]),
+    sync=st.sampled_from(["peer", "wave"]),
+    form=st.sampled_from(["free", "megatron"]),
+    exchange=st.sampled_from(["auto", "rank", "ulysses"]),
+    data=st.data(),
+)
+def test_no_sequence_spans_more_ranks_than_max_ranks_per_seq(n, sync, form, exchange, data):
+    """``max_ranks_per_seq`` is a constraint of the search: every plan keeps to it, or the
+    batch is refused with a message that names it."""
+    from hdp.planner import PlanningError
+
+    limit = data.draw(st.integers(1, n))
+    lens = data.draw(st.lists(st.integers(1, 12_000), min_size=1, max_size=3 * n))
+    if form == "megatron":
+        exchange = "rank"
+    options = DynamicOptions(form=form, max_ranks_per_seq=limit)
+    cluster = ClusterSpec.preset("h100", n, 4)
+    model = model_preset("llama-7b")
+    kw = dict(capacity=2048, sync=sync, kv_exchange=exchange, hdp_options=options)
+    try:
+        plan = plan_step(lens, cluster, model, "hdp", **kw)
+    except PlanningError as e:
+        assert "--max-ranks-per-seq" in str(e) or form == "megatron", e
+        return
+    ranks = [np.unique(plan.rank[plan.seq == s]).size for s in range(len(lens))]
+    assert max(ranks) <= limit, (ranks, limit)
+
+
+def test_max_ranks_per_seq_refuses_a_batch_that_needs_more():
+    import pytest
+
+    from hdp.planner import PlanningError
+
+    cluster = ClusterSpec.preset("h100", 8, 4)
+    options = DynamicOptions(max_ranks_per_seq=2)
+    with pytest.raises(PlanningError, match="--max-ranks-per-seq is 2; raise it"):
+        plan_step([40_000], cluster, model_preset("llama-7b"), "hdp", capacity=4096,
+                  sync="peer", kv_exchange="rank", hdp_options=options)  # fmt: skip
+    with pytest.raises(ValueError, match="at least one rank"):
+        DynamicOptions(max_ranks_per_seq=0)

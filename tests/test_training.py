@@ -481,6 +481,30 @@ def test_plans_are_priced_by_the_model_training_prices_its_steps_with(tmp_path):
     assert default.evaluate(plan).step_time_s > 2 * plan.predicted["step_time_s"]
 
 
+def test_the_loader_plans_with_the_hdp_search_flags():
+    """``--plan-budget`` and ``--max-ranks-per-seq`` reach the plans the loader makes."""
+    from hdp.launch.cli import parse_config
+    from hdp.launch.model_source import model_source
+    from hdp.launch.setup import build_data, build_loader, build_pricing, resolve_auto
+    from hdp.planner.dynamic import DynamicOptions
+
+    argv = COMMON + ["--steps", "1", "--plan-budget", "0", "--max-ranks-per-seq", "1"]
+    args = parse_config(argv)
+    source = model_source(args.model)
+    cpu = torch.device("cpu")
+    args = resolve_auto(args, spec=source.spec, world=1, per_node=1, device=cpu, log=print)
+    pricing = build_pricing(args, spec=source.spec, world=1, per_node=1, device=cpu)
+    sources, stream = build_data(args, source, vocab=pricing.cost.model.vocab)
+    loader = build_loader(args, sources=sources, stream=stream, pricing=pricing)
+    try:
+        plan = next(loader).plan
+    finally:
+        loader.close()
+    wanted = DynamicOptions(plan_budget_s=0.0, max_ranks_per_seq=1)
+    assert loader.plan_options == {"hdp_options": wanted}
+    assert plan.predicted["budget_s"] == 0.0
+
+
 def test_the_synthetic_data_is_learnt_within_20_steps(tmp_path, capsys):
     """A newcomer's first run on the default data shows a falling loss, not one stuck at
     ln(vocab)."""

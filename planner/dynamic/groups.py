@@ -143,9 +143,11 @@ def finish(ctx: Context, builder: PlanBuilder) -> Plan | None:
 
 
 def most_members(ctx: Context) -> int:
-    """The most ranks a group may have: all, or in ``ulysses`` exchange one a head."""
+    """The most ranks a group may have: all, or in ``ulysses`` exchange one a head, and at most
+    ``ctx.max_ranks_per_seq``."""
     n = ctx.num_ranks
-    return ulysses.most_members(ctx.cost.model, n) if ctx.cost.kv_exchange == "ulysses" else n
+    most = ulysses.most_members(ctx.cost.model, n) if ctx.cost.kv_exchange == "ulysses" else n
+    return min(most, ctx.max_ranks_per_seq or n)
 
 
 def split_busy(ctx: Context, lens: np.ndarray, degree: np.ndarray, align: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanBuilder, PlanningError
+from ..common import Context, PlanBuilder, PlanningError, megatron_group_sizes
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, sample_id_groups_from_plan
 from .budget import Budget
@@ -76,18 +76,27 @@ def plan_megatron_form(
     ctx: Context, options: DynamicOptions | None = None, token_multiple: int = 1
 ) -> Plan:
     """The fastest Megatron-form plan by the cost model with its padding priced
-    (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted`` where the
-    bound."""
+    (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted``; no CP
+    group larger than ``ctx.max_ranks_per_seq``."""
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
     longest = int(lens.max(initial=0))
-    if longest > 0 and -(-longest // cap) > n:
+    need = -(-longest // cap)
+    if longest > 0 and need > n:
         raise PlanningError(
             f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of "
-            f"{-(-longest // cap)} ranks at {cap} tokens each, but the DPxCP group has {n}: "
+            f"{need} ranks at {cap} tokens each, but the DPxCP group has {n}: "
             "raise --max-seqlen-per-dp-cp-rank or use more GPUs"
         )
-    rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True)
+    limit = ctx.max_ranks_per_seq
+    least = min(k for k in megatron_group_sizes(n) if k >= need)
+    if limit is not None and least > limit:
+        raise PlanningError(
+            f"hdp (megatron form): a sequence of {longest} tokens needs a CP group of {least} "
+            f"ranks (the least Megatron builds for {need} at {cap} tokens each), but "
+            f"--max-ranks-per-seq is {limit}: raise it or --max-seqlen-per-dp-cp-rank"
+        )
+    rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True, most_ranks=limit)
     best: tuple[float, Plan] | None = None
     seen: list[np.ndarray] = []
     place = _place_waves if ctx.sync == "wave" else _place_one_group

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..common import option_flag, seconds_flag
+from ..common import knob_flag, option_flag, seconds_flag
 
 
 @dataclass(frozen=True)
@@ -32,5 +32,20 @@ class DynamicOptions:
         "estimates of each step's work so that plans do not depend on the machine's load "
         "(default: a 100th of the first plan's predicted step, at least 0.05 s)",
     )
+    # A constraint of the search, not a cap on its effort: no sequence spans more ranks (a
+    # Megatron-form CP group included); ``None``: as many as help.
+    max_ranks_per_seq: int | None = knob_flag(
+        flag="--max-ranks-per-seq",
+        metavar="RANKS",
+        help="hdp: the most ranks one sequence may span (its context-parallel group; default: "
+        "as many as make it faster)",
+    )
     # The search stops where the step is within this share of the bound.
     gap: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.max_ranks_per_seq is not None and self.max_ranks_per_seq < 1:
+            raise ValueError(
+                f"max_ranks_per_seq is {self.max_ranks_per_seq}: a sequence needs at least one "
+                "rank (leave it unset for no limit)"
+            )

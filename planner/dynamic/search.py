@@ -38,6 +38,10 @@ of each placement's, layout's and move's work (:class:`Budget`), not by the cloc
 depends only on the batch and the options. The roundings past the first, the MILP and item 3
 may spend half of it; the local search, all that is left.
 
+Constraints belong to the same search: ``options.max_ranks_per_seq`` (carried in the
+``Context``) ends every menu, *widen* and group size at it, and a batch whose longest sequence
+needs more ranks is refused with what to change.
+
 Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
 sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
 relaxation's ``M`` is 2.05 s. Its rounding splits the 32K one over 4 ranks and the 24K one
@@ -48,6 +52,7 @@ them in the share's cell: 2.525 s, one cell a rank, against a bound of 2.395 s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator
 
@@ -268,9 +273,17 @@ def join_tails(ctx: Context, plan: Plan) -> Plan | None:
 
 def check_fits(ctx: Context) -> None:
     """Raise PlanningError when the longest sequence cannot be held by all ranks together (in
-    ``ulysses`` exchange: by as many ranks as the model has heads)."""
+    ``ulysses`` exchange: by as many ranks as the model has heads; by at most
+    ``ctx.max_ranks_per_seq``)."""
     longest = int(ctx.seq_lens.max(initial=0))
     off_cap = ctx.offload_capacity
+    limit = ctx.max_ranks_per_seq
+    if limit is not None and longest > off_cap * limit:
+        raise PlanningError(
+            f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
+            f"{off_cap} tokens each (with activation offload), but --max-ranks-per-seq is "
+            f"{limit}; raise it or use a smaller --max-seq"
+        )
     if longest > off_cap * ctx.num_ranks:
         raise PlanningError(
             f"hdp: a sequence of {longest} tokens needs {-(-longest // off_cap)} ranks at "
@@ -292,6 +305,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     bound (:func:`hdp.planner.degrees.step_bound`) in ``predicted["bound_s"]``."""
     options = options or DynamicOptions()
     form = options.form
+    if options.max_ranks_per_seq is not None:
+        ctx = dataclasses.replace(ctx, max_ranks_per_seq=options.max_ranks_per_seq)
     if form == "megatron":
         return plan_megatron_form(ctx, options)
     if form not in ("free", "whole"):
@@ -306,7 +321,13 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         return plan
     alone = ctx.sync == "peer"
     rel = relaxation_bound(
-        ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, ctx.num_ranks, alone=alone
+        ctx.cost,
+        ctx.seq_lens,
+        ctx.sync,
+        ctx.capacity,
+        ctx.num_ranks,
+        alone=alone,
+        most_ranks=ctx.max_ranks_per_seq,
     )
     search = Search(ctx, options, rel, bound_s)
     rounded = roundings(ctx, rel)
@@ -372,7 +393,14 @@ def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
     waves = num_waves_for(ctx)
     if ctx.sync == "wave" and waves > 1:
         slots = ctx.num_ranks * waves
-        per_wave = relaxation_bound(ctx.cost, ctx.seq_lens, ctx.sync, ctx.capacity, slots)
+        per_wave = relaxation_bound(
+            ctx.cost,
+            ctx.seq_lens,
+            ctx.sync,
+            ctx.capacity,
+            slots,
+            most_ranks=ctx.max_ranks_per_seq,
+        )
         for f in (1.0, 1.04, 1.12):
             out.append(Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s)))
     return sorted(out, key=lambda cand: work_s(ctx, rel, cand))
