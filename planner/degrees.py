@@ -69,6 +69,15 @@ def packed_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nd
     return cost.model.layers * cost.attn_time(np.zeros_like(L), L) + L * per_token
 
 
+def _whole_time(cost: CostModel, lens: np.ndarray, sync: str, pow2: bool) -> np.ndarray:
+    """The least time of each sequence whole on one rank: :func:`packed_time`, or for the
+    Megatron form (``pow2``), which runs every sequence in a micro-batch of its own, its time
+    alone, the micro-batch's fixed costs included."""
+    if pow2:
+        return np.asarray(cost.seq_time(lens), dtype=np.float64)
+    return packed_time(cost, lens, cost.offload_capacity(sync))
+
+
 def least_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
     """Least rank-seconds any plan spends on whole or split sequences: :func:`packed_time` with
     each attention at the least of its equal splits (:meth:`hdp.CostModel.least_attn_of`)."""
@@ -140,16 +149,19 @@ def relaxation_bound(
     """Lower bound of the step over plans of zigzag-split jobs (module docstring) and the menus
     that attain it. ``slots``: ranks (``peer``) or ranks x waves (``wave``); ``fixed_s`` is added
     to the bound (parameter collectives); ``min_step_s`` floors the busy part; ``pow2`` restricts
-    degrees to powers of two (Megatron's CP groups). ``any_split``: over the exact zigzag splits
-    of other strategies too, not only hdp's 128-token blocks (a bound for any strategy's plan;
-    hdp plans with the relaxation of its own splits). ``alone``: a sequence that stays whole is
+    degrees to the CP groups Megatron builds, and with ``any_split`` (the form's bound) prices
+    every sequence and share in a micro-batch of its own, as Megatron runs them.
+    ``any_split``: over the exact zigzag splits of other strategies too, not only hdp's
+    128-token blocks (a bound for any strategy's plan; hdp plans with the relaxation of its own
+    splits). ``alone``: a sequence that stays whole is
     as tall as it runs alone in a cell (dense layers at its own speed, their fixed cost paid), so
     one taller than the mean busy time of a rank gets a menu too: in ``peer`` sync a sequence
     that long is often alone on its rank (not a bound: a cell it shares costs less).
     ``most_ranks``: no sequence on more ranks (hdp's ``--max-ranks-per-seq``; not a bound of
     plans without that limit)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    packed = packed_time(cost, lens, cost.offload_capacity(sync))
+    # (The Megatron form's own relaxation keeps the packed time: its degrees came out faster so.)
+    packed = _whole_time(cost, lens, sync, pow2 and any_split)
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
     # covers at least the packed area, and every M is at least the mean): they stay whole.
     simple = float(packed.sum()) / max(slots, 1)
@@ -359,7 +371,7 @@ def shelf_bound(
         return 0.0
     lens, n = rel.seq_lens, cost.cluster.num_ranks
     room = cost.offload_capacity(sync)
-    packed = packed_time(cost, lens, room)
+    packed = _whole_time(cost, lens, sync, pow2)
     least = packed.copy()
     flat = _bound_options(rel.menus, packed[rel.long_ids], pow2, any_split=True)
     ends = np.cumsum(np.bincount(flat.seq, minlength=len(rel.menus)))[:-1]
@@ -415,11 +427,17 @@ def step_bound(
     splits: :func:`relaxation_bound` over all
     ranks (``wave``: or :func:`shelf_bound`, whichever is higher) plus what the synchronisation
     mode adds for parameter collectives (``wave``: at least as many waves as the tokens need with
-    offload, each gathering and scattering parameters), plus the optimizer step."""
+    offload, each gathering and scattering parameters), plus the optimizer step. ``pow2``: over
+    the Megatron form's plans, which hold at most ``capacity`` tokens a rank and run every
+    sequence in micro-batches of its own (in ``wave`` sync a wave then holds at most one a
+    rank)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     n, layers = cost.cluster.num_ranks, cost.model.layers
     if sync == "wave":
-        waves = max(1, -(-int(lens.sum()) // (n * max(cost.offload_capacity(sync), 1))))
+        room = capacity if pow2 else cost.offload_capacity(sync)
+        waves = max(1, -(-int(lens.sum()) // (n * max(room, 1))))
+        if pow2:
+            waves = max(waves, -(-int(np.count_nonzero(lens)) // n))
         coll = 2 * cost.allgather_time() + cost.reduce_scatter_time()
         rel = relaxation_bound(
             cost,

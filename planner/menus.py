@@ -379,7 +379,9 @@ def _priced(
         if not (with_bounds and times is split_times):
             h, a, most = times(cost, lengths, deg, sync, 1)
             return Menu(deg, h, a, most, deg, h, a)
-        (h, a, most), (h_bytes, a_bytes, _) = split_times_both(cost, lengths, deg, sync, 1)
+        # (Megatron runs every share in a micro-batch of its own: so do its bound's entries.)
+        timed, by_bytes = split_times_both(cost, lengths, deg, sync, 1, own_cells=pow2)
+        (h, a, most), (h_bytes, a_bytes, _) = timed, by_bytes
         return Menu(deg, h, a, most, deg, h_bytes, a_bytes)
     align = np.where(blocked, BLOCK_TOKENS, 1)
     exact = bound = None
@@ -414,11 +416,16 @@ def _coarse(
     in one pass) until its heights reach the floor or rise for good past one node
     (:func:`_coarse_done`). A long sequence's menu ends far below the ranks that could hold a
     block each. ``pow2``: Megatron's menus, priced in exact shares with the bound's entries,
-    until the bound's heights rise for good too."""
+    until the bound's heights rise for good too (where a split saves attention work, past one
+    block a member, to the end)."""
     rpn = cost.cluster.ranks_per_node
     parts: list[list[Menu]] = [[] for _ in lengths]
     past: list[list[float]] = [[] for _ in lengths]  # the heights priced past one node
     past_bound: list[list[float]] = [[] for _ in lengths]  # (pow2: the bound's too)
+    if pow2:
+        lens = np.asarray(lengths, dtype=np.int64)
+        whole = cost.attn_time(np.zeros(lens.size), lens)
+        saves = (cost.least_attn_of(lens) < whole * (1 - 1e-9)).tolist()
     start = [0] * len(lengths)
     end = [max(1, int(np.searchsorted(c, 2 * rpn, side="right"))) for c in candidates]
     live = [i for i, c in enumerate(candidates) if c.size]
@@ -433,6 +440,11 @@ def _coarse(
             if pow2:  # the bound's entries end at their own lowest height, often past hdp's
                 past_bound[i] += mu.bound_height[mu.bound_degrees > rpn].tolist()
                 done = done and _coarse_done(mu.bound_height, past_bound[i], floor_s)
+                # Megatron splits exactly, to a token a rank: where splits save attention work
+                # (the CPU profile's kernels), heights past one block a member may fall again,
+                # so those are all priced.
+                small = lengths[i] < BLOCK_TOKENS * int(mu.degrees[-1])
+                done = done and not (small and saves[i])
             c = candidates[i]
             if end[i] < c.size and not done:
                 start[i] = end[i]

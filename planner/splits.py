@@ -42,10 +42,14 @@ def split_times_both(
     parts: np.ndarray,
     sync: str = "peer",
     align: int | np.ndarray = 1,
+    own_cells: bool = False,
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """:func:`split_times` with ``latency`` True and False, from one pass over the shares."""
+    """:func:`split_times` with ``latency`` True and False, from one pass over the shares.
+    ``own_cells``: the second for plans that run every member's share in a micro-batch of its
+    own (Megatron's), so its dense work is the share's own, fixed costs and all, and its area
+    the members' busy times."""
     jobs = _ZigzagJobs.of(cost, lengths, parts, align)
-    return jobs.times(sync, True), jobs.times(sync, False)
+    return jobs.times(sync, True), jobs.times(sync, False, own_cells)
 
 
 class _ZigzagJobs(NamedTuple):
@@ -99,14 +103,16 @@ class _ZigzagJobs(NamedTuple):
         )
         return cls(cost, parts, rep, d, held, attn_layer, traffic)
 
-    def times(self, sync: str, latency: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:func:`split_times` of these jobs."""
+    def times(
+        self, sync: str, latency: bool, own_cells: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`split_times` of these jobs (``own_cells``: :func:`split_times_both`'s)."""
         cost = self.cost
         m, held, attn_layer = cost.model, self.held, self.attn_layer
         # Whole sequences may share a member's cell (their dense layers then run at the packed
         # speed): bounds price dense work at the best speed per token.
         per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
-        dense = cost.dense_time(held) if latency else held * per_token
+        dense = cost.dense_time(held) if latency or own_cells else held * per_token
         compute = m.layers * attn_layer + dense
         t_fwd, t_bwd = cost.comm_time_per_layer(self.traffic, latency)
         fs = cost.attn_fwd_share
@@ -119,6 +125,8 @@ class _ZigzagJobs(NamedTuple):
         busy, height, most = _jobs(cost, sync, n, self.rep, held, compute, exposed)
         if sync == "peer" and latency:
             area = self.parts * height  # the members start together and wait for the slowest
+        elif own_cells:  # (a member's wait may run other micro-batches: its busy time only)
+            area = np.bincount(self.rep, weights=busy, minlength=n)
         else:
             # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
             # member's cell (their dense layers then run at the packed speed, and their
