@@ -358,6 +358,11 @@ def _planning_flags(g) -> None:
         help="GPU profile file for planning (from hdp-calibrate measure) instead of a preset",
     )
     g.add_argument("--plan-ahead", type=integer(1), default=2, help="steps planned ahead")
+    _hdp_search_flags(g)
+
+
+def _hdp_search_flags(g) -> None:
+    """The hdp search's options (:class:`hdp.planner.dynamic.DynamicOptions`) a run may set."""
     g.add_argument(
         "--plan-budget",
         type=number(0.0, max_value=1e6),
