@@ -12,10 +12,6 @@ where it is faster.
 In ``peer`` sync only a rank's *tail* moves (the cells after its last multi-rank job): nothing
 waits for them, so a rank's finish is its last job's end plus its tail's busy time, and a move
 changes two ranks' finish times and nothing else.
-
-With ``one_per_cell`` (Megatron's form, which runs each sequence as a micro-batch of its own) a
-sequence moves only into an empty cell: a new one at the end of a rank's tail in ``peer`` sync,
-an idle rank's cell in ``wave`` sync.
 """
 
 from __future__ import annotations
@@ -30,13 +26,10 @@ from .budget import Budget
 
 class Cells:
     """A plan's cells as the moves change them: tokens, compute and busy time (s) per ``[wave,
-    rank]``, and where each movable sequence (whole, in one cell) lies; ``one_per_cell``: a
-    sequence moves only into an empty cell (module docstring)."""
+    rank]``, and where each movable sequence (whole, in one cell) lies."""
 
-    def __init__(
-        self, ctx: Context, plan: Plan, report: StepReport, one_per_cell: bool = False
-    ) -> None:
-        self.ctx, self.plan, self.one_per_cell = ctx, plan, one_per_cell
+    def __init__(self, ctx: Context, plan: Plan, report: StepReport) -> None:
+        self.ctx, self.plan = ctx, plan
         cost, lens = ctx.cost, ctx.seq_lens
         self.tokens = plan.tokens_per_cell().astype(np.int64)
         self.compute = report.compute_s.copy()
@@ -146,12 +139,12 @@ class Work:
 
 
 def improve(
-    ctx: Context, plan: Plan, report: StepReport, seconds: float, one_per_cell: bool = False
+    ctx: Context, plan: Plan, report: StepReport, seconds: float
 ) -> tuple[tuple[Plan, StepReport] | None, Work]:
     """``plan`` after the moves (module docstring) that ``seconds`` of the budget's estimates
     afford and its report, or ``None`` where none lowers the step the cost model predicts;
     and the work done."""
-    cells, work = Cells(ctx, plan, report, one_per_cell), Work(plan.num_shards)
+    cells, work = Cells(ctx, plan, report), Work(plan.num_shards)
     (_wave_moves if ctx.sync == "wave" else _peer_moves)(cells, work, seconds)
     if cells.moved == 0:
         return None, work
@@ -186,8 +179,6 @@ def _wave_moves(cells: Cells, work: Work, seconds: float, targets: int = 16) -> 
             left = cells.busy_with(cells.tokens[w, r], cells.compute[w, r], top, held, -1)
             after = cells.busy_with(tokens, compute, busy, held[:, None], 1)
             after[:, (rows == w) & (cols == r)] = np.inf
-            if cells.one_per_cell:
-                after[:, tokens > 0] = np.inf
             after[after > heights[rows]] = np.inf
             t = np.argmin(after, axis=1)
             best_after = after[np.arange(held.size), t]
@@ -243,7 +234,7 @@ def _best_target(cells, seq, w, r, finish, last_job, cap, best):
     waves = cells.busy.shape[0]
     in_tail = np.arange(waves)[:, None] > last_job[None, :]
     added = cells.compute_with(cells.tokens, cells.compute, seq, 1) - cells.compute
-    joins = in_tail & (cells.tokens > 0) & (cells.tokens + L <= cap) & (not cells.one_per_cell)
+    joins = in_tail & (cells.tokens > 0) & (cells.tokens + L <= cap)
     joins[:, r] = False
     join_cost = np.where(joins, added, np.inf).min(axis=0)
     alone = float(cells.compute_with(np.zeros(1, np.int64), np.zeros(1), seq, 1)[0])

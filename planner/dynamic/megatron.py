@@ -12,10 +12,11 @@ sub-samples are padded, and priced with their padding (:func:`padded_plan`).
 Degrees come from the relaxation over menus of the group sizes Megatron builds. Each choice of
 degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends at a
 barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
-start-time-ordered lists (:func:`_place_one_group`). The fastest then takes the local search's
-whole-sequence moves into empty cells (:func:`.local.improve` with ``one_per_cell``) within the
-budget of :class:`~.options.DynamicOptions`. Megatron's own ``BalancedCPScheduler`` is an
-oracle, not a candidate: tests check that no plan of this form steps slower than its schedule.
+start-time-ordered lists (:func:`_place_one_group`), and the fastest is kept. These few
+placements are the form's whole search: the local search's whole-sequence moves, kept to empty
+cells as Megatron needs, improved none of them (``docs/benchmarks.md``), so the form takes none
+and spends no budget. Megatron's own ``BalancedCPScheduler`` is an oracle, not a candidate:
+tests check that no plan of this form steps slower than its schedule.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from hdp import Plan
 from ..common import Context, PlanBuilder, PlanningError, megatron_group_sizes
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, sample_id_groups_from_plan
-from .budget import Budget
-from .local import improve
-from .options import DynamicOptions
 
 
 def megatron_cp_groups(n: int, size: int) -> list[range]:
@@ -72,9 +70,7 @@ def padded_plan(ctx: Context, plan: Plan, token_multiple: int = 1) -> Plan:
     return builder.build()
 
 
-def plan_megatron_form(
-    ctx: Context, options: DynamicOptions | None = None, token_multiple: int = 1
-) -> Plan:
+def plan_megatron_form(ctx: Context, token_multiple: int = 1) -> Plan:
     """The fastest Megatron-form plan by the cost model with its padding priced
     (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted``; no CP
     group larger than ``ctx.max_ranks_per_seq``."""
@@ -108,30 +104,11 @@ def plan_megatron_form(
         t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
         if best is None or t < best[0]:
             best = (t, plan)
-    plan, best_s = _moved(ctx, options or DynamicOptions(), *best[::-1], token_multiple)
+    best_s, plan = best
     plan.predicted["padded_step_time_s"] = best_s
     plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     plan.predicted["relaxation_height_s"] = rel.height_s
     return plan
-
-
-def _moved(
-    ctx: Context, options: DynamicOptions, plan: Plan, step_s: float, token_multiple: int
-) -> tuple[Plan, float]:
-    """``plan`` after the local search's whole-sequence moves (:func:`.local.improve`, which
-    keep every sequence on its rank group, each in a cell of its own) within the budget, where
-    that is faster as Megatron runs it with its padding priced; and its step."""
-    budget = Budget.for_step(options.plan_budget_s, step_s)
-    improved, work = improve(ctx, plan, ctx.cost.evaluate(plan), budget.left_s, one_per_cell=True)
-    budget.spend(budget.move_s(ctx, work))
-    best = (plan, step_s)
-    if improved is not None:
-        moved = as_run(ctx, improved[0])
-        moved_s = ctx.cost.evaluate(padded_plan(ctx, moved, token_multiple)).step_time_s
-        if moved_s < step_s:
-            best = (moved, moved_s)
-    budget.record(best[0])
-    return best
 
 
 def as_run(ctx: Context, plan: Plan) -> Plan:
