@@ -127,9 +127,26 @@ def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
     on all ranks runs alone in this form, so the jobs after it must be fast rather than
     area-efficient), and mixes in which the jobs that take a quarter of the ranks or more keep
     their degree at ``M`` while the rest run faster (wider) after them: two sequences on half
-    the ranks each leave no room beside them, so what follows must be short."""
+    the ranks each leave no room beside them, so what follows must be short. In ``wave`` sync,
+    where a step is the sum of its waves and a wave holds a sub-sample a rank, also the degrees
+    of the relaxation over ranks x the waves the batch needs at least (as hdp's own roundings
+    take them): a whole sequence as tall as a wave's share of the step is split too."""
     factors = (0.35, 0.5, 0.7, 1.0, 1.12)
     choices = [rel.degrees_at(rel.height_s * f, ctx.whole_s) for f in factors]
+    lens, n = ctx.seq_lens, ctx.num_ranks
+    waves = max(-(-int(np.count_nonzero(lens)) // n), -(-int(lens.sum()) // (n * ctx.capacity)))
+    if ctx.sync == "wave" and waves > 1:
+        per_wave = relaxation_bound(
+            ctx.cost,
+            lens,
+            ctx.sync,
+            ctx.capacity,
+            n * waves,
+            pow2=True,
+            most_ranks=ctx.max_ranks_per_seq,
+        )
+        for f in (0.15, 0.25, *factors):
+            choices.append(per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s))
     at_m = choices[factors.index(1.0)]
     wide = at_m.degree >= max(2, ctx.num_ranks // 4)
     for f in (0.15, 0.25, 0.35):
