@@ -153,10 +153,10 @@ def relaxation_bound(
     every sequence and share in a micro-batch of its own, as Megatron runs them.
     ``any_split``: over the exact zigzag splits of other strategies too, not only hdp's
     128-token blocks (a bound for any strategy's plan; hdp plans with the relaxation of its own
-    splits). ``alone``: a sequence that stays whole is
-    as tall as it runs alone in a cell (dense layers at its own speed, their fixed cost paid), so
-    one taller than the mean busy time of a rank gets a menu too: in ``peer`` sync a sequence
-    that long is often alone on its rank (not a bound: a cell it shares costs less).
+    splits). ``alone``: a sequence that stays whole is as tall as it runs alone in a cell (dense
+    layers at its own speed, their fixed cost paid), so one taller than the mean busy time of a
+    rank gets a menu too: in ``peer`` sync a sequence that long is often alone on its rank (not a
+    bound: a cell it shares costs less).
     ``most_ranks``: no sequence on more ranks (hdp's ``--max-ranks-per-seq``; not a bound of
     plans without that limit)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
