@@ -175,13 +175,21 @@ def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan
         free = np.ones(n, dtype=bool)
         free_ranks = n
         left: list[int] = []
+        full: set[int] = set()  # sizes with no group free in this wave (none frees again)
+        single = 0  # no rank below is free
         for k, i in enumerate(todo):
             if free_ranks == 0:
                 left += todo[k:]
                 break
             size = max(1, int(degree[i]))
-            first = _free_group(free, size)
+            if size == 1:
+                while single < n and not free[single]:
+                    single += 1
+                first = single if single < n else None
+            else:
+                first = None if size in full else _free_group(free, size)
             if first is None:
+                full.add(size)
                 left.append(i)
                 continue
             free[first : first + size] = False
@@ -198,12 +206,9 @@ def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan
 
 
 def _free_group(free: np.ndarray, size: int) -> int | None:
-    """The first rank of the first CP group of ``size`` ranks that Megatron builds
+    """The first rank of the first CP group of ``size > 1`` ranks that Megatron builds
     (:func:`megatron_cp_groups`) whose ranks are all ``free``; ``None`` where none is."""
     n = free.size
-    if size <= 1:
-        r = int(np.argmax(free))
-        return r if free[r] else None
     if size >= n:
         return 0 if free.all() else None
     blocks = free[: n // size * size].reshape(-1, size).all(axis=1)
