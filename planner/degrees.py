@@ -55,7 +55,7 @@ import numpy as np
 
 from hdp import CostModel
 
-from .menus import Menu, first_least, length_menus, menu_floor
+from .menus import Menu, first_least, length_menus, menu_floor, split_saves_work
 from .splits import ulysses_options
 
 
@@ -76,6 +76,13 @@ def _whole_time(cost: CostModel, lens: np.ndarray, sync: str, pow2: bool) -> np.
     if pow2:
         return np.asarray(cost.seq_time(lens), dtype=np.float64)
     return packed_time(cost, lens, cost.offload_capacity(sync))
+
+
+def megatron_waves(lens: np.ndarray, num_ranks: int, capacity: int) -> int:
+    """The fewest waves a Megatron-form plan of ``lens`` has in ``wave`` sync: a wave holds one
+    sub-sample a rank and at most ``capacity`` tokens a rank (no offload)."""
+    subsamples = -(-int(np.count_nonzero(lens)) // num_ranks)
+    return max(1, subsamples, -(-int(np.sum(lens)) // (num_ranks * max(capacity, 1))))
 
 
 def least_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.ndarray:
@@ -165,7 +172,7 @@ def relaxation_bound(
     # Sequences that fit a rank and take less than the mean never gain from splitting (a split
     # covers at least the packed area, and every M is at least the mean): they stay whole.
     simple = float(packed.sum()) / max(slots, 1)
-    splittable = (lens > capacity) | (packed > simple) | _split_saves_work(cost, lens)
+    splittable = (lens > capacity) | (packed > simple) | split_saves_work(cost, lens)
     if alone:  # the mean busy time of a rank: its packed work and one cell's fixed cost
         fixed = float(cost.dense_time(np.ones(1))[0]) - cost.compute.least_dense_s_per_token(1)
         splittable |= np.asarray(cost.seq_time(lens)) > simple + fixed
@@ -270,17 +277,6 @@ def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) ->
     seq = np.repeat(np.arange(len(heights)), [h.size for h in heights])
     options = Options(np.concatenate(heights), np.concatenate(areas), seq)
     return _sweep(options, len(heights), base_height, base_area, slots)[0]
-
-
-def _split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
-    """Which sequences some zigzag split covers with less area than the whole sequence: those
-    whose attention some equal split does faster (a split's members run the same dense work, at
-    best the packed speed a whole sequence gets too). None on the GPU profiles but the longest
-    sequences; where causal calls run slower per FLOP than full ones (the CPU profile's reference
-    kernel computes a causal block's masked half too), most. Their menus must be priced for the
-    bound to hold."""
-    whole = cost.attn_time(np.zeros(lens.size), lens)
-    return cost.least_attn_of(lens) < whole * (1 - 1e-9)
 
 
 def _bound_options(
@@ -434,10 +430,10 @@ def step_bound(
     lens = np.asarray(seq_lens, dtype=np.int64)
     n, layers = cost.cluster.num_ranks, cost.model.layers
     if sync == "wave":
-        room = capacity if pow2 else cost.offload_capacity(sync)
-        waves = max(1, -(-int(lens.sum()) // (n * max(room, 1))))
         if pow2:
-            waves = max(waves, -(-int(np.count_nonzero(lens)) // n))
+            waves = megatron_waves(lens, n, capacity)
+        else:
+            waves = max(1, -(-int(lens.sum()) // (n * max(cost.offload_capacity(sync), 1))))
         coll = 2 * cost.allgather_time() + cost.reduce_scatter_time()
         rel = relaxation_bound(
             cost,

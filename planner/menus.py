@@ -423,9 +423,7 @@ def _coarse(
     past: list[list[float]] = [[] for _ in lengths]  # the heights priced past one node
     past_bound: list[list[float]] = [[] for _ in lengths]  # (pow2: the bound's too)
     if pow2:
-        lens = np.asarray(lengths, dtype=np.int64)
-        whole = cost.attn_time(np.zeros(lens.size), lens)
-        saves = (cost.least_attn_of(lens) < whole * (1 - 1e-9)).tolist()
+        saves = split_saves_work(cost, np.asarray(lengths, dtype=np.int64)).tolist()
     start = [0] * len(lengths)
     end = [max(1, int(np.searchsorted(c, 2 * rpn, side="right"))) for c in candidates]
     live = [i for i, c in enumerate(candidates) if c.size]
@@ -519,6 +517,17 @@ class _TailWalk(NamedTuple):
                 return least
             least = last = area
         return least
+
+
+def split_saves_work(cost: CostModel, lens: np.ndarray) -> np.ndarray:
+    """Which sequences some zigzag split covers with less area than the whole sequence: those
+    whose attention some equal split does faster (a split's members run the same dense work, at
+    best the packed speed a whole sequence gets too). None on the GPU profiles but the longest
+    sequences; where causal calls run slower per FLOP than full ones (the CPU profile's reference
+    kernel computes a causal block's masked half too), most. Their menus must be priced for the
+    bound to hold."""
+    whole = cost.attn_time(np.zeros(lens.size), lens)
+    return cost.least_attn_of(lens) < whole * (1 - 1e-9)
 
 
 def menu_floor(work_s: np.ndarray, slots: int) -> float:

@@ -30,7 +30,7 @@ import numpy as np
 from hdp import Plan
 
 from ..common import Context, PlanBuilder, PlanningError, megatron_group_sizes
-from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
+from ..degrees import Jobs, Relaxation, megatron_waves, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, sample_id_groups_from_plan
 
 
@@ -134,7 +134,7 @@ def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
     factors = (0.35, 0.5, 0.7, 1.0, 1.12)
     choices = [rel.degrees_at(rel.height_s * f, ctx.whole_s) for f in factors]
     lens, n = ctx.seq_lens, ctx.num_ranks
-    waves = max(-(-int(np.count_nonzero(lens)) // n), -(-int(lens.sum()) // (n * ctx.capacity)))
+    waves = megatron_waves(lens, n, ctx.capacity)
     if ctx.sync == "wave" and waves > 1:
         per_wave = relaxation_bound(
             ctx.cost,
