@@ -192,11 +192,16 @@ class ComputeModel:
     def least_dense_s_per_token(self, up_to: float) -> float:
         """The least dense time per token of micro-batches of at most ``up_to`` tokens: a bound
         for any token that shares such a micro-batch."""
+        return float(self.least_dense_s_per_token_of(np.asarray([up_to]))[0])
+
+    def least_dense_s_per_token_of(self, up_to: np.ndarray) -> np.ndarray:
+        """:meth:`least_dense_s_per_token` of each of ``up_to`` (per-token time is linear in
+        log-log between grid points, so its least up to ``x`` is at ``x`` or a grid point below)."""
         xs, ys = self._dense_grid
-        x = np.log(max(float(up_to), 1.0))
-        at = float(np.interp(x, xs, ys)) - x
-        below = ys[xs <= x] - xs[xs <= x]
-        return float(np.exp(min(at, below.min(initial=np.inf))))
+        x = np.log(np.maximum(np.asarray(up_to, dtype=np.float64), 1.0))
+        at = np.interp(x, xs, ys) - x
+        below = np.minimum.accumulate(ys - xs)[np.searchsorted(xs, x, side="right") - 1]
+        return np.exp(np.minimum(at, below))
 
     def optimizer_time(self, params: float) -> float:
         """One optimizer step over ``params`` parameters (a rank's shard), seconds."""

@@ -41,6 +41,22 @@ chunks, each a causal block plus a full block of the keys before it) covers 0.78
 whole, and in four 0.74. A sequence whose attention some equal split does faster
 (:meth:`hdp.CostModel.least_attn_time`) therefore gets a menu as well; the static mesh's plan,
 which splits every sequence, no longer steps under the bound there.
+
+Note [Every rank holds its tokens]: the bounds' areas price dense work at its best speed per
+token, a full micro-batch's. But every token lies on one rank, and a rank that holds ``T``
+tokens runs their dense layers in micro-batches of at most ``T``, at no better than ``q(T)`` a
+token (the least dense time per token up to ``T``), and pays the layers' fixed overhead ``o``
+at least once: it is busy at least ``T q(T) + o``. So in a step whose busy part is ``B`` no
+rank holds more than the ``T*`` tokens that fit in ``B``; every token costs at least
+``q(T*)``, and at least ``tokens / T*`` ranks pay ``o``. The shorter ``B``, the more area the
+batch covers: the bound is the least ``B`` that covers its own area (:class:`RankFloor`, on
+the dense grid, rounded so that it stays a bound). Example: the 4,194,304 tokens of
+wikipedia-384k's bench batch, llama-7b on 1,024 H100s. A rank of 5,547 tokens runs dense work
+at 0.125 ms a token (0.109 ms in a full micro-batch) and is busy at least 0.69 s, so under
+0.69 s the batch costs 0.067 s a rank more than the relaxation priced it: the bound rises from
+0.632 s to 0.694 s (hdp's plan: 0.771 s). Only the bounds of any strategy's plans count it:
+the Megatron form's bound prices each micro-batch as it runs already, and hdp's own relaxation
+keeps the best speed, so its degrees are as they were.
 """
 
 from __future__ import annotations
@@ -91,6 +107,46 @@ def least_time(cost: CostModel, lengths: np.ndarray, cell_tokens: int) -> np.nda
     L = np.asarray(lengths, dtype=np.int64)
     per_token = cost.compute.least_dense_s_per_token(cell_tokens)
     return cost.model.layers * cost.least_attn_of(L) + L * per_token
+
+
+class RankFloor(NamedTuple):
+    """What the least area of a step grows by with its busy part (Note [Every rank holds its
+    tokens]): for a busy part from ``height[j]`` up to ``height[j + 1]``, at least
+    ``extra[j]`` rank-seconds."""
+
+    height: np.ndarray
+    extra: np.ndarray
+
+    def value(self, area: np.ndarray, slots: int) -> np.ndarray:
+        """The least busy part ``B`` with ``B >= (area + extra at B) / slots``, for each of
+        ``area`` (rank-seconds): where the condition first holds at a ``height[j]``, the lesser
+        of that height and the value on the piece before it."""
+        # (slots * height[j] - extra[j] rises with j: the first j where it reaches the area.)
+        j = np.searchsorted(slots * self.height - self.extra, area, side="left")
+        last = self.height.size - 1
+        at = np.where(j <= last, self.height[np.minimum(j, last)], np.inf)
+        before = np.where(j > 0, (area + self.extra[np.maximum(j - 1, 0)]) / slots, np.inf)
+        return np.minimum(at, before)
+
+
+def rank_floor(cost: CostModel, lens: np.ndarray, sync: str) -> RankFloor:
+    """:class:`RankFloor` of a batch of ``lens`` (Note [Every rank holds its tokens]), for
+    ranks of up to the batch's tokens, 64 sizes an octave."""
+    tokens = float(np.sum(lens))
+    cap = cost.offload_capacity(sync)
+    T = 2.0 ** (np.arange(0, 64 * max(1.0, np.log2(max(tokens, 1.0))) + 2) / 64)
+    least = cost.compute.least_dense_s_per_token
+    q0 = least(cap)
+    q = np.maximum(cost.compute.least_dense_s_per_token_of(np.minimum(T, cap)), q0)
+    o = cost.model.layers * cost.cluster.gpu.layer_overhead_s
+    # A rank of T[j] to T[j + 1] tokens is busy at least T[j] q(T[j + 1]) + o; with at least
+    # T[j] tokens, at least the least of that from j on.
+    lowest = T[:-1] * q[1:] + o
+    height = np.minimum.accumulate(lowest[::-1])[::-1]
+    # Below height[j + 1] no rank holds T[j + 1] tokens: dense work at q(T[j + 1]) at least,
+    # and ceil(tokens / T[j + 1]) ranks that hold some, each paying the overhead.
+    extra = tokens * (q - q0) + o * np.ceil(tokens / T)
+    return RankFloor(height, extra[1:])
 
 
 class Jobs(NamedTuple):
@@ -190,8 +246,11 @@ def relaxation_bound(
     menus = length_menus(
         cost, lens[long_ids].tolist(), sync, capacity, pow2, floor_s, any_split, most_ranks
     )
+    # The bound's areas price dense work at the best speed (Note [Every rank holds its tokens]).
+    floor = rank_floor(cost, lens, sync) if any_split and not pow2 and lens.sum() > 0 else None
     if not menus:
-        b = max(base_height, simple, min_step_s) + fixed_s
+        spread = simple if floor is None else float(floor.value(np.array([base_area]), slots)[0])
+        b = max(base_height, spread, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)
     # Events: (height at which an option becomes allowed, its area, its sequence).
     options = _bound_options(menus, packed[long_ids], pow2, any_split, alone)
@@ -199,7 +258,9 @@ def relaxation_bound(
     if (finite == 0).any():
         length = int(lens[long_ids[int(np.argmin(finite))]])
         raise ValueError(f"a sequence of {length} tokens fits no degree")
-    value, m_star, area = _sweep(options, len(menus), base_height, base_area, slots, min_step_s)
+    value, m_star, area = _sweep(
+        options, len(menus), base_height, base_area, slots, min_step_s, floor
+    )
     return Relaxation(value + fixed_s, m_star, area, lens, long_ids, menus)
 
 
@@ -218,6 +279,7 @@ def _sweep(
     base_area: float,
     slots: int,
     min_step_s: float = 0.0,
+    floor: RankFloor | None = None,
 ) -> tuple[float, float, float]:
     """(least ``max(M, area / slots)``, its ``M``, its area) when each of ``count`` sequences
     takes its smallest-area option no taller than ``M``, beside work of ``base_area`` that is
@@ -243,7 +305,8 @@ def _sweep(
     change[first] = A[first]
     total = np.cumsum(change)
     m_here = np.maximum(H, base_height)
-    value = np.maximum(np.maximum(m_here, (base_area + total) / slots), min_step_s)
+    spread = (base_area + total) / slots if floor is None else floor.value(base_area + total, slots)
+    value = np.maximum(np.maximum(m_here, spread), min_step_s)
     value[np.cumsum(first) < count] = np.inf
     k = int(np.argmin(value))
     if value[k] == np.inf:

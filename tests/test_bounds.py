@@ -323,3 +323,37 @@ def test_the_sweep_finds_the_least_step_over_every_height(seqs, base, slots, see
         if np.isfinite(least).all():
             best = min(best, max(m, base_height, (base_area + sum(least)) / slots))
     assert _sweep(options, seqs, base_height, base_area, slots)[0] == pytest.approx(best)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "h100"])
+@pytest.mark.parametrize("tokens", [7, 3000, 40_000])
+def test_the_rank_floor_against_every_busy_part_and_every_rank_size(profile, tokens):
+    """Note [Every rank holds its tokens]: :class:`~hdp.planner.degrees.RankFloor` against a
+    brute force over every whole number of tokens a rank may hold and a fine grid of busy
+    parts ``B``: the most tokens busy no longer than ``B``, their least speed per token
+    (:meth:`dense_work` of every smaller micro-batch), and the least of ``max(B, (area +
+    extra) / ranks)``. The floor is below it, and within its grid's step (1.1%) of it."""
+    from hdp.planner.degrees import rank_floor
+
+    cost = StepPricing.build(model_preset(PROFILES[profile]), ClusterSpec.preset(profile, 8)).cost
+    comp, sync = cost.compute, "peer"
+    cap = cost.offload_capacity(sync)
+    per = comp.dense_work(np.arange(1, tokens + 1)) / np.arange(1, tokens + 1)
+    q = np.minimum.accumulate(per)  # least speed per token up to each size
+    q_full = min(float(q[min(cap, tokens) - 1]), comp.least_dense_s_per_token(cap))
+    q = np.maximum(q, q_full)
+    o = cost.model.layers * cost.cluster.gpu.layer_overhead_s
+    busy = np.arange(1, tokens + 1) * q + o  # a rank of each size, at least
+    floor = rank_floor(cost, np.array([tokens]), sync)
+    for area in np.array([0.0, 0.3, 1.0, 3.0]) * float(busy[-1]):
+        best = np.inf
+        for b in np.geomspace(busy.min(), 4 * busy[-1] + area, 4000):
+            fits = np.flatnonzero(busy <= b)
+            if fits.size == 0:
+                continue
+            most = int(fits.max()) + 1
+            extra = tokens * (q[most - 1] - q_full) + o * -(-tokens // most)
+            best = min(best, max(b, (area + extra) / 8))
+        got = float(floor.value(np.array([area]), 8)[0])
+        assert got <= best * (1 + 1e-9)
+        assert got >= best * 0.985
