@@ -360,7 +360,7 @@ def test_the_offloading_cell_is_the_one_a_scan_of_every_cell_finds(seed):
     """``wave`` sync: the cell where a whole sequence, offloading what it must, raises its wave
     least (then the least loaded, then the first) is the one a scan of every cell finds, each
     priced alone by the cost model's offload terms."""
-    from hdp.planner.dynamic.wave import JobLayer, offloaded_cell
+    from hdp.planner.dynamic.wave import Placed, offloaded_cell
 
     rng = np.random.default_rng(seed)
     cost = CostModel(model_preset("llama-70b"), ClusterSpec.preset("h100", 64))  # (8 in a layer)
@@ -373,7 +373,7 @@ def test_the_offloading_cell_is_the_one_a_scan_of_every_cell_finds(seed):
     heights = (load.max(axis=1) + rng.choice([0.0, 0.5], waves)).tolist()
     L = int(rng.integers(1, ctx.offload_capacity // 2))
     t, beat_s = float(rng.uniform(0.1, 1.0)), float(rng.choice([np.inf, rng.uniform(0, 2)]))
-    got = offloaded_cell(ctx, JobLayer([], [], tokens, load), heights, L, t, beat_s)
+    got = offloaded_cell(ctx, Placed([], [], tokens, load), heights, L, t, beat_s)
     best = None
     for w, r in itertools.product(range(waves), range(8)):
         held = np.array([tokens[w, r] + L])
@@ -432,3 +432,29 @@ def _fullest(length: int, parts: int, align: int) -> int:
         np.array([0]), np.array([length]), np.array([parts]), np.array([0]), align=align
     )
     return int(np.bincount(rank, weights=end - start).max())
+
+
+@pytest.mark.parametrize("jobs_first", [False, True])
+def test_a_whole_sequence_taller_than_the_jobs_keeps_a_rank_of_its_own(jobs_first):
+    """``wave`` sync takes multi-rank jobs and whole sequences in one list, tallest first
+    (:mod:`hdp.planner.dynamic.wave`). Four ranks, two jobs of two ranks each at 0.7 of a whole
+    sequence's time ``p``: after the sequence, the first job keeps off its rank and the second
+    joins the first (the tallest rank 1.4 ``p``). Jobs first (the *jobs first* move) cover every
+    rank, and the sequence lands on top of one (1.7 ``p``)."""
+    from hdp.planner.dynamic.candidates import Candidate, jobs_and_singles
+    from hdp.planner.dynamic.wave import place_wave
+
+    cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 4))
+    lens = np.array([4096, 4096, 3000])
+    ctx = Context(lens, cost, "wave", cost.capacity("wave"), 4096, 11192)
+    p = float(ctx.packed_s[2])
+    cand = Candidate(np.array([2, 2, 1]), np.array([0.7 * p, 0.7 * p, p]), jobs_first=jobs_first)
+    multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
+    placed, _ = place_wave(ctx, 1, multi, single, cand)
+    load = np.zeros(4)
+    for members in placed.job_members:
+        load[members] += 0.7 * p
+    alone = int(placed.single_rank[2])
+    assert any(alone in m for m in placed.job_members) == jobs_first
+    load[alone] += p
+    assert load.max() == pytest.approx(1.7 * p if jobs_first else 1.4 * p)

@@ -15,11 +15,14 @@ from ..common import Context
 class Candidate:
     """One way to plan a batch: each sequence's degree (1: whole on one rank) and its busy
     time there (s). ``stack_share`` (``wave`` sync): a multi-rank job joins a wave that already
-    holds work only where that raises the wave by at most this share of the job's time."""
+    holds work only where that raises the wave by at most this share of the job's time.
+    ``jobs_first`` (``wave`` sync): every multi-rank job is placed before any whole sequence,
+    not in one list with them, tallest first."""
 
     degree: np.ndarray
     job_time: np.ndarray
     stack_share: float | None = None
+    jobs_first: bool = False
 
 
 @dataclass

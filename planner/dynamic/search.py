@@ -26,6 +26,10 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
      next faster degree, and the degrees are placed again, while that helps;
    - *unstack* (``wave`` sync): the degrees placed again with no multi-rank job raising a wave
      that already holds work by more than 5% of its time;
+   - *jobs first* (``wave`` sync): the degrees placed again with every multi-rank job ahead of
+     the whole sequences (the list scheduler takes them all tallest first, so a whole sequence
+     taller than a job finds a rank the job has not taken; on some batches layers of jobs that
+     the whole sequences then fill are faster);
    - *join* (``peer`` sync): each rank's first cell after its last multi-rank job joins that
      job's cell, so the rank pays a micro-batch's fixed cost once;
    - *move* (:mod:`.local`): whole sequences leave the cells that end the step for cells that
@@ -178,16 +182,19 @@ class Search:
         degree, job_time = cand.degree.copy(), cand.job_time.copy()
         degree[seqs[has]] = degrees[rows, k]
         job_time[seqs[has]] = times[rows, k]
-        return Candidate(degree, job_time, cand.stack_share)
+        return dataclasses.replace(cand, degree=degree, job_time=job_time)
 
-    def unstack(self) -> bool:
-        """``wave`` sync: the best degrees placed again with no job raising a wave that holds
-        work by more than 5% of its time (such jobs open waves of their own, where the whole
-        sequences then fill their cells); whether that was faster."""
+    def place_again(self, **variant: object) -> bool:
+        """``wave`` sync: the best degrees placed again as ``variant`` (fields of
+        :class:`Candidate`) says, where the best plan was not placed so; whether that was
+        faster. *unstack* is ``stack_share=0.05``: no job raises a wave that holds work by more
+        than 5% of its time (such jobs open waves of their own, where the whole sequences then
+        fill their cells). *jobs first* is ``jobs_first=True``: every multi-rank job placed
+        before any whole sequence, in layers the whole sequences then fill."""
         cand = self.best[2]
-        if cand is None or cand.stack_share is not None:
+        if cand is None or all(getattr(cand, k) == v for k, v in variant.items()):
             return False
-        return self.place(Candidate(cand.degree, cand.job_time, stack_share=0.05))
+        return self.place(dataclasses.replace(cand, **variant))
 
     def join(self) -> bool:
         """``peer`` sync: every rank's first cell after its last multi-rank job joins that
@@ -222,9 +229,11 @@ class Search:
         """Widen while that helps and the budget lasts, then join and move."""
         while not self.done() and self.widen():
             pass
-        if self.ctx.sync == "wave" and not self.done() and self.unstack():
-            while not self.done() and self.widen():
-                pass
+        if self.ctx.sync == "wave":
+            for variant in ({"stack_share": 0.05}, {"jobs_first": True}):
+                if not self.done() and self.place_again(**variant):
+                    while not self.done() and self.widen():
+                        pass
         if self.ctx.sync == "peer" and not self.done():
             self.join()
         if not self.done():

@@ -1,9 +1,11 @@
 """``wave`` sync placement: a step lasts the sum of its waves' slowest cells.
 
-Every job goes where it raises that sum least: multi-rank jobs first (:func:`place_wave_jobs`),
-then whole sequences (:func:`fill_waves`). A cell's shards run together, layer by layer, so a
-wave lasts as long as its largest cell sum, as the cost model prices it; members of a job do
-not wait for the busiest one to start.
+One list scheduler: every job, multi-rank or whole, tallest first, goes where it raises that sum
+least (:func:`place_wave`). Jobs and whole sequences share the list because a whole sequence
+taller than a job must find a rank the job has not taken yet: placing every job first spreads
+their shares over all ranks, and a tall whole sequence then lands on one of them. A cell's
+shards run together, layer by layer, so a wave lasts as long as its largest cell sum, as the
+cost model prices it; members of a job do not wait for the busiest one to start.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from .candidates import Assignment, Candidate, pick_members
 
 
 @dataclass
-class JobLayer:
-    """Multi-rank jobs placed in ``wave`` sync: per job (in placement order) its members and
-    wave; per cell ``[waves, ranks]`` the tokens held and the load (s)."""
+class Placed:
+    """What a ``wave`` placement has placed so far: per multi-rank job (in placement order) its
+    members and wave; per cell ``[waves, ranks]`` the tokens held and the load (s)."""
 
     members: list[np.ndarray]
     wave: list[int]
@@ -50,39 +52,35 @@ class CellChoice:
 def place_wave(
     ctx: Context, num_waves: int, multi: np.ndarray, single: np.ndarray, cand: Candidate
 ) -> tuple[Assignment, int]:
-    """Multi-rank jobs, then whole sequences; keys are waves. Also how many sequences searched
-    the cells for one that offloads (:func:`offloaded_cell`, most of a placement's time where
-    it runs), which the budget charges as counted."""
-    layer = place_wave_jobs(ctx, num_waves, multi, cand)
-    single_rank, single_key, searches = fill_waves(ctx, layer, single)
-    return Assignment(layer.members, layer.wave, single_rank, single_key), searches
-
-
-def place_wave_jobs(ctx: Context, num_waves: int, multi: np.ndarray, cand: Candidate) -> JobLayer:
-    """Multi-rank jobs, tallest first: the wave whose height grows least (ties: the lowest, so
-    tall jobs spread over waves and leave token room beside them), on the least-loaded ranks
-    with token room, each member's load growing by the job's time; with ``cand.stack_share``
-    not into a wave that holds work where that raises it by more than that share of the job's
-    time."""
-    lens, n, rpn = ctx.seq_lens, ctx.num_ranks, ctx.ranks_per_node
-    off_cap = ctx.offload_capacity
-    layer = JobLayer([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
+    """Multi-rank jobs (``multi``, at their time) and whole sequences (``single``, at their
+    packed time) in one list, tallest first, multi-rank jobs first on ties (with
+    ``cand.jobs_first``, all of them first): each job where it raises its wave's height least
+    (:meth:`_Cells.add_job`), each sequence in the cell that does (:meth:`_Cells.choose`). Keys
+    are waves. Also how many sequences searched the cells for one that offloads
+    (:func:`offloaded_cell`, most of a placement's time where it runs), which the budget charges
+    as counted."""
+    lens, n = ctx.seq_lens, ctx.num_ranks
+    placed = Placed([], [], np.zeros((num_waves, n), dtype=np.int64), np.zeros((num_waves, n)))
+    cells = _Cells(ctx, placed)
     most = ctx.splits(lens[multi], cand.degree[multi])[1].tolist()
-    for i, per_rank in zip(multi.tolist(), most):
-        d, t = int(cand.degree[i]), float(cand.job_time[i])
-        room = per_rank <= off_cap - layer.tokens
-        best = _best_wave(layer.load, room, d, rpn, t, cand.stack_share)
-        if best is None:  # no wave takes it: a new one
-            layer.add_wave()
-            room = np.full((1, n), per_rank <= off_cap)
-            (score, _, members) = _best_wave(layer.load[-1:], room, d, rpn, t, None)
-            best = (score, layer.load.shape[0] - 1, members)
-        _, w, members = best
-        layer.tokens[w, members] += per_rank
-        layer.load[w, members] += t
-        layer.members.append(members)
-        layer.wave.append(w)
-    return layer
+    single_rank = np.full(lens.size, -1, dtype=np.int64)
+    single_key = np.full(lens.size, -1, dtype=np.int64)
+    times = np.concatenate([cand.job_time[multi], ctx.packed_s[single]])
+    # (Each of ``multi`` and ``single`` is tallest first already: the list keeps their orders.)
+    order = np.arange(times.size)
+    if not cand.jobs_first:
+        order = np.lexsort((order, -times))
+    for k in order.tolist():
+        if k < multi.size:
+            i = int(multi[k])
+            cells.add_job(int(cand.degree[i]), float(cand.job_time[i]), most[k], cand.stack_share)
+            continue
+        i = int(single[k - multi.size])
+        L, t = int(lens[i]), float(ctx.packed_s[i])
+        choice = cells.choose(L, t) or cells.new_wave(L, t)
+        single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
+    assignment = Assignment(placed.members, placed.wave, single_rank, single_key)
+    return assignment, cells.offload_searches
 
 
 def _best_wave(
@@ -120,14 +118,14 @@ def _best_wave(
 
 
 class _Cells:
-    """The cells of a :class:`JobLayer` as whole sequences fill them: each wave's height, its
-    most free tokens, and two heaps of its cells: by load those that had room for the last
-    sequence asked about, by free tokens (most first) those that had not. Entries go stale as
-    cells fill; a stale one is dropped or moved where it is found."""
+    """The cells of a :class:`Placed` as jobs fill them: each wave's height, its most free
+    tokens, and two heaps of its cells: by load those that had room for the last sequence asked
+    about, by free tokens (most first) those that had not. Entries go stale as cells fill; a
+    stale one is dropped or moved where it is found."""
 
-    def __init__(self, ctx: Context, layer: JobLayer) -> None:
-        self.ctx, self.layer, self.cap = ctx, layer, ctx.capacity
-        load, tokens = layer.load, layer.tokens
+    def __init__(self, ctx: Context, placed: Placed) -> None:
+        self.ctx, self.placed, self.cap = ctx, placed, ctx.capacity
+        load, tokens = placed.load, placed.tokens
         self.heights = [float(h) for h in load.max(axis=1)]
         self.heaps = [
             [(float(load[w, r]), r) for r in range(ctx.num_ranks)] for w in range(len(load))
@@ -145,7 +143,7 @@ class _Cells:
 
     def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> tuple:
         """(load, rank) of wave ``w``'s least-loaded cell with room for ``L`` tokens, the first
-        rank of ties (``load``, ``tokens``: the layer's cell arrays, passed in by the hot loop).
+        rank of ties (``load``, ``tokens``: the placement's cell arrays, passed in by the hot loop).
         Cells with room for ``L`` come back from the free-token heap first, so the load heap's
         first fresh entry with room is the answer."""
         h, full, cap = self.heaps[w], self.full[w], self.cap
@@ -168,8 +166,8 @@ class _Cells:
         raises it less; ``None`` where a new wave costs less or no cell has room."""
         best = None  # (raise, new load, wave): a tuple, this loop runs per sequence and wave
         load, tokens, heights, room_max = (
-            self.layer.load,
-            self.layer.tokens,
+            self.placed.load,
+            self.placed.tokens,
             self.heights,
             self.room_max,
         )
@@ -193,7 +191,7 @@ class _Cells:
             # of its activations may raise it less.
             beat_s = math.inf if best is None else best.raise_s
             self.offload_searches += 1
-            off = offloaded_cell(self.ctx, self.layer, self.heights, L, t, beat_s)
+            off = offloaded_cell(self.ctx, self.placed, self.heights, L, t, beat_s)
             if off is not None and (best is None or off.raise_s < best.raise_s):
                 best = off
         if best is not None and best.raise_s >= self.new_wave_s + t:  # a wave of its own is cheaper
@@ -203,16 +201,44 @@ class _Cells:
     def new_wave(self, L: int, t: float) -> CellChoice:
         """A wave of its own for a sequence of ``L`` tokens and ``t`` packed seconds."""
         alone = self.dense[L] + t - L * self.per_token if L <= self.cap else t
-        self.layer.add_wave()
+        return CellChoice(alone, alone, self._open_wave(), 0)
+
+    def _open_wave(self) -> int:
+        """A new, empty wave; its index."""
+        self.placed.add_wave()
         self.heights.append(0.0)
         self.heaps.append([(0.0, r) for r in range(self.ctx.num_ranks)])
         self.full.append([])
         self.room_max.append(self.cap)
-        return CellChoice(alone, alone, len(self.heights) - 1, 0)
+        return len(self.heights) - 1
+
+    def add_job(self, d: int, t: float, per_rank: int, stack_share: float | None) -> None:
+        """A job of ``d`` ranks, ``t`` s and at most ``per_rank`` tokens a member: into the
+        wave whose height grows least (ties: the lowest, so tall jobs spread over waves and
+        leave token room beside them), on the least-loaded ranks with token room, each member's
+        load growing by ``t``; with ``stack_share`` not into a wave that holds work where that
+        raises it by more than that share of ``t``; a new wave where none takes it."""
+        placed, rpn, off_cap = self.placed, self.ctx.ranks_per_node, self.ctx.offload_capacity
+        best = _best_wave(placed.load, per_rank <= off_cap - placed.tokens, d, rpn, t, stack_share)
+        if best is None:
+            w = self._open_wave()
+            room = np.full((1, placed.load.shape[1]), per_rank <= off_cap)
+            members = _best_wave(placed.load[w:], room, d, rpn, t, None)[2]
+        else:
+            _, w, members = best
+        placed.tokens[w, members] += per_rank
+        placed.load[w, members] += t
+        placed.members.append(members)
+        placed.wave.append(w)
+        loads = placed.load[w, members].tolist()
+        self.heights[w] = max(self.heights[w], max(loads))
+        self.room_max[w] = int(self.cap - placed.tokens[w].min())
+        for r, load in zip(members.tolist(), loads):  # (their old entries are now stale)
+            heapq.heappush(self.heaps[w], (load, r))
 
     def put(self, choice: CellChoice, L: int, t: float) -> int:
         """Add a sequence of ``L`` tokens and ``t`` seconds where ``choice`` says; its rank."""
-        tokens, load, w, r = self.layer.tokens, self.layer.load, choice.wave, choice.rank
+        tokens, load, w, r = self.placed.tokens, self.placed.load, choice.wave, choice.rank
         emptiest = tokens[w, r] == self.cap - self.room_max[w]
         tokens[w, r] += L
         if emptiest:  # (the most free tokens change only where the emptiest cell fills)
@@ -231,27 +257,8 @@ def _dense_by_tokens(cost: CostModel, capacity: int) -> list[float]:
     return out.tolist()
 
 
-def fill_waves(
-    ctx: Context, layer: JobLayer, single: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Whole sequences, longest first, onto the cells of ``layer`` (updated in place): a cell
-    whose load stays under its wave's height (the least-loaded such), else the cell that raises
-    its wave least (with offload where that raises it less: :func:`offloaded_cell`); a new wave
-    when that costs less than the raise. Returns each sequence's rank and wave (-1: not placed),
-    and how many sequences searched the cells for offload."""
-    lens = ctx.seq_lens
-    single_rank = np.full(lens.size, -1, dtype=np.int64)
-    single_key = np.full(lens.size, -1, dtype=np.int64)
-    cells = _Cells(ctx, layer)
-    for i in single.tolist():
-        L, t = int(lens[i]), float(ctx.packed_s[i])
-        choice = cells.choose(L, t) or cells.new_wave(L, t)
-        single_rank[i], single_key[i] = cells.put(choice, L, t), choice.wave
-    return single_rank, single_key, cells.offload_searches
-
-
 def offloaded_cell(
-    ctx: Context, layer: JobLayer, heights: list[float], L: int, t: float, beat_s: float
+    ctx: Context, placed: Placed, heights: list[float], L: int, t: float, beat_s: float
 ) -> CellChoice | None:
     """The cell that raises its wave least (then the least loaded, then the first) when it
     takes a sequence of ``L`` tokens and ``t`` seconds and offloads what it then must (its
@@ -259,16 +266,16 @@ def offloaded_cell(
     it by less than ``beat_s`` (offload only adds to it); ``None`` if none of them has room even
     with offload. (In ``wave`` sync with offload this runs for nearly every sequence: few numpy
     passes, over the cells that may win.)"""
-    ranks = layer.load.shape[1]
+    ranks = placed.load.shape[1]
     waves = np.asarray(heights)
-    busy = layer.load + t
+    busy = placed.load + t
     maybe = np.flatnonzero(
-        (busy - waves[:, None] < beat_s) & (layer.tokens <= ctx.offload_capacity - L)
+        (busy - waves[:, None] < beat_s) & (placed.tokens <= ctx.offload_capacity - L)
     )
     if maybe.size == 0:
         return None
     held, s_per_token = _host_copy(ctx.cost, ctx.sync)
-    new_tokens, busy = layer.tokens.ravel()[maybe] + L, busy.ravel()[maybe]
+    new_tokens, busy = placed.tokens.ravel()[maybe] + L, busy.ravel()[maybe]
     new_load = np.maximum(busy, s_per_token * (new_tokens - held))  # (busy + exposed copy)
     raise_by = np.maximum(0.0, new_load - waves[maybe // ranks])
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
