@@ -182,7 +182,9 @@ def test_a_wave_placement_reports_the_offload_searches_the_budget_charges(monkey
     assert plan.predicted["offload_searches"] == len(searched)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     n=st.sampled_from([2, 4, 6, 8, 16]),
     sync=st.sampled_from(["peer", "wave"]),
@@ -192,7 +194,8 @@ def test_a_wave_placement_reports_the_offload_searches_the_budget_charges(monkey
 )
 def test_no_sequence_spans_more_ranks_than_max_ranks_per_seq(n, sync, form, exchange, data):
     """``max_ranks_per_seq`` is a constraint of the search: every plan keeps to it, or the
-    batch is refused with a message that names it."""
+    batch is refused with a message that names it (or, where all the ranks could not hold a
+    sequence either, that says so)."""
     from hdp.planner import PlanningError
 
     limit = data.draw(st.integers(1, n))
@@ -206,7 +209,8 @@ def test_no_sequence_spans_more_ranks_than_max_ranks_per_seq(n, sync, form, exch
     try:
         plan = plan_step(lens, cluster, model, "hdp", **kw)
     except PlanningError as e:
-        assert "--max-ranks-per-seq" in str(e) or form == "megatron", e
+        said = str(e)
+        assert "--max-ranks-per-seq" in said or "cluster cannot hold" in said or form == "megatron"
         return
     ranks = [np.unique(plan.rank[plan.seq == s]).size for s in range(len(lens))]
     assert max(ranks) <= limit, (ranks, limit)

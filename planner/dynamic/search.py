@@ -68,7 +68,7 @@ from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from . import milp
 from .budget import Budget
-from .candidates import Candidate, num_waves_for
+from .candidates import Candidate, jobs_and_singles, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
 from .local import Work, exact_moves, improve, rebuilt
 from .megatron import plan_megatron_form
@@ -190,10 +190,16 @@ class Search:
         faster. *unstack* is ``stack_share=0.05``: no job raises a wave that holds work by more
         than 5% of its time (such jobs open waves of their own, where the whole sequences then
         fill their cells). *jobs first* is ``jobs_first=True``: every multi-rank job placed
-        before any whole sequence, in layers the whole sequences then fill."""
+        before any whole sequence, in layers the whole sequences then fill (the same list
+        where no whole sequence is taller than a job: not placed again)."""
         cand = self.best[2]
         if cand is None or all(getattr(cand, k) == v for k, v in variant.items()):
             return False
+        if variant.get("jobs_first"):
+            multi, single = jobs_and_singles(self.ctx, cand.degree, cand.job_time)
+            tallest = self.ctx.packed_s[single].max(initial=-math.inf)
+            if tallest <= cand.job_time[multi].min(initial=math.inf):
+                return False
         return self.place(dataclasses.replace(cand, **variant))
 
     def join(self) -> bool:
