@@ -1,9 +1,9 @@
 """Placing one candidate: every sequence's degree is fixed, ranks and waves are chosen here.
 
-Multi-rank jobs go first, tallest first, then the sequences that stay whole, slowest first
-(``wave`` sync: :mod:`.wave`; ``peer`` sync: :mod:`.peer`). Both placers return a
-:class:`~.candidates.Assignment` of sparse, ordered keys, which :func:`place` turns into waves
-and shards.
+In ``peer`` sync (:mod:`.peer`) multi-rank jobs go first, tallest first, then the sequences
+that stay whole, slowest first; in ``wave`` sync (:mod:`.wave`) both kinds share one list,
+tallest first. Both placers return a :class:`~.candidates.Assignment` of sparse, ordered keys,
+which :func:`place` turns into waves and shards.
 """
 
 from __future__ import annotations
