@@ -228,3 +228,54 @@ def test_max_ranks_per_seq_refuses_a_batch_that_needs_more():
                   sync="peer", kv_exchange="rank", hdp_options=options)  # fmt: skip
     with pytest.raises(ValueError, match="at least one rank"):
         DynamicOptions(max_ranks_per_seq=0)
+
+
+@settings(
+    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    n=st.sampled_from([4, 8, 16]),
+    sync=st.sampled_from(["peer", "wave"]),
+    f=st.sampled_from([1.0, 1.04, 1.1]),
+    data=st.data(),
+)
+def test_room_for_tall_jobs_splits_only_tall_jobs_until_each_has_a_rank(n, sync, f, data):
+    """Note [One search], item 2: at a height ``H`` a rank holds at most one job taller than
+    ``H / 2``. The packed rounding only raises the degrees of such jobs, each to at most three
+    times its own, where its members (priced alone by the cost model) run under ``H / 2``; and
+    it stops once they fit the ranks, or leaves more only where no job left could be split
+    so."""
+    from hdp.planner.dynamic.groups import split_busy
+    from hdp.planner.dynamic.search import room_for_tall_jobs
+
+    cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4))
+    lens = np.array(data.draw(st.lists(st.integers(256, 24_000), min_size=n, max_size=4 * n)))
+    ctx = Context(lens, cost, sync, cost.capacity(sync), int(lens.max()), int(lens.sum()))
+    rel = relaxation_bound(cost, lens, sync, ctx.capacity, n, alone=sync == "peer")
+    height = rel.height_s * f
+    degree, job_time = rel.degrees_at(height, ctx.whole_s)
+    time = np.where(degree > 1, job_time, ctx.packed_s)
+    got = room_for_tall_jobs(ctx, rel, height)
+
+    def none_splits_under_half(cand_degree, times):
+        for i in np.flatnonzero(times > height / 2).tolist():
+            d = np.arange(cand_degree[i] + 1, min(3 * cand_degree[i], lens[i] // 2, n) + 1)
+            L = np.full(d.size, lens[i])
+            if d.size and (split_busy(ctx, L, d, ctx.splits(L, d)[0]) <= height / 2).any():
+                return False
+        return True
+
+    if got is None:
+        assert int(degree[time > height / 2].sum()) <= n or none_splits_under_half(degree, time)
+        return
+    raised = np.flatnonzero(got.degree != degree)
+    assert raised.size and (got.degree[raised] > degree[raised]).all()
+    assert (time[raised] > height / 2).all() and (got.degree[raised] <= 3 * degree[raised]).all()
+    for i in raised.tolist():  # each priced alone, as a one-sequence plan
+        one = Context(lens[i : i + 1], cost, sync, ctx.capacity, int(lens[i]), int(lens[i]))
+        d = np.array([got.degree[i]])
+        alone = float(split_busy(one, lens[i : i + 1], d, one.splits(lens[i : i + 1], d)[0])[0])
+        assert got.job_time[i] == alone <= height / 2
+    after = np.where(got.degree > 1, got.job_time, ctx.packed_s)
+    if int(got.degree[after > height / 2].sum()) > n:
+        assert none_splits_under_half(got.degree, after)

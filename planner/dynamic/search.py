@@ -13,6 +13,14 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    (in ``wave`` sync also those of the relaxation over ranks x waves), least work first, are
    each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
    model; the fastest is kept. The first is the search's first plan and always made.
+   The relaxation cuts areas freely, but within a height ``H`` a rank holds at most one job
+   (a whole sequence or a member's share) taller than ``H / 2``. In ``wave`` sync with one
+   wave, where the degrees at ``M`` leave more such jobs than ranks, a *packed* rounding comes
+   first (:func:`packed_rounding`): at a few heights from ``M`` to ``1.2 M``, the tall jobs
+   that free a rank for the least extra area split further until they fit, and the height
+   whose degrees promise the least step is kept. (Batches of about one sequence a rank need
+   it: ``docs/benchmarks.md``. In ``peer`` sync it does not help, since that placer puts every
+   job first and stacks whole sequences onto their shares all the same.)
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
    their sequences in shared waves, one layout at a time while the budget lasts (mixed sizes
    at heights rising from the least that fits, then equal sizes). No move below reaches such
@@ -418,7 +426,92 @@ def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
         )
         for f in (1.0, 1.04, 1.12):
             out.append(Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s)))
-    return sorted(out, key=lambda cand: work_s(ctx, rel, cand))
+    out = sorted(out, key=lambda cand: work_s(ctx, rel, cand))
+    packed = packed_rounding(ctx, rel) if ctx.sync == "wave" and waves == 1 else None
+    return out if packed is None else [packed, *out]
+
+
+def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
+    """Where the relaxation's degrees at ``M`` leave more tall jobs than ranks (Note [One
+    search], item 2), :func:`room_for_tall_jobs` at the height from ``M`` to ``1.2 M`` whose
+    degrees promise the least step (the height or their area over the ranks, whichever is
+    more; a height they do not fit promises nothing); ``None`` where they fit at ``M``."""
+    best: tuple[float, Candidate] | None = None
+    priced = _Prices(ctx)
+    for f in (1.0, 1.04, 1.08, 1.12, 1.2):
+        height = rel.height_s * f
+        cand = room_for_tall_jobs(ctx, rel, height, priced)
+        if cand is None:
+            if f == 1.0:
+                return None
+            continue
+        time = np.where(cand.degree > 1, cand.job_time, ctx.packed_s)
+        if int(cand.degree[time > height / 2].sum()) > ctx.num_ranks:
+            continue
+        promise = max(height, float((cand.degree * time).sum()) / ctx.num_ranks)
+        if best is None or promise < best[0]:
+            best = (promise, cand)
+    return None if best is None else best[1]
+
+
+def room_for_tall_jobs(
+    ctx: Context, rel: Relaxation, height: float, priced: _Prices | None = None
+) -> Candidate | None:
+    """The relaxation's degrees at ``height`` with room for its tall jobs: within ``height`` a
+    rank holds at most one job (whole or a member's share) taller than half of it, so where
+    such jobs outnumber the ranks, those that free a rank for the least extra area are split
+    further, each to the least of a few degrees (up to three times its own) whose members are
+    under half of ``height``, until they fit or none is left. ``None`` where they fit already
+    or none can be split so. ``priced``: the prices of earlier heights, added to here."""
+    lens, n, half = ctx.seq_lens, ctx.num_ranks, height / 2
+    degree, job_time = rel.degrees_at(height, ctx.whole_s)
+    time = np.where(degree > 1, job_time, ctx.packed_s)
+    tall = time > half
+    over = int(degree[tall].sum()) - n
+    if over <= 0:
+        return None
+    # Three degrees a tall job, priced in one pass: where its time would fall under half
+    # were it to shrink as 1 / degree, one more, and a quarter more.
+    seqs = np.flatnonzero(tall)
+    top = np.minimum(np.minimum(3 * degree[seqs], lens[seqs] // 2), most_members(ctx))
+    guess = np.ceil(degree[seqs] * time[seqs] / half).astype(np.int64)
+    tries = np.stack([guess, guess + 1, np.ceil(1.25 * guess).astype(np.int64)], axis=1)
+    tries = np.clip(tries, degree[seqs, None] + 1, None)
+    ok = tries <= top[:, None]
+    row_seq, row_deg = np.broadcast_to(seqs[:, None], tries.shape)[ok], tries[ok]
+    row_time = (priced or _Prices(ctx)).of(lens[row_seq], row_deg)
+    fits = np.flatnonzero(row_time <= half)
+    seq, at = np.unique(row_seq[fits], return_index=True)  # each one's least such degree
+    if seq.size == 0:
+        return None
+    new_deg, new_time = row_deg[fits][at], row_time[fits][at]
+    freed = degree[seq]
+    extra = (new_deg * new_time - freed * time[seq]) / freed
+    order = np.argsort(extra, kind="stable")
+    take = order[: int(np.searchsorted(np.cumsum(freed[order]), over)) + 1]
+    degree, job_time = degree.copy(), job_time.copy()
+    degree[seq[take]], job_time[seq[take]] = new_deg[take], new_time[take]
+    return Candidate(degree, job_time)
+
+
+class _Prices:
+    """:func:`.groups.split_busy` of (length, degree) pairs, each priced once across calls."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.keys = np.zeros(0, dtype=np.int64)  # length * 2**32 + degree, sorted
+        self.times = np.zeros(0)
+
+    def of(self, lens: np.ndarray, degree: np.ndarray) -> np.ndarray:
+        keys = (lens.astype(np.int64) << 32) + degree
+        new = np.setdiff1d(keys, self.keys)
+        if new.size:
+            L, d = new >> 32, new & 0xFFFFFFFF
+            times = split_busy(self.ctx, L, d, self.ctx.splits(L, d)[0])
+            keys_all = np.concatenate([self.keys, new])
+            order = np.argsort(keys_all, kind="stable")
+            self.keys, self.times = keys_all[order], np.concatenate([self.times, times])[order]
+        return self.times[np.searchsorted(self.keys, keys)]
 
 
 def work_s(ctx: Context, rel: Relaxation, cand: Candidate) -> float:
