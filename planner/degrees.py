@@ -135,9 +135,8 @@ def rank_floor(cost: CostModel, lens: np.ndarray, sync: str) -> RankFloor:
     tokens = float(np.sum(lens))
     cap = cost.offload_capacity(sync)
     T = 2.0 ** (np.arange(0, 64 * max(1.0, np.log2(max(tokens, 1.0))) + 2) / 64)
-    least = cost.compute.least_dense_s_per_token
-    q0 = least(cap)
-    q = np.maximum(cost.compute.least_dense_s_per_token_of(np.minimum(T, cap)), q0)
+    q0 = cost.compute.least_dense_s_per_token(cap)
+    q = cost.compute.least_dense_s_per_token_of(np.minimum(T, cap))  # (q0 at least: up to cap)
     o = cost.model.layers * cost.cluster.gpu.layer_overhead_s
     # A rank of T[j] to T[j + 1] tokens is busy at least T[j] q(T[j + 1]) + o; with at least
     # T[j] tokens, at least the least of that from j on.

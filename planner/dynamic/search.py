@@ -445,8 +445,8 @@ def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
             if f == 1.0:
                 return None
             continue
-        time = np.where(cand.degree > 1, cand.job_time, ctx.packed_s)
-        if int(cand.degree[time > height / 2].sum()) > ctx.num_ranks:
+        time, tall = _tall_members(ctx, cand, height)
+        if tall > ctx.num_ranks:
             continue
         promise = max(height, float((cand.degree * time).sum()) / ctx.num_ranks)
         if best is None or promise < best[0]:
@@ -465,14 +465,13 @@ def room_for_tall_jobs(
     or none can be split so. ``priced``: the prices of earlier heights, added to here."""
     lens, n, half = ctx.seq_lens, ctx.num_ranks, height / 2
     degree, job_time = rel.degrees_at(height, ctx.whole_s)
-    time = np.where(degree > 1, job_time, ctx.packed_s)
-    tall = time > half
-    over = int(degree[tall].sum()) - n
+    time, tall = _tall_members(ctx, Candidate(degree, job_time), height)
+    over = tall - n
     if over <= 0:
         return None
     # Three degrees a tall job, priced in one pass: where its time would fall under half
     # were it to shrink as 1 / degree, one more, and a quarter more.
-    seqs = np.flatnonzero(tall)
+    seqs = np.flatnonzero(time > half)
     top = np.minimum(np.minimum(3 * degree[seqs], lens[seqs] // 2), most_members(ctx))
     guess = np.ceil(degree[seqs] * time[seqs] / half).astype(np.int64)
     tries = np.stack([guess, guess + 1, np.ceil(1.25 * guess).astype(np.int64)], axis=1)
@@ -492,6 +491,13 @@ def room_for_tall_jobs(
     degree, job_time = degree.copy(), job_time.copy()
     degree[seq[take]], job_time[seq[take]] = new_deg[take], new_time[take]
     return Candidate(degree, job_time)
+
+
+def _tall_members(ctx: Context, cand: Candidate, height: float) -> tuple[np.ndarray, int]:
+    """Each sequence's time in ``cand`` (a multi-rank job's, or whole at its packed time) and
+    how many ranks the jobs taller than half of ``height`` take."""
+    time = np.where(cand.degree > 1, cand.job_time, ctx.packed_s)
+    return time, int(cand.degree[time > height / 2].sum())
 
 
 class _Prices:
