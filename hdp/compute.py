@@ -50,6 +50,7 @@ from .specs import GPUProfile, ModelSpec
 
 _GRID_PER_OCTAVE = 16
 _GRID_MAX_TOKENS = 1 << 25
+_RING_PER_OCTAVE = 64
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,64 @@ class ComputeModel:
         at = np.interp(x, xs, ys) - x
         below = np.minimum.accumulate(ys - xs)[np.searchsorted(xs, x, side="right") - 1]
         return np.exp(np.minimum(at, below))
+
+    def least_dense_time_from(self, tokens) -> np.ndarray:
+        """The least :meth:`dense_time` of micro-batches of at least ``tokens`` tokens: a bound
+        for a rank's share of ``tokens`` that may share its micro-batch (dense work is linear in
+        log-log between grid points, so its least from ``x`` on is at ``x`` or a grid point
+        above)."""
+        xs, ys = self._dense_grid
+        T = np.asarray(tokens, dtype=np.float64)
+        x = np.log(np.maximum(T, 1.0))
+        after = np.minimum.accumulate(ys[::-1])[::-1]  # the least from each grid point on
+        i = np.searchsorted(xs, x, side="left")
+        above = np.where(i < xs.size, after[np.minimum(i, xs.size - 1)], np.inf)
+        work = np.exp(np.minimum(np.interp(x, xs, ys), above))
+        overhead = self.model.layers * self.gpu.layer_overhead_s
+        return np.where(T > 0, work + overhead, 0.0)
+
+    def least_dense_time_ladder(self, tokens, quarters: int) -> np.ndarray:
+        """``[quarters + 1, len(tokens)]``: row ``k`` at most :meth:`least_dense_time_from` of
+        ``tokens`` times ``2^(k/4)``, row 0 equal to it (the others from the grid point at or
+        below, a quarter octave being whole grid steps)."""
+        xs, ys = self._dense_grid
+        T = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
+        after = np.minimum.accumulate(ys[::-1])[::-1]
+        first = np.maximum(np.searchsorted(xs, np.log(T), side="right") - 1, 0)
+        at = first[None, :] + (_GRID_PER_OCTAVE // 4) * np.arange(1, quarters + 1)[:, None]
+        overhead = self.model.layers * self.gpu.layer_overhead_s
+        higher = np.exp(after[np.minimum(at, xs.size - 1)]) + overhead
+        return np.concatenate([self.least_dense_time_from(T)[None, :], higher])
+
+    @cached_property
+    def _ring_call_rates(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Query-key pairs per second of a ring step's call over a cell of ``T`` split tokens
+        (:func:`hdp.ring.cell_attention`'s rate, the least of its three shapes), on a grid of
+        ``T`` 64 to an octave: (log ``T``, the most over each grid point's quarter octave up,
+        the most from each grid point on)."""
+        m, t = self.model, self.gpu.tables
+        octaves = int(np.log2(_GRID_MAX_TOKENS))
+        T = 2.0 ** np.linspace(0, octaves, octaves * _RING_PER_OCTAVE + 1)
+        h, d, b = m.heads, m.head_dim, self.backend
+        shapes = [t.causal_rate(T, h, d, b), t.full_rate(T, T / 2, h, d, b)]
+        call = np.minimum.reduce([*shapes, t.full_rate(T / 2, T, h, d, b)])
+        # A quarter octave from a grid point at or below its start spans this many points.
+        span = _RING_PER_OCTAVE // 4 + 2
+        padded = np.append(call, np.zeros(span - 1))
+        quarter = np.lib.stride_tricks.sliding_window_view(padded, span).max(axis=1)
+        return np.log(T), quarter, np.maximum.accumulate(call[::-1])[::-1]
+
+    def fastest_ring_rates(self, tokens, quarters: int) -> np.ndarray:
+        """``[quarters + 1, len(tokens)]``: the most query-key pairs per second of a ring step's
+        call over a cell of ``tokens`` times ``2^(k/4)`` to ``2^((k+1)/4)`` split tokens in row
+        ``k``, and of any more in the last row (grid points around each range, so that each
+        stays a bound)."""
+        xs, quarter, suffix = self._ring_call_rates
+        x = np.log(np.maximum(np.asarray(tokens, dtype=np.float64), 1.0))
+        first = np.maximum(np.searchsorted(xs, x, side="right") - 1, 0)
+        at = first[None, :] + (_RING_PER_OCTAVE // 4) * np.arange(quarters + 1)[:, None]
+        at = np.minimum(at, xs.size - 1)
+        return np.concatenate([quarter[at[:-1]], suffix[at[-1:]]])
 
     def optimizer_time(self, params: float) -> float:
         """One optimizer step over ``params`` parameters (a rank's shard), seconds."""

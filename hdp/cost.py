@@ -456,12 +456,12 @@ class CostModel:
         return traffic.kv_traffic(plan, rpn, labels)
 
     def comm_time_per_layer(
-        self, traffic: KVTraffic, latency: bool = True
+        self, traffic: KVTraffic, dkv_ratio: float | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) KV transfer time of one layer per cell, seconds (``latency``
-        False: the bytes' time alone, without each message's latency)."""
+        """(forward, backward) KV transfer time of one layer per cell, seconds (``dkv_ratio``:
+        dK/dV bytes per K/V byte, default :attr:`dkv_ratio`)."""
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
-        dkv = self.dkv_ratio
+        dkv = self.dkv_ratio if dkv_ratio is None else dkv_ratio
         blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
         t_fwd, t_bwd = np.zeros(blocks_all.shape), np.zeros(blocks_all.shape)
         # Only cells that exchange K/V cost anything; at scale they are a small share of the
@@ -479,7 +479,7 @@ class CostModel:
                 np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw),
             )
 
-        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency) * latency
+        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
         t_fwd[cells] = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
         # Backward: KV in again and dK/dV of the owners' blocks in; KV out again and dK/dV out.
         t_bwd[cells] = (

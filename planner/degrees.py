@@ -234,8 +234,13 @@ def relaxation_bound(
     long_ids = np.flatnonzero(splittable)
     short = np.ones(lens.size, dtype=bool)
     short[long_ids] = False
+    # A whole sequence's rank runs a micro-batch of it or more, fixed costs included.
+    tall = packed
+    if any_split and not pow2:
+        tall = cost.model.layers * cost.attn_time(np.zeros(lens.size), lens)
+        tall = tall + cost.compute.least_dense_time_from(lens)
     base_area = float(packed[short].sum())
-    base_height = float(packed[short].max(initial=0.0))
+    base_height = float(tall[short].max(initial=0.0))
     # Only node exchange needs the cut (Note [Menus end at the floor]); rank menus stay whole.
     floor_s = (
         menu_floor(least_time(cost, lens, cost.offload_capacity(sync)), slots)
@@ -252,7 +257,7 @@ def relaxation_bound(
         b = max(base_height, spread, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)
     # Events: (height at which an option becomes allowed, its area, its sequence).
-    options = _bound_options(menus, packed[long_ids], pow2, any_split, alone)
+    options = _bound_options(menus, packed[long_ids], tall[long_ids], pow2, any_split, alone)
     finite = np.bincount(options.seq[np.isfinite(options.height)], minlength=len(menus))
     if (finite == 0).any():
         length = int(lens[long_ids[int(np.argmin(finite))]])
@@ -342,19 +347,24 @@ def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) ->
 
 
 def _bound_options(
-    menus: tuple[Menu, ...], packed: np.ndarray, pow2: bool, any_split: bool, alone: bool = False
+    menus: tuple[Menu, ...],
+    packed: np.ndarray,
+    tall: np.ndarray,
+    pow2: bool,
+    any_split: bool,
+    alone: bool = False,
 ) -> Options:
     """Every option a bound may give each sequence (menu ``menus[j]``, packed time
-    ``packed[j]``), flat, each sequence's in one run: its menu entries, hdp's or with
-    ``any_split`` the bound's (either split, the faster). Degree 1 counts at its packed time,
-    since whole on one rank it may share its cell as the short ones do (``alone``: its area
-    only; its height is the menu's, alone in a cell). For each run of degrees the menu skips,
-    a virtual option takes the smaller height and the smaller area of the two entries around
-    it, so that a bound over the options covers every degree. With ``any_split``, the degrees
-    past a cut menu's end (Note [Menus end at the floor]) at the menu's least height (at most
-    the floor, which no relaxation value goes below) and least tail area, and the head-parallel
-    options (Note [Bounds cover head-parallel plans]). A sequence with an empty menu has
-    none."""
+    ``packed[j]``, least height whole ``tall[j]``), flat, each sequence's in one run: its menu
+    entries, hdp's or with ``any_split`` the bound's (either split, the faster). Degree 1
+    covers its packed time and is ``tall`` high, since whole on one rank it may share its cell
+    as the short ones do (``alone``: its height is the menu's, alone in a cell). For each run
+    of degrees the menu skips, a virtual option takes the smaller height and the smaller area
+    of the two entries around it, so that a bound over the options covers every degree. With
+    ``any_split``, the degrees past a cut menu's end (Note [Menus end at the floor]) at the
+    menu's least height (at most the floor, which no relaxation value goes below) and least
+    tail area, and the head-parallel options (Note [Bounds cover head-parallel plans]). A
+    sequence with an empty menu has none."""
     prefix = "bound_" if any_split else ""
     degrees, height, area = (
         [getattr(mu, prefix + f) for mu in menus] for f in ("degrees", "height", "area")
@@ -366,7 +376,7 @@ def _bound_options(
     one = starts[D[starts] == 1]
     A[one] = packed[S[one]]
     if not alone:
-        H[one] = packed[S[one]]
+        H[one] = tall[S[one]]
     kinds = [(H, A, S, np.arange(S.size))]
     if not pow2:
         gap = np.flatnonzero((np.diff(D) > 1) & (S[1:] == S[:-1]))
@@ -431,7 +441,7 @@ def shelf_bound(
     room = cost.offload_capacity(sync)
     packed = _whole_time(cost, lens, sync, pow2)
     least = packed.copy()
-    flat = _bound_options(rel.menus, packed[rel.long_ids], pow2, any_split=True)
+    flat = _bound_options(rel.menus, *(packed[rel.long_ids],) * 2, pow2, any_split=True)
     ends = np.cumsum(np.bincount(flat.seq, minlength=len(rel.menus)))[:-1]
     options = []
     for j, (h, a) in enumerate(zip(np.split(flat.height, ends), np.split(flat.area, ends))):

@@ -3,16 +3,24 @@
 :func:`length_menus` prices each length's degrees once per cost model, with
 :func:`hdp.planner.splits.split_times`: a coarse pass finds where the height stops falling, and a
 fine menu, with the node multiples around it, ends a little beyond. Each entry has hdp's own figures
-(128-token blocks, latency counted) and the bound's (the faster of either split, by bytes alone).
+(128-token blocks, latency counted) and the bound's (the faster of either split, by bytes and
+partners).
 The relaxation and the bounds of :mod:`hdp.planner.degrees` sweep these menus.
 
-Note [Bounds price bytes, not messages]: the closed form counts a member's messages as its
-``d - 1`` partners plus one per K/V block it receives, while a plan's exchange
-(:meth:`hdp.Plan.exchange`) merges a member's adjacent pieces and may send fewer. A bound that
-charged the closed form's per-message latency could then exceed a plan: a 2049-token sequence of
-the tiny model split over 5 ranks ran 0.7% under it. So the entries bounds use (``Menu.bound_*``)
-price the K/V traffic by its bytes alone, which every zigzag split of the sequence must move,
-while hdp's own entries keep the latency that decides between its degrees.
+Note [Bounds price bytes and partners]: the closed form counts a member's messages as its
+``d - 1`` partners plus one per K/V block it receives. A plan's cell is priced a message per
+peer it receives a piece from, plus one per block of the plan's own size
+(:func:`hdp.traffic.kv_traffic`), and its split may differ from the closed form's: a bound
+charging the blocks' messages ran 0.7% over a plan of a 2049-token sequence of the tiny model on
+5 ranks. So the entries bounds use (``Menu.bound_*``) price the K/V traffic by its bytes, which
+every zigzag split of the sequence must move, and a message from each partner that holds a token
+before the member's last one (:func:`hdp.planner.splits.split_times` with ``latency`` False),
+which every plan of the split receives: in zigzag shares every other member, since all heads
+come before any tail (Note [A member's cell in a bound] in :mod:`hdp.planner.splits` has the
+rest of an entry). Example (llama-7b, 1,024 H100s, ``node`` exchange): a 255,093-token sequence
+is fastest on 224 ranks by hdp's own entries (1.83 s). By its bytes alone it would run 1.39 s on
+544 ranks, each member waiting on 543 partners a layer; with a message from each, the bound's
+least is 1.53 s, on 287.
 
 Note [Menus end at the floor]: every relaxation value is at least the least work of the batch
 spread over the slots (:func:`menu_floor` of :func:`hdp.planner.degrees.least_time`), so below that
@@ -74,8 +82,8 @@ class Menu:
     ``area``, ``most_tokens``: a member's figures as ``hdp`` splits the sequence (128-token blocks),
     the feasible degrees up to the fastest. ``bound_*``: for bounds over every strategy's plans,
     the degrees that either split can hold, each at the faster of hdp's split and the exact
-    zigzag split other strategies use, traffic priced by its bytes (Note [Bounds price bytes, not
-    messages]), up to the fastest."""
+    zigzag split other strategies use, traffic priced by its bytes and partners (Note [Bounds price
+    bytes and partners]), up to the fastest."""
 
     degrees: np.ndarray
     height: np.ndarray
@@ -375,7 +383,7 @@ def _priced(
     deg = np.asarray(deg, dtype=np.int64)
     k, lengths = deg.size, np.broadcast_to(np.asarray(length, dtype=np.int64), deg.shape)
     blocked = blocks_fit(lengths, deg) & in_blocks
-    if not blocked.any():  # one split; the bound's entries price it by bytes alone
+    if not blocked.any():  # one split; the bound's entries price it by bytes and partners
         if not (with_bounds and times is split_times):
             h, a, most = times(cost, lengths, deg, sync, 1)
             return Menu(deg, h, a, most, deg, h, a)

@@ -4,20 +4,45 @@ by the cost model's own arithmetic (``tests/test_planner_hdp.py`` checks the two
 menus of :mod:`hdp.planner.menus`, the bounds of :mod:`hdp.planner.degrees` and the FlexSP baseline
 price splits with it.
 :func:`head_split_times` is the same for head-parallel (Ulysses) groups, as hdp's ``ulysses``
-menus price them, and :func:`ulysses_options` as bounds price them."""
+menus price them, and :func:`ulysses_options` as bounds price them.
+
+Note [A member's cell in a bound]: a bound's entry (``split_times`` with ``latency`` False) must
+hold for every strategy's plan as its own runtime prices it, and a member's share may sit in a
+cell with other work. The member is then busy at least for its own attention, the traffic that
+attention does not hide, and the dense layers of the cell's tokens, which are at least its share
+(:meth:`hdp.compute.ComputeModel.least_dense_time_from`, fixed costs included). hdp's runtime
+runs its attention as the closed form prices it. A ring (Note [One kernel call per ring step]
+in :mod:`hdp.ring`) runs it in one call a step whose rate grows with the cell's split tokens
+``T``: a larger cell runs the share's attention faster and its dense layers slower. So the entry
+takes the least busy time over cells of ``T`` from the share up, a quarter octave at a time
+(each at the fastest call of its range and the dense time of its least ``T``), the last for
+every ``T`` past four times the share. Its traffic is priced as baselines send it: dK/dV in the
+compute dtype (hdp's runtime sums them in fp32), with a message from each partner (Note [Bounds
+price bytes and partners] in :mod:`hdp.planner.menus`). Its area keeps the closed form's
+attention and dense work at the best speed a token. Example: 6,138 tokens of llama-7b on two
+A100s of one node, 2,048 tokens a rank. ByteScale's ring plan steps 1.3677 s and hdp's split
+1.3729 s; priced alone in its cell at hdp's attention the entry bounds at 1.3729 s, over
+ByteScale's plan, and with the ring's cells at 1.3452 s.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from hdp import CostModel, ulysses
+from hdp.compute import ComputeModel
 from hdp.cost import KVTraffic
 from hdp.plan import DEFAULT_KV_BLOCK_TOKENS
+from hdp.profile import TILE_TOKENS
 
 from .common import zigzag_positions, zigzag_shares
+
+_POS_BITS = 36  # token positions < 2**36: (job, position) keys stay below 2**63
+_CELL_STEPS = 8  # a bound's cells of a member's share up to 4x it, in quarter octaves
 
 
 def split_times(
@@ -31,8 +56,9 @@ def split_times(
     """Per (length, parts) pair: (height s: slowest member's busy time, area s: rank-seconds the
     job covers in ``sync`` mode, most tokens on one member). Members that must hold more than the
     capacity offload the needed share of their activations (priced by the cost model).
-    ``latency`` False prices K/V traffic by its bytes alone, for bounds (Note [Bounds price
-    bytes, not messages])."""
+    ``latency`` False prices K/V traffic as bounds do: its bytes, and a message from each
+    partner whatever the plan (Note [Bounds price bytes and partners] in
+    :mod:`hdp.planner.menus`)."""
     return _ZigzagJobs.of(cost, lengths, parts, align).times(sync, latency)
 
 
@@ -46,8 +72,8 @@ def split_times_both(
 ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
     """:func:`split_times` with ``latency`` True and False, from one pass over the shares.
     ``own_cells``: the second for plans that run every member's share in a micro-batch of its
-    own (Megatron's), so its dense work is the share's own, fixed costs and all, and its area
-    the members' busy times."""
+    own (Megatron's), so its dense work is the share's own, fixed costs and all, its traffic as
+    those plans are priced, and its area the members' busy times."""
     jobs = _ZigzagJobs.of(cost, lengths, parts, align)
     return jobs.times(sync, True), jobs.times(sync, False, own_cells)
 
@@ -61,7 +87,9 @@ class _ZigzagJobs(NamedTuple):
     d: np.ndarray  # its job's members
     held: np.ndarray  # tokens it holds
     attn_layer: np.ndarray  # its attention, one layer
+    ring: _RingShare  # its attention where a ring runs it (one call per ring step)
     traffic: KVTraffic
+    partners: np.ndarray  # the other members it receives from in any plan of its split
 
     @classmethod
     def of(
@@ -79,6 +107,9 @@ class _ZigzagJobs(NamedTuple):
             np.concatenate([head_start + head, tail_end]),
         )
         attn_layer = chunks[: head.size] + chunks[head.size :]
+        # (The rings of other strategies split exactly: only those shares may run in one.)
+        exact = np.flatnonzero((np.broadcast_to(align, parts.shape) == 1)[rep])
+        ring = _RingShare.of(cost, lengths, rep, exact, head, tail, head_start, tail_end)
         d = parts[rep]
         # Node of each member (groups start at a node boundary) and per-node sums.
         node_idx = np.cumsum(member % rpn == 0) - 1  # rows are grouped by job, members ascending
@@ -101,61 +132,154 @@ class _ZigzagJobs(NamedTuple):
         traffic = KVTraffic(
             in_intra, received - in_intra, out_intra, out_all - out_intra, msgs_in, msgs_out, None
         )
-        return cls(cost, parts, rep, d, held, attn_layer, traffic)
+        partners = _partners(rep, head, tail, head_start, tail_end)
+        return cls(cost, parts, rep, d, held, attn_layer, ring, traffic, partners)
 
     def times(
         self, sync: str, latency: bool, own_cells: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`split_times` of these jobs (``own_cells``: :func:`split_times_both`'s)."""
         cost = self.cost
-        m, held, attn_layer = cost.model, self.held, self.attn_layer
-        # Whole sequences may share a member's cell (their dense layers then run at the packed
-        # speed): bounds price dense work at the best speed per token.
+        m, held = cost.model, self.held
         per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
-        dense = cost.dense_time(held) if latency or own_cells else held * per_token
-        compute = m.layers * attn_layer + dense
-        t_fwd, t_bwd = cost.comm_time_per_layer(self.traffic, latency)
+        traffic, dkv = self.traffic, cost.dkv_ratio
+        if not latency:
+            traffic = replace(traffic, in_msgs=self.partners, out_msgs=self.partners)
+        if not (latency or own_cells):  # (baselines return dK/dV in the compute dtype)
+            dkv = min(dkv, 1.0)
+        t_fwd, t_bwd = cost.comm_time_per_layer(traffic, dkv_ratio=dkv)
         fs = cost.attn_fwd_share
-        exposed = m.layers * (
-            np.maximum(0.0, t_fwd - fs * attn_layer)
-            + np.maximum(0.0, t_bwd - (1 - fs) * attn_layer)
-        )
-        exposed = np.where(self.d > 1, exposed, 0.0)
+        offload_s, multi = _offload_s(cost, sync, held), self.d > 1
+
+        def busy(attn: np.ndarray, dense: np.ndarray, at: slice | np.ndarray = slice(None)):
+            tf, tb = t_fwd[at], t_bwd[at]
+            exposed = m.layers * (
+                np.maximum(0.0, tf - fs * attn) + np.maximum(0.0, tb - (1 - fs) * attn)
+            )
+            return np.maximum(m.layers * attn + dense, offload_s[at]) + np.where(
+                multi[at], exposed, 0.0
+            )
+
+        if latency or own_cells:
+            busy_s = busy(self.attn_layer, cost.dense_time(held))
+        else:  # Note [A member's cell in a bound]
+            dense = cost.compute.least_dense_time_from(held)
+            busy_s = busy(self.attn_layer, dense)
+            rows, least = self.ring.rows, self.ring.least_attention(cost.compute)
+            rows = rows[busy(least, dense[rows], rows) < busy_s[rows]]  # (a ring may be faster)
+            if rows.size:
+                in_ring = busy(*self.ring.cells(cost.compute, held[rows], rows), rows).min(axis=0)
+                busy_s[rows] = np.minimum(busy_s[rows], in_ring)
         n = self.parts.size
-        busy, height, most = _jobs(cost, sync, n, self.rep, held, compute, exposed)
+        height, most = _per_job(n, self.rep, busy_s, held)
         if sync == "peer" and latency:
             area = self.parts * height  # the members start together and wait for the slowest
         elif own_cells:  # (a member's wait may run other micro-batches: its busy time only)
-            area = np.bincount(self.rep, weights=busy, minlength=n)
+            area = np.bincount(self.rep, weights=busy_s, minlength=n)
         else:
             # A wave lasts as long as its slowest rank anyway, and whole sequences may share a
             # member's cell (their dense layers then run at the packed speed, and their
             # attention may hide under its K/V traffic): count only compute, dense at the best
             # speed. Bounds count so in peer sync too, where other sequences may fill a
             # member's wait.
-            packed = m.layers * attn_layer + held * per_token
+            packed = m.layers * self.attn_layer + held * per_token
             area = np.bincount(
-                self.rep, weights=np.where(np.isfinite(busy), packed, np.inf), minlength=n
+                self.rep, weights=np.where(np.isfinite(busy_s), packed, np.inf), minlength=n
             )
         return height, area, most
 
 
-def _jobs(
-    cost: CostModel, sync: str, n: int, rep, held, compute, exposed
-) -> tuple[np.ndarray, ...]:
-    """Each member's busy time (its compute, exposed traffic and the part of its offload copy
-    compute does not hide; inf where it cannot hold its share even with offload), and per job of
-    ``n`` its slowest member's busy time and the most tokens a member holds."""
+class _RingShare(NamedTuple):
+    """What a ring's attention of a member costs (Note [One kernel call per ring step] in
+    :mod:`hdp.ring`): its chunks' query-key pairs, queries padded to a tile, at no more than
+    its document's rate whole or a call over the cell's split tokens."""
+
+    rows: np.ndarray  # the members it covers
+    pairs: np.ndarray
+    whole_rate: np.ndarray  # pairs a second of its document whole
+
+    @classmethod
+    def of(
+        cls,
+        cost: CostModel,
+        lengths: np.ndarray,
+        rep: np.ndarray,
+        rows: np.ndarray,
+        head: np.ndarray,
+        tail: np.ndarray,
+        head_start: np.ndarray,
+        tail_end: np.ndarray,
+    ) -> _RingShare:
+        c, m = cost.compute, cost.model
+
+        def pairs(q: np.ndarray, start: np.ndarray) -> np.ndarray:
+            q, start = q[rows], start[rows]
+            return np.where(q > 0, np.maximum(q, TILE_TOKENS) * ((q + 1.0) / 2.0 + start), 0.0)
+
+        whole = c.gpu.tables.causal_rate(lengths, m.heads, m.head_dim, c.backend)[rep[rows]]
+        return cls(rows, pairs(head, head_start) + pairs(tail, tail_end - tail), whole)
+
+    def least_attention(self, compute: ComputeModel) -> np.ndarray:
+        """Each member's attention, one layer, at its document's rate whole: the least in any
+        cell."""
+        return self.pairs / self.whole_rate * compute.attn_recompute
+
+    def cells(
+        self, compute: ComputeModel, held: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per member of ``rows`` (columns; ``held`` tokens each), its least attention and
+        dense time in a cell of ``T`` split tokens or more, ``T`` from its share up a quarter
+        octave a row to four times it and then any more (Note [A member's cell in a bound])."""
+        at = np.searchsorted(self.rows, rows)
+        rates = np.minimum(self.whole_rate[at], compute.fastest_ring_rates(held, _CELL_STEPS))
+        attn = self.pairs[at] / rates * compute.attn_recompute
+        return attn, compute.least_dense_time_ladder(held, _CELL_STEPS)
+
+
+def _partners(
+    rep: np.ndarray,
+    head: np.ndarray,
+    tail: np.ndarray,
+    head_start: np.ndarray,
+    tail_end: np.ndarray,
+) -> np.ndarray:
+    """Per member: how many other members of its job hold a token before the end of its own
+    last one. A plan of the split receives a piece from each (:func:`hdp.traffic.kv_traffic`
+    counts a message per peer), and in zigzag shares that is every other member."""
+    d = np.bincount(rep)[rep]
+    gaps = np.bincount(rep, weights=head == 0, minlength=int(rep.max(initial=-1)) + 1)[rep] > 0
+    if not gaps.any():  # (every member's head lies before every other member's tail)
+        return d - 1
+    rep, head, tail, head_start, tail_end = (
+        x[gaps] for x in (rep, head, tail, head_start, tail_end)
+    )
+    first = np.where(head > 0, head_start, tail_end - tail)
+    last = np.where(tail > 0, tail_end, head_start + head)
+    job = rep.astype(np.int64) << _POS_BITS
+    starts = np.sort(np.where(head + tail > 0, job + first, job + (1 << _POS_BITS) - 1))
+    before = np.searchsorted(starts, job + last) - np.searchsorted(starts, job)
+    out = d - 1
+    out[gaps] = np.where(head + tail > 0, before - 1, 0)
+    return out
+
+
+def _offload_s(cost: CostModel, sync: str, held: np.ndarray) -> np.ndarray:
+    """Each member's offload copy (0 where it holds its share in memory; inf where it cannot
+    even with offload): a member is busy the longer of it and its compute, plus its exposed
+    traffic."""
     fraction = np.where(
         held <= cost.offload_capacity(sync), cost.offload_needed(held, sync), np.inf
     )
-    offload = np.maximum(0.0, cost.offload_time(held, np.minimum(fraction, 1.0)) - compute)
-    busy = np.where(fraction <= 1.0, compute + exposed + offload, np.inf)
+    return np.where(fraction <= 1.0, cost.offload_time(held, np.minimum(fraction, 1.0)), np.inf)
+
+
+def _per_job(n: int, rep: np.ndarray, busy: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per job of ``n``: its slowest member's busy time and the most tokens a member holds."""
     height = np.full(n, -np.inf)
     np.maximum.at(height, rep, busy)
     most = np.zeros(n, dtype=np.int64)
     np.maximum.at(most, rep, held)
-    return busy, height, most
+    return height, most
 
 
 class _ZigzagLinks(NamedTuple):
@@ -214,7 +338,8 @@ def head_split_times(
     ckpt = cost.compute.attention_recomputed
     comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
     n = lengths.size
-    busy, height, most = _jobs(cost, sync, n, rep, held, compute, comm)
+    busy = np.maximum(compute, _offload_s(cost, sync, held)) + comm
+    height, most = _per_job(n, rep, busy, held)
     if sync == "peer":
         area = parts * height
     else:  # (split_times' reasons) dense at the best speed; the all-to-alls hide nowhere
@@ -252,8 +377,14 @@ def ulysses_options(
     comm = ulysses.link_seconds(cost.cluster.gpu, links)
     attn = np.repeat(cost.attn_time(np.zeros(lens.size), lens), sizes)
     per_token = cost.compute.least_dense_s_per_token(off_cap)
-    height = m.layers * (attn / g + comm) + L / g * per_token
-    area = g * height if sync == "peer" else m.layers * (attn + g * comm) + L * per_token
+    # A member holds at least L / g tokens and may share its cell: its height is at least its
+    # attention, its all-to-alls and a micro-batch of that many tokens; its area counts dense
+    # work at the best speed (a shared cell's fixed costs are paid once).
+    own = m.layers * (attn / g + comm)
+    height = own + cost.compute.least_dense_time_from(L / g)
+    area = (
+        g * own + L * per_token if sync == "peer" else m.layers * (attn + g * comm) + L * per_token
+    )
     cuts = np.cumsum(sizes)[:-1]
     return list(zip(np.split(height, cuts), np.split(area, cuts)))
 
