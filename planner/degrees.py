@@ -253,7 +253,7 @@ def relaxation_bound(
     # The bound's areas price dense work at the best speed (Note [Every rank holds its tokens]).
     floor = rank_floor(cost, lens, sync) if any_split and not pow2 and lens.sum() > 0 else None
     if not menus:
-        spread = simple if floor is None else float(floor.value(np.array([base_area]), slots)[0])
+        spread = float(_spread(np.array([base_area]), slots, floor)[0])
         b = max(base_height, spread, min_step_s) + fixed_s
         return Relaxation(b, base_height, base_area, lens, long_ids, menus)
     # Events: (height at which an option becomes allowed, its area, its sequence).
@@ -309,13 +309,19 @@ def _sweep(
     change[first] = A[first]
     total = np.cumsum(change)
     m_here = np.maximum(H, base_height)
-    spread = (base_area + total) / slots if floor is None else floor.value(base_area + total, slots)
+    spread = _spread(base_area + total, slots, floor)
     value = np.maximum(np.maximum(m_here, spread), min_step_s)
     value[np.cumsum(first) < count] = np.inf
     k = int(np.argmin(value))
     if value[k] == np.inf:
         return math.inf, 0.0, 0.0
     return float(value[k]), float(m_here[k]), float(base_area + total[k])
+
+
+def _spread(area: np.ndarray, slots: int, floor: RankFloor | None) -> np.ndarray:
+    """The least busy part that covers each of ``area`` on ``slots`` (with ``floor``, what its
+    ranks' tokens cost too: Note [Every rank holds its tokens])."""
+    return area / slots if floor is None else floor.value(area, slots)
 
 
 def heads_bound(cost: CostModel, seq_lens: np.ndarray, sync: str, slots: int) -> float:

@@ -76,13 +76,14 @@ from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from . import milp
 from .budget import Budget
-from .candidates import Candidate, jobs_and_singles, num_waves_for
+from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
 from .local import Work, exact_moves, improve, rebuilt
 from .megatron import plan_megatron_form
 from .mixed import MixedGroupPlans
 from .options import DynamicOptions
 from .place import place
+from .wave import jobs_first_changes
 
 NATIVE_SYNC = "peer"
 
@@ -203,11 +204,8 @@ class Search:
         cand = self.best[2]
         if cand is None or all(getattr(cand, k) == v for k, v in variant.items()):
             return False
-        if variant.get("jobs_first"):
-            multi, single = jobs_and_singles(self.ctx, cand.degree, cand.job_time)
-            tallest = self.ctx.packed_s[single].max(initial=-math.inf)
-            if tallest <= cand.job_time[multi].min(initial=math.inf):
-                return False
+        if variant.get("jobs_first") and not jobs_first_changes(self.ctx, cand):
+            return False
         return self.place(dataclasses.replace(cand, **variant))
 
     def join(self) -> bool:

@@ -20,7 +20,15 @@ import numpy as np
 from hdp import CostModel
 
 from ..common import Context
-from .candidates import Assignment, Candidate, pick_members
+from .candidates import Assignment, Candidate, jobs_and_singles, pick_members
+
+
+def jobs_first_changes(ctx: Context, cand: Candidate) -> bool:
+    """Whether placing every multi-rank job first changes :func:`place_wave`'s list: only
+    where some whole sequence is taller than some job."""
+    multi, single = jobs_and_singles(ctx, cand.degree, cand.job_time)
+    tallest = ctx.packed_s[single].max(initial=-math.inf)
+    return bool(tallest > cand.job_time[multi].min(initial=math.inf))
 
 
 @dataclass
