@@ -213,11 +213,14 @@ class _RingShare(NamedTuple):
         c, m = cost.compute, cost.model
 
         def pairs(q: np.ndarray, start: np.ndarray) -> np.ndarray:
-            q, start = q[rows], start[rows]
             return np.where(q > 0, np.maximum(q, TILE_TOKENS) * ((q + 1.0) / 2.0 + start), 0.0)
 
+        h, t, first, last = head[rows], tail[rows], head_start[rows], tail_end[rows]
+        apart = pairs(h, first) + pairs(t, last - t)
+        # (A plan may hold a member's adjacent chunks as one shard: fewer padded pairs.)
+        together = np.where(first + h == last - t, pairs(h + t, first), apart)
         whole = c.gpu.tables.causal_rate(lengths, m.heads, m.head_dim, c.backend)[rep[rows]]
-        return cls(rows, pairs(head, head_start) + pairs(tail, tail_end - tail), whole)
+        return cls(rows, np.minimum(apart, together), whole)
 
     def least_attention(self, compute: ComputeModel) -> np.ndarray:
         """Each member's attention, one layer, at its document's rate whole: the least in any
