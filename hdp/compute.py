@@ -204,6 +204,11 @@ class ComputeModel:
         below = np.minimum.accumulate(ys - xs)[np.searchsorted(xs, x, side="right") - 1]
         return np.exp(np.minimum(at, below))
 
+    @cached_property
+    def _least_dense_from_grid(self) -> np.ndarray:
+        """Log seconds of the least :meth:`dense_work` from each point of the dense grid on."""
+        return np.minimum.accumulate(self._dense_grid[1][::-1])[::-1]
+
     def least_dense_time_from(self, tokens) -> np.ndarray:
         """The least :meth:`dense_time` of micro-batches of at least ``tokens`` tokens: a bound
         for a rank's share of ``tokens`` that may share its micro-batch (dense work is linear in
@@ -212,7 +217,7 @@ class ComputeModel:
         xs, ys = self._dense_grid
         T = np.asarray(tokens, dtype=np.float64)
         x = np.log(np.maximum(T, 1.0))
-        after = np.minimum.accumulate(ys[::-1])[::-1]  # the least from each grid point on
+        after = self._least_dense_from_grid
         i = np.searchsorted(xs, x, side="left")
         above = np.where(i < xs.size, after[np.minimum(i, xs.size - 1)], np.inf)
         work = np.exp(np.minimum(np.interp(x, xs, ys), above))
@@ -223,9 +228,8 @@ class ComputeModel:
         """``[quarters + 1, len(tokens)]``: row ``k`` at most :meth:`least_dense_time_from` of
         ``tokens`` times ``2^(k/4)``, row 0 equal to it (the others from the grid point at or
         below, a quarter octave being whole grid steps)."""
-        xs, ys = self._dense_grid
+        xs, after = self._dense_grid[0], self._least_dense_from_grid
         T = np.maximum(np.asarray(tokens, dtype=np.float64), 1.0)
-        after = np.minimum.accumulate(ys[::-1])[::-1]
         first = np.maximum(np.searchsorted(xs, np.log(T), side="right") - 1, 0)
         at = first[None, :] + (_GRID_PER_OCTAVE // 4) * np.arange(1, quarters + 1)[:, None]
         overhead = self.model.layers * self.gpu.layer_overhead_s
