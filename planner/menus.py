@@ -55,7 +55,7 @@ from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
 from .common import blocks_fit, megatron_group_sizes, use_blocks
-from .splits import menu_pricing, split_times, split_times_both, ulysses_options
+from .splits import ZigzagJobs, menu_pricing, split_times, split_times_both, ulysses_options
 
 
 def degree_menu(
@@ -392,23 +392,34 @@ def _priced(
         (h, a, most), (h_bytes, a_bytes, _) = timed, by_bytes
         return Menu(deg, h, a, most, deg, h_bytes, a_bytes)
     align = np.where(blocked, BLOCK_TOKENS, 1)
-    exact = bound = None
-    if with_bounds:  # hdp's entries and the bound's from one pass over both splits
-        # Each degree twice in one call: split by ``align``, then exactly.
-        parts, aligns = np.concatenate([deg, deg]), np.concatenate([align, np.ones_like(align)])
-        timed, by_bytes = split_times_both(
-            cost, np.concatenate([lengths, lengths]), parts, sync, aligns
-        )
-        (h, a, most), exact = [x[:k] for x in timed], [x[k:] for x in timed]
-        bound = [np.fmin(x[:k], x[k:]) for x in by_bytes[:2]]
-    else:
+    room = cost.offload_capacity(sync)
+    if not with_bounds:
         h, a, most = times(cost, lengths, deg, sync, align)
-    over = blocked & ~use_blocks(lengths, deg, most, cost.offload_capacity(sync))
-    if over.any():
-        if exact is None:
+        over = blocked & ~use_blocks(lengths, deg, most, room)
+        if over.any():
             exact = times(cost, lengths, deg, sync, 1)
-        h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
-    return Menu(deg, h, a, most, deg, *((h, a) if bound is None else bound))
+            h, a, most = (np.where(over, e, x) for x, e in zip((h, a, most), exact))
+        return Menu(deg, h, a, most, deg, h, a)
+    # hdp's entries and the bound's from one pass over both splits: each degree split by
+    # ``align``, then the blocked ones again exactly (the others are split so already). hdp's
+    # entries price the exact split only where the blocks leave a member over the room.
+    again = np.flatnonzero(blocked)
+    jobs = ZigzagJobs.of(
+        cost,
+        np.concatenate([lengths, lengths[again]]),
+        np.concatenate([deg, deg[again]]),
+        np.concatenate([align, np.ones_like(again)]),
+    )
+    over = blocked & ~use_blocks(lengths, deg, jobs.most_tokens[:k], room)
+    timed = jobs.only(np.concatenate([np.ones(k, dtype=bool), over[again]])).times(sync, True)
+    h, a, most = (x[:k] for x in timed)
+    for x, exact in zip((h, a, most), timed):
+        x[over] = exact[k:]
+    by_bytes = jobs.times(sync, False)
+    bound = [x[:k] for x in by_bytes[:2]]
+    for x, exact in zip(bound, by_bytes):
+        x[again] = np.fmin(x[again], exact[k:])
+    return Menu(deg, h, a, most, deg, *bound)
 
 
 def _coarse(

@@ -59,7 +59,7 @@ def split_times(
     ``latency`` False prices K/V traffic as bounds do: its bytes, and a message from each
     partner whatever the plan (Note [Bounds price bytes and partners] in
     :mod:`hdp.planner.menus`)."""
-    return _ZigzagJobs.of(cost, lengths, parts, align).times(sync, latency)
+    return ZigzagJobs.of(cost, lengths, parts, align).times(sync, latency)
 
 
 def split_times_both(
@@ -74,12 +74,13 @@ def split_times_both(
     ``own_cells``: the second for plans that run every member's share in a micro-batch of its
     own (Megatron's), so its dense work is the share's own, fixed costs and all, its traffic as
     those plans are priced, and its area the members' busy times."""
-    jobs = _ZigzagJobs.of(cost, lengths, parts, align)
+    jobs = ZigzagJobs.of(cost, lengths, parts, align)
     return jobs.times(sync, True), jobs.times(sync, False, own_cells)
 
 
-class _ZigzagJobs(NamedTuple):
-    """What both of :func:`split_times`' pricings share, one row per member of every job."""
+class ZigzagJobs(NamedTuple):
+    """What both of :func:`split_times`' pricings share, one row per member of every job
+    (:meth:`of`); :meth:`times` prices them, :meth:`only` keeps some of the jobs."""
 
     cost: CostModel  # its exchange shaped the traffic
     parts: np.ndarray  # per job
@@ -94,7 +95,7 @@ class _ZigzagJobs(NamedTuple):
     @classmethod
     def of(
         cls, cost: CostModel, lengths: np.ndarray, parts: np.ndarray, align: int | np.ndarray
-    ) -> _ZigzagJobs:
+    ) -> ZigzagJobs:
         lengths = np.asarray(lengths, dtype=np.int64)
         parts = np.asarray(parts, dtype=np.int64)
         rpn = cost.cluster.ranks_per_node
@@ -134,6 +135,28 @@ class _ZigzagJobs(NamedTuple):
         )
         partners = _partners(rep, head, tail, head_start, tail_end)
         return cls(cost, parts, rep, d, held, attn_layer, ring, traffic, partners)
+
+    @property
+    def most_tokens(self) -> np.ndarray:
+        """Per job, the most tokens one member holds."""
+        most = np.zeros(self.parts.size, dtype=np.int64)
+        np.maximum.at(most, self.rep, self.held)
+        return most
+
+    def only(self, jobs: np.ndarray) -> ZigzagJobs:
+        """These jobs where ``jobs`` (a mask over them) is set, in order."""
+        keep = jobs[self.rep]
+        member = np.cumsum(keep) - 1  # each kept member's row among the kept
+        ring = self.ring
+        in_ring = keep[ring.rows]
+        ring = _RingShare(member[ring.rows[in_ring]], ring.pairs[in_ring], ring.whole_rate[in_ring])
+        t = self.traffic
+        traffic = replace(t, **{f: getattr(t, f)[keep] for f in _MEMBER_TRAFFIC})
+        rep = (np.cumsum(jobs) - 1)[self.rep[keep]]
+        d, held, attn, partners = (
+            x[keep] for x in (self.d, self.held, self.attn_layer, self.partners)
+        )
+        return ZigzagJobs(self.cost, self.parts[jobs], rep, d, held, attn, ring, traffic, partners)
 
     def times(
         self, sync: str, latency: bool, own_cells: bool = False
@@ -187,6 +210,9 @@ class _ZigzagJobs(NamedTuple):
                 self.rep, weights=np.where(np.isfinite(busy_s), packed, np.inf), minlength=n
             )
         return height, area, most
+
+
+_MEMBER_TRAFFIC = ("in_intra", "in_inter", "out_intra", "out_inter", "in_msgs", "out_msgs")
 
 
 class _RingShare(NamedTuple):
@@ -393,6 +419,7 @@ def ulysses_options(
 
 
 __all__ = [
+    "ZigzagJobs",
     "head_split_times",
     "menu_pricing",
     "split_times",

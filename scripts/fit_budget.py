@@ -3,13 +3,12 @@ r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measu
 hdp's search charges its budget by estimates of each step's work, so that a plan never depends
 on the machine's load. This plans a grid of batches, records every placement, group layout,
 move search, exact trial and head-parallel first plan with the work it did and the CPU seconds
-it took, and fits seconds per item of work by least squares on relative error (coefficients
-kept non-negative). It prints
-the fitted coefficients and, for the ones in the code, how measured time compares with the
-estimate (quantiles of measured / estimated).
+it took, and fits seconds per item of work by weighted least squares (coefficients kept
+non-negative). It prints the fitted coefficients and, for the ones in the code, how measured
+time compares with the estimate (quantiles of measured / estimated).
 
     python scripts/fit_budget.py            # about 5 minutes on one core
-    python scripts/fit_budget.py --models llama-70b --scaling 1024:2 --worst 5
+    python scripts/fit_budget.py --models llama-70b --scaling 1024:2,256:32:llama-70b --worst 5
 """
 
 from __future__ import annotations
@@ -117,10 +116,13 @@ def _instrument() -> None:
 
 
 def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
-    """Non-negative least squares of measured seconds on ``features``, on relative error."""
+    """Non-negative least squares of measured seconds on ``features``, each record weighted
+    by one over the square root of its seconds: between relative and absolute error, since
+    the long steps decide what a large budget spends and the short ones what a small one
+    affords."""
     x = np.array([[r[f] for f in features] for r in rows], dtype=np.float64)
     y = np.array([r["measured"] for r in rows])
-    w = 1.0 / np.maximum(y, 1e-4)
+    w = 1.0 / np.sqrt(np.maximum(y, 1e-4))
     active = list(range(len(features)))
     while True:
         coef = np.zeros(len(features))
@@ -132,7 +134,7 @@ def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
 
 FEATURES = {
     "place peer": ["one", "ranks", "jobs_ranks", "seqs", "shards", "waves_ranks"],
-    "place wave": ["jobs_waves_ranks", "seqs_waves", "shards", "searches"],
+    "place wave": ["one", "jobs_waves_ranks", "seqs_waves", "shards", "searches"],
     "layout peer": ["one", "seqs", "shards"],
     "layout wave": ["one", "seqs", "shards"],
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
@@ -150,7 +152,8 @@ def main() -> None:
     ap.add_argument(
         "--scaling",
         default="1024:2,16384:2,1024:32,4096:128,16384:256",
-        help="RANKS:MTOKENS batches of llama-7b (byted-2m and wikipedia-384k) besides the grid",
+        help="RANKS:MTOKENS[:MODEL] batches (byted-2m and wikipedia-384k; llama-7b unless MODEL "
+        "says) besides the grid",
     )
     ap.add_argument(
         "--worst", type=int, default=0, help="also print each kind's N records furthest over"
@@ -164,8 +167,9 @@ def main() -> None:
         for n in args.gpus.split(",")
     ]
     for point in args.scaling.split(","):
-        n, mtok = (int(x) for x in point.split(":"))
-        cases += [("llama-7b", wl, n, mtok) for wl in ("byted-2m", "wikipedia-384k")]
+        n, mtok, *named = point.split(":")
+        model = named[0] if named else "llama-7b"
+        cases += [(model, wl, int(n), int(mtok)) for wl in ("byted-2m", "wikipedia-384k")]
     for model, wl, n, mtok in cases:
         size = {} if mtok is None else {"tokens_per_step": mtok << 20}
         lens = get_workload(wl).sample_batch(np.random.default_rng(0), **size)

@@ -64,8 +64,8 @@ class Budget:
         n, seqs = ctx.num_ranks, ctx.seq_lens.size
         if ctx.sync == "peer":
             return 1.2e-3 + 5.8e-8 * n * (1 + waves) + 1.5e-8 * jobs * n + 1.9e-6 * shards
-        placed = 7.6e-8 * jobs * waves * n + 1.2e-6 * seqs * waves + 4.2e-6 * shards
-        return placed + 3.2e-5 * searches
+        placed = 9.3e-4 + 5.3e-8 * jobs * waves * n + 1.22e-6 * seqs * waves + 3.7e-6 * shards
+        return placed + 3.9e-5 * searches
 
     @staticmethod
     def first_plan_s(

@@ -148,6 +148,7 @@ class _Cells:
         self.per_token = float(ctx.cost.dense_s_per_token(max(ctx.capacity, 1)))
         self.dense = _dense_by_tokens(ctx.cost, ctx.capacity)
         self.offload_searches = 0
+        self.host = _host_copy(ctx.cost, ctx.sync)
 
     def least_load(self, w: int, L: int, load: np.ndarray, tokens: np.ndarray) -> tuple:
         """(load, rank) of wave ``w``'s least-loaded cell with room for ``L`` tokens, the first
@@ -199,7 +200,7 @@ class _Cells:
             # of its activations may raise it less.
             beat_s = math.inf if best is None else best.raise_s
             self.offload_searches += 1
-            off = offloaded_cell(self.ctx, self.placed, self.heights, L, t, beat_s)
+            off = offloaded_cell(self.ctx, self.placed, self.heights, L, t, beat_s, self.host)
             if off is not None and (best is None or off.raise_s < best.raise_s):
                 best = off
         if best is not None and best.raise_s >= self.new_wave_s + t:  # a wave of its own is cheaper
@@ -266,24 +267,31 @@ def _dense_by_tokens(cost: CostModel, capacity: int) -> list[float]:
 
 
 def offloaded_cell(
-    ctx: Context, placed: Placed, heights: list[float], L: int, t: float, beat_s: float
+    ctx: Context,
+    placed: Placed,
+    heights: list[float],
+    L: int,
+    t: float,
+    beat_s: float,
+    host_copy: tuple[int, float] | None = None,
 ) -> CellChoice | None:
     """The cell that raises its wave least (then the least loaded, then the first) when it
     takes a sequence of ``L`` tokens and ``t`` seconds and offloads what it then must (its
     exposed host-copy time added to its busy time), among those whose load alone would raise
     it by less than ``beat_s`` (offload only adds to it); ``None`` if none of them has room even
-    with offload. (In ``wave`` sync with offload this runs for nearly every sequence: few numpy
+    with offload. ``host_copy``: :func:`_host_copy` of the cost model (a placement looks it up
+    once). (In ``wave`` sync with offload this runs for nearly every sequence: few numpy
     passes, over the cells that may win.)"""
     ranks = placed.load.shape[1]
     waves = np.asarray(heights)
-    busy = placed.load + t
-    maybe = np.flatnonzero(
-        (busy - waves[:, None] < beat_s) & (placed.tokens <= ctx.offload_capacity - L)
-    )
+    room = placed.tokens <= ctx.offload_capacity - L
+    if beat_s < math.inf:  # (no cell raises its wave by inf: every cell with room may win)
+        room &= placed.load + t - waves[:, None] < beat_s
+    maybe = np.flatnonzero(room)
     if maybe.size == 0:
         return None
-    held, s_per_token = _host_copy(ctx.cost, ctx.sync)
-    new_tokens, busy = placed.tokens.ravel()[maybe] + L, busy.ravel()[maybe]
+    held, s_per_token = host_copy or _host_copy(ctx.cost, ctx.sync)
+    new_tokens, busy = placed.tokens.ravel()[maybe] + L, placed.load.ravel()[maybe] + t
     new_load = np.maximum(busy, s_per_token * (new_tokens - held))  # (busy + exposed copy)
     raise_by = np.maximum(0.0, new_load - waves[maybe // ranks])
     # Least raise, then least load, then the first cell: two argmins, not a sort of every cell.
