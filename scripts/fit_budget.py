@@ -1,13 +1,14 @@
 r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measured CPU time.
 
 hdp's search charges its budget by estimates of each step's work, so that a plan never depends
-on the machine's load. This plans a grid of batches, records every placement, group layout,
-move search, exact trial and head-parallel first plan with the work it did and the CPU seconds
-it took, and fits seconds per item of work by weighted least squares (coefficients kept
-non-negative). It prints the fitted coefficients and, for the ones in the code, how measured
-time compares with the estimate (quantiles of measured / estimated).
+on the machine's load. This plans a grid of batches (each in the free form and in the Megatron
+form), records every placement, group layout, move search, exact trial, head-parallel first
+plan and Megatron-form pricing with the work it did and the CPU seconds it took, and fits
+seconds per item of work by weighted least squares (coefficients kept non-negative). It prints
+the fitted coefficients and, for the ones in the code, how measured time compares with the
+estimate (quantiles of measured / estimated).
 
-    python scripts/fit_budget.py            # about 5 minutes on one core
+    python scripts/fit_budget.py            # about 10 minutes on one core
     python scripts/fit_budget.py --models llama-70b --scaling 1024:2,256:32:llama-70b --worst 5
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 import hdp.planner as planner
 from hdp import ClusterSpec, model_preset
 from hdp.planner import PlanningError, StepPricing, plan_and_evaluate
-from hdp.planner.dynamic import DynamicOptions, search
+from hdp.planner.dynamic import DynamicOptions, megatron, search
 from hdp.planner.dynamic.budget import Budget
 from hdp.planner.dynamic.candidates import num_waves_for
 from hdp.planner.menus import clear_menus
@@ -110,6 +111,16 @@ def _instrument() -> None:
                   seqs=heads.seq_lens.size)  # fmt: skip
         return rest(options, plan, heads)
 
+    price = megatron.price
+
+    def timed_price(ctx, layout, token_multiple=1):
+        t0 = time.process_time()
+        out = price(ctx, layout, token_multiple)
+        _recorded("megatron", ctx, t0, Budget.megatron_pricing_s(ctx, layout.shards), one=1,
+                  shards=layout.shards)  # fmt: skip
+        return out
+
+    megatron.price = timed_price
     search.place, search.improve, search.exact_moves = timed_place, timed_improve, timed_exact
     search.group_layouts = timed_layouts
     planner._rest_of_budget = timed_rest
@@ -142,6 +153,8 @@ FEATURES = {
     "trial peer": ["trials", "shards", "cells"],
     "first peer": ["placement", "jobs_degrees", "seqs"],
     "first wave": ["placement", "jobs_degrees", "seqs"],
+    "megatron peer": ["one", "shards"],
+    "megatron wave": ["one", "shards"],
 }
 
 
@@ -177,6 +190,8 @@ def main() -> None:
         t0 = time.process_time()
         pricing = StepPricing.build(model_preset(model), ClusterSpec.preset("h100", n))
         plan_and_evaluate(lens, pricing, "hdp", validate=False)
+        every = DynamicOptions(form="megatron", plan_budget_s=float("inf"), gap=-1.0)
+        plan_and_evaluate(lens, pricing, "hdp", hdp_options=every, validate=False)
         print(f"{model} {wl} {n} ranks, {lens.size} sequences: {time.process_time() - t0:.2f} s")
     by_kind: dict[str, list[dict]] = defaultdict(list)
     for r in RECORDS:

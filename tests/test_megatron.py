@@ -8,6 +8,7 @@ group); the wrapper runs on gloo ranks over a ``GPTDataset`` built with Megatron
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -463,3 +464,45 @@ def test_the_megatron_form_predicts_the_step_megatron_runs(n, sync, cap, data):
     if schedule_problem(their_groups, dict(items), n, cap) is None:
         theirs = megatron_plan(cost, items, their_groups, plan.sync).predicted["step_time_s"]
         assert bound <= theirs * (1 + 1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.sampled_from([2, 4, 8, 16]),
+    sync=st.sampled_from(["peer", "wave"]),
+    cap=st.integers(256, 2048),
+    data=st.data(),
+)
+def test_the_megatron_form_keeps_to_its_budget(n, sync, cap, data):
+    """The Megatron form prices its layouts while its budget lasts: past its first plan it
+    charges no more than it has, a larger budget never steps slower, and with no limit (and no
+    stop at its bound) its step is the least of every layout of its degree choices, each
+    priced as Megatron runs it."""
+    from hdp import ClusterSpec, model_preset
+    from hdp.planner import StepPricing, get_strategy, plan_and_evaluate
+    from hdp.planner.common import Context
+    from hdp.planner.degrees import relaxation_bound
+    from hdp.planner.dynamic import DynamicOptions, megatron
+
+    lens = data.draw(st.lists(st.integers(1, cap * n), min_size=n, max_size=6 * n))
+    pricing = StepPricing.build(
+        model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4), capacity=cap, sync=sync
+    )
+    steps = []
+    for budget in (0.0, 2e-3, None, math.inf):
+        options = DynamicOptions(form="megatron", plan_budget_s=budget, gap=-1.0)
+        plan, _ = plan_and_evaluate(lens, pricing, "hdp", hdp_options=options)
+        assert plan.predicted["search_s"] <= plan.predicted["budget_s"] + 1e-12
+        steps.append(plan.predicted["padded_step_time_s"])
+    assert all(a >= b for a, b in zip(steps, steps[1:]))  # (the same order, more of it)
+    hdp = get_strategy("hdp")
+    cost, sync, cap = pricing.settle(hdp, max(lens), hdp.options(form="megatron"))
+    seq_lens = np.asarray(lens, dtype=np.int64)
+    ctx = Context(seq_lens, cost, sync, cap, int(seq_lens.max()), int(seq_lens.sum()))
+    rel = relaxation_bound(cost, seq_lens, sync, cap, n, pow2=True)
+    lay_out = megatron._place_waves if sync == "wave" else megatron._place_one_group
+    every = [
+        megatron.price(ctx, lay_out(ctx, degree, job_time))[0]
+        for degree, job_time in megatron._degree_choices(ctx, rel)
+    ]
+    assert steps[-1] == pytest.approx(min(every), rel=1e-12)

@@ -97,6 +97,14 @@ class Budget:
         return 4e-6 * ctx.seq_lens.size + 2.75e-6 * shards
 
     @staticmethod
+    def megatron_pricing_s(ctx: Context, shards: int) -> float:
+        """Estimated seconds of pricing one Megatron-form layout of ``shards`` sub-samples as
+        Megatron runs it (:func:`.megatron.price`)."""
+        if ctx.sync == "peer":
+            return 1.4e-3 + 5e-6 * shards
+        return 1.7e-3 + 6e-6 * shards
+
+    @staticmethod
     def move_s(ctx: Context, work: Work) -> float:
         """Estimated seconds of the moves of :mod:`.local` that did ``work``: the plan's cells
         built and the moved plan priced, then per search, per sequence tried and per cell

@@ -10,12 +10,16 @@ to be a multiple of ``2k`` (times the tensor-parallel size with sequence paralle
 sub-samples are padded, and priced with their padding (:func:`padded_plan`).
 
 Degrees come from the relaxation over menus of the group sizes Megatron builds. Each choice of
-degrees is placed as its sync mode runs: in ``wave`` sync, where every micro-batch ends at a
+degrees is laid out as its sync mode runs: in ``wave`` sync, where every micro-batch ends at a
 barrier, waves filled tallest first (:func:`_place_waves`); in ``peer`` sync, one group of
-start-time-ordered lists (:func:`_place_one_group`), and the fastest is kept. These few
-placements are the form's whole search: the local search's whole-sequence moves, kept to empty
-cells as Megatron needs, improved none of them (``docs/benchmarks.md``), so the form takes none
-and spends no budget. Megatron's own ``BalancedCPScheduler`` is an oracle, not a candidate:
+start-time-ordered lists (:func:`_place_one_group`). A layout promises a step from its job
+times (the sum of its waves' first jobs; the last rank's finish), and the layouts are priced as
+Megatron runs them, most promising first, while the budget lasts (the first is the form's first
+plan and always priced; the budget is :class:`~.budget.Budget`'s, charged by its estimate of a
+pricing), and the fastest is kept. Pricing is most of the form's work, and the promise almost
+always ranks the fastest first in ``wave`` sync (``docs/benchmarks.md``). The local search's
+whole-sequence moves, kept to empty cells as Megatron needs, improved none of these plans, so
+the form takes none. Megatron's own ``BalancedCPScheduler`` is an oracle, not a candidate:
 tests check that no plan of this form steps slower than its schedule.
 """
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +38,7 @@ from hdp import Plan
 from ..common import Context, PlanBuilder, PlanningError, megatron_group_sizes
 from ..degrees import Jobs, Relaxation, megatron_waves, relaxation_bound, step_bound
 from ..hybridcp import plan_from_sample_id_groups, sample_id_groups_from_plan
+from .budget import Budget
 
 
 def megatron_cp_groups(n: int, size: int) -> list[range]:
@@ -70,10 +77,23 @@ def padded_plan(ctx: Context, plan: Plan, token_multiple: int = 1) -> Plan:
     return builder.build()
 
 
-def plan_megatron_form(ctx: Context, token_multiple: int = 1) -> Plan:
+class _Layout(NamedTuple):
+    """One choice of degrees laid out: the step its job times promise, the shards its plan
+    holds (what pricing it costs), and the plan as Megatron runs it, built on demand."""
+
+    promise_s: float
+    shards: int
+    build: Callable[[], Plan]
+
+
+def plan_megatron_form(
+    ctx: Context, token_multiple: int = 1, budget_s: float | None = None, gap: float = 1e-3
+) -> Plan:
     """The fastest Megatron-form plan by the cost model with its padding priced
-    (``token_multiple``: see :func:`padded_length`), with its bound in ``predicted``; no CP
-    group larger than ``ctx.max_ranks_per_seq``."""
+    (``token_multiple``: see :func:`padded_length`) that ``budget_s`` affords past the first
+    (``None``: :class:`~.options.DynamicOptions`' default, from the first plan's step), or the
+    first within ``gap`` of its bound; the bound in ``predicted``. No CP group larger than
+    ``ctx.max_ranks_per_seq``."""
     lens, cost = ctx.seq_lens, ctx.cost
     n, cap = ctx.num_ranks, ctx.capacity
     longest = int(lens.max(initial=0))
@@ -93,22 +113,38 @@ def plan_megatron_form(ctx: Context, token_multiple: int = 1) -> Plan:
             f"--max-ranks-per-seq is {limit}: raise it or --max-seqlen-per-dp-cp-rank"
         )
     rel = relaxation_bound(cost, lens, ctx.sync, cap, n, pow2=True, most_ranks=limit)
-    best: tuple[float, Plan] | None = None
+    bound_s = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
     seen: list[np.ndarray] = []
-    place = _place_waves if ctx.sync == "wave" else _place_one_group
+    lay_out = _place_waves if ctx.sync == "wave" else _place_one_group
+    layouts = []
     for degree, job_time in _degree_choices(ctx, rel):
-        if any(np.array_equal(degree, d) for d in seen):
-            continue
-        seen.append(degree)
-        plan = place(ctx, degree, job_time)
-        t = cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s
+        if not any(np.array_equal(degree, d) for d in seen):
+            seen.append(degree)
+            layouts.append(lay_out(ctx, degree, job_time))
+    budget = None if budget_s is None else Budget(budget_s)
+    best: tuple[float, Plan] | None = None
+    for layout in sorted(layouts, key=lambda lay: lay.promise_s):
+        if best is not None:
+            cost_s = Budget.megatron_pricing_s(ctx, layout.shards)
+            if best[0] <= bound_s * (1 + gap) or not budget.affords(cost_s):
+                break
+            budget.spend(cost_s)
+        t, plan = price(ctx, layout, token_multiple)
+        budget = budget or Budget.for_step(None, t)
         if best is None or t < best[0]:
             best = (t, plan)
     best_s, plan = best
     plan.predicted["padded_step_time_s"] = best_s
-    plan.predicted["bound_s"] = float(step_bound(cost, lens, ctx.sync, cap, pow2=True))
+    plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
+    budget.record(plan)
     return plan
+
+
+def price(ctx: Context, layout: _Layout, token_multiple: int = 1) -> tuple[float, Plan]:
+    """``layout``'s plan as Megatron runs it and its step with the padding priced."""
+    plan = layout.build()
+    return ctx.cost.evaluate(padded_plan(ctx, plan, token_multiple)).step_time_s, plan
 
 
 def as_run(ctx: Context, plan: Plan) -> Plan:
@@ -159,19 +195,21 @@ def _degree_choices(ctx: Context, rel: Relaxation) -> list[Jobs]:
     return choices
 
 
-def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> _Layout:
     """Waves filled tallest first, for ``wave`` sync, where every wave ends at a barrier: a
-    wave's height is its first job's, and the jobs after it, in order, take the aligned CP
-    groups (or single ranks) still free in it; the rest wait for the next wave. The plan as
-    Megatron runs it (:func:`as_run`): a rank free in a wave runs its next sequence there."""
+    wave's height is its first job's (the layout promises their sum), and the jobs after it,
+    in order, take the aligned CP groups (or single ranks) still free in it; the rest wait for
+    the next wave. The plan as Megatron runs it (:func:`as_run`): a rank free in a wave runs
+    its next sequence there."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     time_of = np.where(degree > 1, job_time, ctx.whole_s)
     todo = [i for i in np.argsort(-time_of, kind="stable").tolist() if lens[i] > 0]
     seqs: list[int] = []
     waves: list[int] = []
     members: list[np.ndarray] = []
-    wave = 0
+    wave, promise_s = 0, 0.0
     while todo:
+        promise_s += float(time_of[todo[0]])
         free = np.ones(n, dtype=bool)
         free_ranks = n
         left: list[int] = []
@@ -199,10 +237,14 @@ def _place_waves(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan
             members.append(np.arange(first, first + size, dtype=np.int64))
         todo = left
         wave += 1
-    builder = PlanBuilder(ctx, "hdp")
-    builder.add_zigzag(seqs, waves, members)
-    builder.info = {"max_degree": float(degree.max(initial=1))}
-    return as_run(ctx, builder.build())
+
+    def build() -> Plan:
+        builder = PlanBuilder(ctx, "hdp")
+        builder.add_zigzag(seqs, waves, members)
+        builder.info = {"max_degree": float(degree.max(initial=1))}
+        return as_run(ctx, builder.build())
+
+    return _Layout(promise_s, sum(m.size for m in members), build)
 
 
 def _free_group(free: np.ndarray, size: int) -> int | None:
@@ -226,9 +268,10 @@ def _least_busy_group(load: np.ndarray, size: int) -> tuple[int, float]:
     return b * size, float(starts[b])
 
 
-def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> Plan:
+def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> _Layout:
     """One group (no barrier): each rank runs its list of sub-samples in order and waits only
-    for the CP partners of each; a rank may change CP size between its sub-samples.
+    for the CP partners of each; a rank may change CP size between its sub-samples. The layout
+    promises the last rank's finish.
 
     Lists are formed by simulating start times: multi-rank jobs, tallest first, on the aligned
     CP group whose busiest member frees first (the others idle until then); whole sequences,
@@ -265,6 +308,10 @@ def _place_one_group(ctx: Context, degree: np.ndarray, job_time: np.ndarray) -> 
         items[r].append((end, i))
         heapq.heappush(heap, (end + t, r))
     lists = [[i for _, i in sorted(row)] for row in items]
-    plan = plan_from_sample_id_groups(ctx, [lists], None, "hdp")
-    plan.predicted.update({"groups": 1.0, "max_degree": float(degree.max(initial=1))})
-    return plan
+
+    def build() -> Plan:
+        plan = plan_from_sample_id_groups(ctx, [lists], None, "hdp")
+        plan.predicted.update({"groups": 1.0, "max_degree": float(degree.max(initial=1))})
+        return plan
+
+    return _Layout(max((end for end, _ in heap), default=0.0), sum(map(len, lists)), build)

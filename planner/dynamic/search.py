@@ -329,7 +329,7 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     if options.max_ranks_per_seq is not None:
         ctx = dataclasses.replace(ctx, max_ranks_per_seq=options.max_ranks_per_seq)
     if form == "megatron":
-        return plan_megatron_form(ctx)
+        return plan_megatron_form(ctx, budget_s=options.plan_budget_s, gap=options.gap)
     if form not in ("free", "whole"):
         raise ValueError(f"unknown hdp form {form!r}: choose 'free', 'whole' or 'megatron'")
     check_fits(ctx)
