@@ -116,14 +116,15 @@ def _mesh_interp(mesh: np.ndarray, x, y) -> np.ndarray:
     j = np.minimum(fy.astype(np.int64), last - 1)
     tx, ty = fx - i, fy - j
     sx, sy = 1 - tx, 1 - ty
-    # Flat indices: the planner interpolates millions of shards, and one take beats a 2-D index.
+    # Flat indices: the planner interpolates millions of shards, and one take beats a 2-D index
+    # (the corners by one index into shifted views: no index array per corner).
     flat, row = mesh.ravel(), mesh.shape[1]
     k = i * row + j
     return (
         flat[k] * sx * sy
-        + flat[k + row] * tx * sy
-        + flat[k + 1] * sx * ty
-        + flat[k + row + 1] * tx * ty
+        + flat[row:][k] * tx * sy
+        + flat[1:][k] * sx * ty
+        + flat[row + 1 :][k] * tx * ty
     )
 
 
