@@ -117,7 +117,7 @@ def _instrument() -> None:
         t0 = time.process_time()
         out = price(ctx, layout, token_multiple)
         _recorded("megatron", ctx, t0, Budget.megatron_pricing_s(ctx, layout.shards), one=1,
-                  shards=layout.shards)  # fmt: skip
+                  ranks=ctx.num_ranks, shards=layout.shards)  # fmt: skip
         return out
 
     megatron.price = timed_price
@@ -153,7 +153,7 @@ FEATURES = {
     "trial peer": ["trials", "shards", "cells"],
     "first peer": ["placement", "jobs_degrees", "seqs"],
     "first wave": ["placement", "jobs_degrees", "seqs"],
-    "megatron peer": ["one", "shards"],
+    "megatron peer": ["one", "ranks", "shards"],
     "megatron wave": ["one", "shards"],
 }
 

@@ -101,7 +101,7 @@ class Budget:
         """Estimated seconds of pricing one Megatron-form layout of ``shards`` sub-samples as
         Megatron runs it (:func:`.megatron.price`)."""
         if ctx.sync == "peer":
-            return 1.4e-3 + 5e-6 * shards
+            return 1.4e-3 + 2.7e-7 * ctx.num_ranks + 5e-6 * shards
         return 1.7e-3 + 6e-6 * shards
 
     @staticmethod
