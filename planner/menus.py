@@ -55,7 +55,7 @@ from hdp import CostModel
 from hdp.plan import BLOCK_TOKENS
 
 from .common import blocks_fit, megatron_group_sizes, use_blocks
-from .splits import ZigzagJobs, menu_pricing, split_times, split_times_both, ulysses_options
+from .splits import ZigzagJobs, menu_pricing, split_times, ulysses_options
 
 
 def degree_menu(
@@ -388,8 +388,9 @@ def _priced(
             h, a, most = times(cost, lengths, deg, sync, 1)
             return Menu(deg, h, a, most, deg, h, a)
         # (Megatron runs every share in a micro-batch of its own: so do its bound's entries.)
-        timed, by_bytes = split_times_both(cost, lengths, deg, sync, 1, own_cells=pow2)
-        (h, a, most), (h_bytes, a_bytes, _) = timed, by_bytes
+        jobs = ZigzagJobs.of(cost, lengths, deg, 1)
+        h, a, most = jobs.times(sync, True)
+        h_bytes, a_bytes, _ = jobs.times(sync, False, own_cells=pow2)
         return Menu(deg, h, a, most, deg, h_bytes, a_bytes)
     align = np.where(blocked, BLOCK_TOKENS, 1)
     room = cost.offload_capacity(sync)

@@ -62,22 +62,6 @@ def split_times(
     return ZigzagJobs.of(cost, lengths, parts, align).times(sync, latency)
 
 
-def split_times_both(
-    cost: CostModel,
-    lengths: np.ndarray,
-    parts: np.ndarray,
-    sync: str = "peer",
-    align: int | np.ndarray = 1,
-    own_cells: bool = False,
-) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
-    """:func:`split_times` with ``latency`` True and False, from one pass over the shares.
-    ``own_cells``: the second for plans that run every member's share in a micro-batch of its
-    own (Megatron's), so its dense work is the share's own, fixed costs and all, its traffic as
-    those plans are priced, and its area the members' busy times."""
-    jobs = ZigzagJobs.of(cost, lengths, parts, align)
-    return jobs.times(sync, True), jobs.times(sync, False, own_cells)
-
-
 class ZigzagJobs(NamedTuple):
     """What both of :func:`split_times`' pricings share, one row per member of every job
     (:meth:`of`); :meth:`times` prices them, :meth:`only` keeps some of the jobs."""
@@ -161,7 +145,10 @@ class ZigzagJobs(NamedTuple):
     def times(
         self, sync: str, latency: bool, own_cells: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:func:`split_times` of these jobs (``own_cells``: :func:`split_times_both`'s)."""
+        """:func:`split_times` of these jobs. ``own_cells`` (with ``latency`` False): for plans
+        that run every member's share in a micro-batch of its own (Megatron's), so its dense
+        work is the share's own, fixed costs and all, its traffic as those plans are priced,
+        and its area the members' busy times."""
         cost = self.cost
         m, held = cost.model, self.held
         per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
@@ -423,6 +410,5 @@ __all__ = [
     "head_split_times",
     "menu_pricing",
     "split_times",
-    "split_times_both",
     "ulysses_options",
 ]
