@@ -447,7 +447,8 @@ def shelf_bound(
     room = cost.offload_capacity(sync)
     packed = _whole_time(cost, lens, sync, pow2)
     least = packed.copy()
-    flat = _bound_options(rel.menus, *(packed[rel.long_ids],) * 2, pow2, any_split=True)
+    whole = packed[rel.long_ids]  # (a whole sequence here is as tall as its packed time)
+    flat = _bound_options(rel.menus, whole, whole, pow2, any_split=True)
     ends = np.cumsum(np.bincount(flat.seq, minlength=len(rel.menus)))[:-1]
     options = []
     for j, (h, a) in enumerate(zip(np.split(flat.height, ends), np.split(flat.area, ends))):
