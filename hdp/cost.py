@@ -463,15 +463,6 @@ class CostModel:
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
         dkv = self.dkv_ratio if dkv_ratio is None else dkv_ratio
         blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
-        t_fwd, t_bwd = np.zeros(blocks_all.shape), np.zeros(blocks_all.shape)
-        # Only cells that exchange K/V cost anything; at scale they are a small share of the
-        # (waves x ranks) grid, so the arithmetic runs on them alone.
-        cells = np.nonzero(blocks_all > 0)
-        if cells[0].size == 0:
-            return t_fwd, t_bwd
-        in_intra, in_inter = traffic.in_intra[cells], traffic.in_inter[cells]
-        out_intra, out_inter = traffic.out_intra[cells], traffic.out_inter[cells]
-        blocks = blocks_all[cells]
 
         def link_time(i_intra, i_inter, o_intra, o_inter):
             return np.maximum(
@@ -479,19 +470,28 @@ class CostModel:
                 np.maximum(o_intra / g.nvlink_bw, o_inter / g.nic_bw),
             )
 
-        lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
-        t_fwd[cells] = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
-        # Backward: KV in again and dK/dV of the owners' blocks in; KV out again and dK/dV out.
-        t_bwd[cells] = (
-            kvb
-            * link_time(
+        def times(in_intra, in_inter, out_intra, out_inter, blocks):
+            lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
+            fwd = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
+            # Backward: the K/V both ways again, and dK/dV the opposite way.
+            bwd = kvb * link_time(
                 in_intra + dkv * out_intra,
                 in_inter + dkv * out_inter,
                 out_intra + dkv * in_intra,
                 out_inter + dkv * in_inter,
             )
-            + 2 * blocks * lat
-        )
+            return fwd, bwd + 2 * blocks * lat
+
+        fields = (traffic.in_intra, traffic.in_inter, traffic.out_intra, traffic.out_inter)
+        exchanging = blocks_all > 0
+        if 2 * np.count_nonzero(exchanging) > exchanging.size:  # (a menu's members, mostly)
+            return tuple(np.where(exchanging, t, 0.0) for t in times(*fields, blocks_all))
+        # Only cells that exchange K/V cost anything; in a plan they are a small share of the
+        # (waves x ranks) grid, so the arithmetic runs on them alone.
+        t_fwd, t_bwd = np.zeros(blocks_all.shape), np.zeros(blocks_all.shape)
+        cells = np.nonzero(exchanging)
+        if cells[0].size:
+            t_fwd[cells], t_bwd[cells] = times(*(x[cells] for x in fields), blocks_all[cells])
         return t_fwd, t_bwd
 
     # ------------------------------------------------------------------ evaluation

@@ -109,23 +109,31 @@ _MESH_AXIS = np.arange(0, 26 * _MESH_PER_OCTAVE + 1) / _MESH_PER_OCTAVE  # log2 
 def _mesh_interp(mesh: np.ndarray, x, y) -> np.ndarray:
     """Bilinear interpolation of ``mesh`` (both axes :data:`_MESH_AXIS`) at log2 sizes ``x``,
     ``y``, flat beyond the mesh."""
+    # The planner interpolates millions of shards: every step works in place on one pass's
+    # arrays, and the corners come by one flat index into shifted views of the mesh.
     last = _MESH_AXIS.size - 1
-    fx = np.clip(np.asarray(x) * _MESH_PER_OCTAVE, 0, last)
-    fy = np.clip(np.asarray(y) * _MESH_PER_OCTAVE, 0, last)
-    i = np.minimum(fx.astype(np.int64), last - 1)
-    j = np.minimum(fy.astype(np.int64), last - 1)
-    tx, ty = fx - i, fy - j
+    shape = np.broadcast_shapes(np.shape(x), np.shape(y))
+    fx = np.multiply(np.broadcast_to(x, shape), _MESH_PER_OCTAVE, out=np.empty(shape))
+    fy = np.multiply(np.broadcast_to(y, shape), _MESH_PER_OCTAVE, out=np.empty(shape))
+    for f in (fx, fy):
+        np.clip(f, 0, last, out=f)
+    i, j = fx.astype(np.int64), fy.astype(np.int64)
+    for f in (i, j):
+        np.minimum(f, last - 1, out=f)
+    tx, ty = np.subtract(fx, i, out=fx), np.subtract(fy, j, out=fy)
     sx, sy = 1 - tx, 1 - ty
-    # Flat indices: the planner interpolates millions of shards, and one take beats a 2-D index
-    # (the corners by one index into shifted views: no index array per corner).
     flat, row = mesh.ravel(), mesh.shape[1]
-    k = i * row + j
-    return (
-        flat[k] * sx * sy
-        + flat[row:][k] * tx * sy
-        + flat[1:][k] * sx * ty
-        + flat[row + 1 :][k] * tx * ty
-    )
+    k = np.multiply(i, row, out=i)
+    k += j
+    out = flat[k]
+    out *= sx
+    out *= sy
+    for shift, a, b in ((row, tx, sy), (1, sx, ty), (row + 1, tx, ty)):
+        part = flat[shift:][k]
+        part *= a
+        part *= b
+        out += part
+    return out
 
 
 def _low_slope(at: np.ndarray, values: np.ndarray) -> np.ndarray:

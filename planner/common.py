@@ -101,8 +101,11 @@ def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.nda
     """Boundary ``i`` of ``parts`` near-equal shares of ``L`` tokens, rounded to ``align`` where
     every share can hold at least ``2 * align`` tokens (``align`` 1: no rounding)."""
     b = (i * L) // parts
-    rounded = np.minimum((b + align // 2) // align * align, L)
-    return np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
+    rows = np.flatnonzero((align > 1) & (L >= 2 * parts * align) & (i < parts))
+    if rows.size:
+        a = align[rows]
+        b[rows] = np.minimum((b[rows] + a // 2) // a * a, L[rows])
+    return b
 
 
 def zigzag_shares(
@@ -118,12 +121,16 @@ def zigzag_shares(
     A group of one holds the whole sequence as its head."""
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = np.asarray(parts, dtype=np.int64)
-    rep = np.repeat(np.arange(lengths.size), parts)
-    offsets = np.cumsum(parts) - parts
-    member = np.arange(rep.size) - offsets[rep]
-    L, p = lengths[rep], parts[rep]
-    a = np.broadcast_to(np.asarray(align, dtype=np.int64), lengths.shape)[rep]
-    share = _member_bound(member + 1, L, p, a) - _member_bound(member, L, p, a)
+    aligns = np.broadcast_to(np.asarray(align, dtype=np.int64), lengths.shape)
+    # Each sequence's p + 1 share boundaries, each computed once: member i's share lies between
+    # boundaries i and i + 1.
+    edges = np.repeat(np.arange(lengths.size), parts + 1)
+    at = np.arange(edges.size) - (np.cumsum(parts + 1) - (parts + 1))[edges]
+    p, a = parts[edges], aligns[edges]
+    bound = _member_bound(at, lengths[edges], p, a)
+    own = np.flatnonzero(at < p)
+    share = bound[own + 1] - bound[own]
+    rep, member, p, a = edges[own], at[own], p[own], a[own]
     head = share // 2
     head = np.where(share >= 2 * a, head // a * a, head)
     head = np.where(p == 1, share, head)

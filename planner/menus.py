@@ -296,32 +296,34 @@ def _priced_many(
     with_bounds: bool,
     menu_sizes: list[int] | None = None,
 ) -> list:
-    """:func:`_priced` of each length at its degrees, a pass per run of lengths whose jobs have
-    about :data:`_PASS_MEMBERS` members in all: numpy's overhead per call is paid once a run,
-    and a run's arrays stay in the CPU's cache. With ``menu_sizes``, each length's first that
-    many entries cut to their lowest height (:func:`_until_lowest`), with the bound's (height,
-    area) at its last degree: ``(menu, (height, area))`` per length."""
-    members = np.cumsum([int(d.sum()) for d in degrees])
-    runs = np.searchsorted(members, np.arange(1, 1 + members[-1] // _PASS_MEMBERS) * _PASS_MEMBERS)
-    out: list = []
-    for lo, hi in zip([0, *(runs + 1).tolist()], [*(runs + 1).tolist(), len(lengths)]):
-        if hi <= lo:
-            continue
-        sizes = np.array([d.size for d in degrees[lo:hi]])
-        flat_len = np.repeat(np.asarray(lengths[lo:hi], dtype=np.int64), sizes)
-        mu = _priced(cost, flat_len, sync, np.concatenate(degrees[lo:hi]), pow2, with_bounds)
-        if menu_sizes is None:
-            out.extend(_split(mu, sizes, sizes))
-            continue
-        seg = np.repeat(np.arange(sizes.size), sizes)
-        in_menu = np.arange(seg.size) - (np.cumsum(sizes) - sizes)[seg]
-        in_menu = in_menu < np.asarray(menu_sizes[lo:hi])[seg]
-        inside = Menu(*(getattr(mu, f)[in_menu] for f in _ENTRY_FIELDS))
-        last = np.where(sizes > 0, np.cumsum(sizes) - 1, -1)  # (-1: none, the inf appended)
-        tails = (np.append(x, np.inf)[last].tolist() for x in (mu.bound_height, mu.bound_area))
-        cut = _until_lowest(inside, seg[in_menu], seg[in_menu], sizes.size)
-        out.extend(zip(cut, zip(*tails)))
-    return out
+    """:func:`_priced` of each length at its degrees, a pass per run of (length, degree) pairs
+    whose jobs have about :data:`_PASS_MEMBERS` members in all: numpy's overhead per call is
+    paid once a run, and a run's arrays stay in the CPU's cache (a long sequence's menu takes
+    several). With ``menu_sizes``, each length's first that many entries cut to their lowest
+    height (:func:`_until_lowest`), with the bound's (height, area) at its last degree:
+    ``(menu, (height, area))`` per length."""
+    sizes = np.array([d.size for d in degrees])
+    flat_len = np.repeat(np.asarray(lengths, dtype=np.int64), sizes)
+    flat_deg = np.concatenate(degrees).astype(np.int64)
+    members = np.cumsum(flat_deg)
+    cuts = np.searchsorted(members, np.arange(_PASS_MEMBERS, members[-1:].sum(), _PASS_MEMBERS))
+    ends = [*np.unique(cuts + 1).tolist(), flat_deg.size]
+    runs = [
+        _priced(cost, flat_len[lo:hi], sync, flat_deg[lo:hi], pow2, with_bounds)
+        for lo, hi in zip([0, *ends], ends)
+        if hi > lo or hi == 0
+    ]
+    mu = Menu(*(np.concatenate([getattr(r, f) for r in runs]) for f in _ENTRY_FIELDS))
+    if menu_sizes is None:
+        return _split(mu, sizes, sizes)
+    seg = np.repeat(np.arange(sizes.size), sizes)
+    in_menu = np.arange(seg.size) - (np.cumsum(sizes) - sizes)[seg]
+    in_menu = in_menu < np.asarray(menu_sizes)[seg]
+    inside = Menu(*(getattr(mu, f)[in_menu] for f in _ENTRY_FIELDS))
+    last = np.where(sizes > 0, np.cumsum(sizes) - 1, -1)  # (-1: none, the inf appended)
+    tails = (np.append(x, np.inf)[last].tolist() for x in (mu.bound_height, mu.bound_area))
+    cut = _until_lowest(inside, seg[in_menu], seg[in_menu], sizes.size)
+    return list(zip(cut, zip(*tails)))
 
 
 def _until_lowest(mu: Menu, own_seg: np.ndarray, bound_seg: np.ndarray, count: int) -> list[Menu]:

@@ -161,14 +161,11 @@ class ZigzagJobs(NamedTuple):
         fs = cost.attn_fwd_share
         offload_s, multi = _offload_s(cost, sync, held), self.d > 1
 
-        def busy(attn: np.ndarray, dense: np.ndarray, at: slice | np.ndarray = slice(None)):
-            tf, tb = t_fwd[at], t_bwd[at]
+        def busy(attn, dense, tf=t_fwd, tb=t_bwd, off=offload_s, split=multi) -> np.ndarray:
             exposed = m.layers * (
                 np.maximum(0.0, tf - fs * attn) + np.maximum(0.0, tb - (1 - fs) * attn)
             )
-            return np.maximum(m.layers * attn + dense, offload_s[at]) + np.where(
-                multi[at], exposed, 0.0
-            )
+            return np.maximum(m.layers * attn + dense, off) + np.where(split, exposed, 0.0)
 
         if latency or own_cells:
             busy_s = busy(self.attn_layer, cost.dense_time(held))
@@ -176,9 +173,15 @@ class ZigzagJobs(NamedTuple):
             dense = cost.compute.least_dense_time_from(held)
             busy_s = busy(self.attn_layer, dense)
             rows, least = self.ring.rows, self.ring.least_attention(cost.compute)
-            rows = rows[busy(least, dense[rows], rows) < busy_s[rows]]  # (a ring may be faster)
+            on = [x[rows] for x in (t_fwd, t_bwd, offload_s, multi)]
+            faster = busy(least, dense[rows], *on) < busy_s[rows]  # (a ring may be)
+            rows, on = rows[faster], [x[faster] for x in on]
             if rows.size:
-                in_ring = busy(*self.ring.cells(cost.compute, held[rows], rows), rows).min(axis=0)
+                # (A cell size at a time: one member's row of each stays in the cache.)
+                attn, dense = self.ring.cells(cost.compute, held[rows], rows)
+                in_ring = busy(attn[0], dense[0], *on)
+                for a, d in zip(attn[1:], dense[1:]):
+                    np.minimum(in_ring, busy(a, d, *on), out=in_ring)
                 busy_s[rows] = np.minimum(busy_s[rows], in_ring)
         n = self.parts.size
         height, most = _per_job(n, self.rep, busy_s, held)
@@ -324,8 +327,9 @@ class _ZigzagLinks(NamedTuple):
         fetched = ((node_end - node_held) / size)[node]
         forwarded = np.maximum(self.received - self.in_intra - fetched, 0.0)
         fwd_out = (np.bincount(node, weights=forwarded) / size)[node]
-        first_node = node[np.searchsorted(rep, rep, side="left")]
-        nodes = np.zeros(int(rep.max(initial=-1)) + 1, dtype=np.int64)
+        jobs = int(rep.max(initial=-1)) + 1
+        first_node = node[np.searchsorted(rep, np.arange(jobs))][rep]
+        nodes = np.zeros(jobs, dtype=np.int64)
         np.maximum.at(nodes, rep, node - first_node + 1)
         out_inter = (nodes[rep] - 1) * self.head + (node - first_node) * self.tail
         in_intra = self.in_intra + forwarded
