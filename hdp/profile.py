@@ -112,9 +112,10 @@ def _mesh_interp(mesh: np.ndarray, x, y) -> np.ndarray:
     # The planner interpolates millions of shards: every step works in place on one pass's
     # arrays, and the corners come by one flat index into shifted views of the mesh.
     last = _MESH_AXIS.size - 1
-    shape = np.broadcast_shapes(np.shape(x), np.shape(y))
-    fx = np.multiply(np.broadcast_to(x, shape), _MESH_PER_OCTAVE, out=np.empty(shape))
-    fy = np.multiply(np.broadcast_to(y, shape), _MESH_PER_OCTAVE, out=np.empty(shape))
+    fx = np.multiply(x, _MESH_PER_OCTAVE, dtype=np.float64)
+    fy = np.multiply(y, _MESH_PER_OCTAVE, dtype=np.float64)
+    if fx.ndim == 0 or fx.shape != fy.shape:  # (a scalar, or shapes to broadcast)
+        fx, fy = (np.array(f) for f in np.broadcast_arrays(fx, fy))
     for f in (fx, fy):
         np.clip(f, 0, last, out=f)
     i, j = fx.astype(np.int64), fy.astype(np.int64)

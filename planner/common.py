@@ -101,11 +101,8 @@ def _member_bound(i: np.ndarray, L: np.ndarray, parts: np.ndarray, align: np.nda
     """Boundary ``i`` of ``parts`` near-equal shares of ``L`` tokens, rounded to ``align`` where
     every share can hold at least ``2 * align`` tokens (``align`` 1: no rounding)."""
     b = (i * L) // parts
-    rows = np.flatnonzero((align > 1) & (L >= 2 * parts * align) & (i < parts))
-    if rows.size:
-        a = align[rows]
-        b[rows] = np.minimum((b[rows] + a // 2) // a * a, L[rows])
-    return b
+    rounded = np.minimum((b + align // 2) // align * align, L)
+    return np.where((L >= 2 * parts * align) & (i < parts), rounded, b)
 
 
 def zigzag_shares(
@@ -121,16 +118,14 @@ def zigzag_shares(
     A group of one holds the whole sequence as its head."""
     lengths = np.asarray(lengths, dtype=np.int64)
     parts = np.asarray(parts, dtype=np.int64)
-    aligns = np.broadcast_to(np.asarray(align, dtype=np.int64), lengths.shape)
-    # Each sequence's p + 1 share boundaries, each computed once: member i's share lies between
-    # boundaries i and i + 1.
-    edges = np.repeat(np.arange(lengths.size), parts + 1)
-    at = np.arange(edges.size) - (np.cumsum(parts + 1) - (parts + 1))[edges]
-    p, a = parts[edges], aligns[edges]
-    bound = _member_bound(at, lengths[edges], p, a)
-    own = np.flatnonzero(at < p)
-    share = bound[own + 1] - bound[own]
-    rep, member, p, a = edges[own], at[own], p[own], a[own]
+    rep = np.repeat(np.arange(lengths.size), parts)
+    offsets = np.cumsum(parts) - parts
+    member = np.arange(rep.size) - offsets[rep]
+    L, p = lengths[rep], parts[rep]
+    a = np.broadcast_to(np.asarray(align, dtype=np.int64), lengths.shape)[rep]
+    start = _member_bound(member, L, p, a)
+    # A member's share ends where the next one's starts; the last one's, at the sequence's end.
+    share = np.where(member == p - 1, L, np.append(start[1:], 0)) - start
     head = share // 2
     head = np.where(share >= 2 * a, head // a * a, head)
     head = np.where(p == 1, share, head)
