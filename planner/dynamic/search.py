@@ -43,6 +43,11 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    - *move* (:mod:`.local`): whole sequences leave the cells that end the step for cells that
      end sooner.
 
+Each of these parts is kept because some batches need it: ``scripts/ablate_search.py``
+switches one off at a time, and without any of them some batches of the quality grid or of
+random small ones step over 1% slower (``docs/benchmarks.md``). The MILP matters only where
+lengths repeat, *jobs first* and *unstack* on the fewest batches.
+
 Every step stops where the plan is within ``options.gap`` of the bound or the budget is spent.
 The budget (``options.plan_budget_s``; by default a 100th of the first plan's predicted step,
 at least 0.05 s) counts what the search does after its first plan. It is charged by estimates
