@@ -54,16 +54,6 @@ def _one_height(rel, sync: str) -> list[float]:
     return heights[-1:] if sync == "wave" else heights[:1]
 
 
-def _roundings_over_ranks(ctx, rel) -> list:
-    """:func:`search.roundings` without the relaxation over ranks x waves."""
-    heights = search.rounding_heights(rel, ctx.sync)
-    out = [search.Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in heights]
-    out = sorted(out, key=lambda cand: search.work_s(ctx, rel, cand))
-    one_wave = ctx.sync == "wave" and search.num_waves_for(ctx) == 1
-    packed = search.packed_rounding(ctx, rel) if one_wave else None
-    return out if packed is None else [packed, *out]
-
-
 def _never(*args, **kwargs) -> bool:
     return False
 
@@ -92,7 +82,7 @@ PARTS: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager]]] = 
     ),
     "per-wave": (
         "roundings of the relaxation over ranks x waves",
-        lambda: mock.patch.object(search, "roundings", _roundings_over_ranks),
+        lambda: mock.patch.object(search, "per_wave_roundings", lambda ctx, waves: []),
     ),
     "widen": ("widen", lambda: mock.patch.object(search.Search, "widen", _never)),
     "unstack": ("unstack", lambda: _without_placing_again("stack_share")),

@@ -412,26 +412,30 @@ def _plan_whole(ctx: Context) -> Plan:
 
 def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
     """The relaxation's degrees at each of :func:`rounding_heights`, and in ``wave`` sync with
-    several waves also those of the relaxation over ranks x waves (as if the work spread evenly
-    over the waves) at its height and a little above; least work first (:func:`work_s`), the
-    order in which a small budget places them."""
+    several waves also :func:`per_wave_roundings`; least work first (:func:`work_s`), the order
+    in which a small budget places them."""
     out = [Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in rounding_heights(rel, ctx.sync)]
     waves = num_waves_for(ctx)
     if ctx.sync == "wave" and waves > 1:
-        slots = ctx.num_ranks * waves
-        per_wave = relaxation_bound(
-            ctx.cost,
-            ctx.seq_lens,
-            ctx.sync,
-            ctx.capacity,
-            slots,
-            most_ranks=ctx.max_ranks_per_seq,
-        )
-        for f in (1.0, 1.04, 1.12):
-            out.append(Candidate(*per_wave.degrees_at(per_wave.height_s * f, ctx.whole_s)))
+        out += per_wave_roundings(ctx, waves)
     out = sorted(out, key=lambda cand: work_s(ctx, rel, cand))
     packed = packed_rounding(ctx, rel) if ctx.sync == "wave" and waves == 1 else None
     return out if packed is None else [packed, *out]
+
+
+def per_wave_roundings(ctx: Context, waves: int) -> list[Candidate]:
+    """The degrees of the relaxation over ranks x ``waves`` (as if the work spread evenly over
+    the waves) at its height and a little above."""
+    per_wave = relaxation_bound(
+        ctx.cost,
+        ctx.seq_lens,
+        ctx.sync,
+        ctx.capacity,
+        ctx.num_ranks * waves,
+        most_ranks=ctx.max_ranks_per_seq,
+    )
+    heights = [per_wave.height_s * f for f in (1.0, 1.04, 1.12)]
+    return [Candidate(*per_wave.degrees_at(h, ctx.whole_s)) for h in heights]
 
 
 def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
