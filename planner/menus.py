@@ -305,14 +305,14 @@ def _priced_many(
     sizes = np.array([d.size for d in degrees])
     flat_len = np.repeat(np.asarray(lengths, dtype=np.int64), sizes)
     flat_deg = np.concatenate(degrees).astype(np.int64)
+    # A run ends with the pair that brings its members to the next multiple of _PASS_MEMBERS.
     members = np.cumsum(flat_deg)
-    cuts = np.searchsorted(members, np.arange(_PASS_MEMBERS, members[-1:].sum(), _PASS_MEMBERS))
-    ends = [*np.unique(cuts + 1).tolist(), flat_deg.size]
+    steps = np.arange(_PASS_MEMBERS, int(flat_deg.sum()), _PASS_MEMBERS)
+    ends = np.unique([0, *(np.searchsorted(members, steps) + 1).tolist(), flat_deg.size])
     runs = [
         _priced(cost, flat_len[lo:hi], sync, flat_deg[lo:hi], pow2, with_bounds)
-        for lo, hi in zip([0, *ends], ends)
-        if hi > lo or hi == 0
-    ]
+        for lo, hi in zip(ends[:-1], ends[1:])
+    ] or [_priced(cost, flat_len, sync, flat_deg, pow2, with_bounds)]  # (no pairs at all)
     mu = Menu(*(np.concatenate([getattr(r, f) for r in runs]) for f in _ENTRY_FIELDS))
     if menu_sizes is None:
         return _split(mu, sizes, sizes)

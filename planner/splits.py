@@ -174,14 +174,14 @@ class ZigzagJobs(NamedTuple):
             busy_s = busy(self.attn_layer, dense)
             rows, least = self.ring.rows, self.ring.least_attention(cost.compute)
             on = [x[rows] for x in (t_fwd, t_bwd, offload_s, multi)]
-            faster = busy(least, dense[rows], *on) < busy_s[rows]  # (a ring may be)
+            faster = busy(least, dense[rows], *on) < busy_s[rows]  # where a ring may be faster
             rows, on = rows[faster], [x[faster] for x in on]
             if rows.size:
-                # (A cell size at a time: one member's row of each stays in the cache.)
+                # (A cell size at a time, so that one row of each array stays in the cache.)
                 attn, dense = self.ring.cells(cost.compute, held[rows], rows)
                 in_ring = busy(attn[0], dense[0], *on)
-                for a, d in zip(attn[1:], dense[1:]):
-                    np.minimum(in_ring, busy(a, d, *on), out=in_ring)
+                for attn_k, dense_k in zip(attn[1:], dense[1:]):
+                    np.minimum(in_ring, busy(attn_k, dense_k, *on), out=in_ring)
                 busy_s[rows] = np.minimum(busy_s[rows], in_ring)
         n = self.parts.size
         height, most = _per_job(n, self.rep, busy_s, held)
