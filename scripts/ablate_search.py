@@ -1,8 +1,9 @@
 r"""Which parts of hdp's search earn their place: each switched off in turn, the same batches
 planned again, and each batch's step compared with the whole search's.
 
-A part is switched off by replacing its entry point in :mod:`hdp.planner.dynamic.search` for
-that run (the search has no option per part, by design). Batches, all at the default budget:
+A part is switched off by replacing its entry point in :mod:`hdp.planner.dynamic.search` (or
+:mod:`~hdp.planner.dynamic.rounding`) for that run (the search has no option per part, by
+design). Batches, all at the default budget:
 
 - ``grid``: the plan-quality grid of ``bench_planner.py`` (llama-7b and llama-70b on 64, 256
   and 1,024 H100s, four workloads, each workload's own batch of ``--seed``, or ``--tokens``);
@@ -29,7 +30,7 @@ import numpy as np
 
 from hdp import ClusterSpec, argtypes, model_preset
 from hdp.planner import PlanningError, StepPricing, plan_step
-from hdp.planner.dynamic import search
+from hdp.planner.dynamic import rounding, search
 from hdp.workloads import get_workload
 
 MODELS = {"cpu": "tiny", "h100": "llama-7b", "a100-80g": "llama-7b", "h100-70b": "llama-70b"}
@@ -45,11 +46,11 @@ def _without_layouts(first: bool) -> Callable[[], contextlib.AbstractContextMana
     return lambda: mock.patch.object(search, "group_layouts", some)
 
 
-_ROUNDING_HEIGHTS = search.rounding_heights  # the search's own, whatever is switched off
+_ROUNDING_HEIGHTS = rounding.rounding_heights  # the search's own, whatever is switched off
 
 
 def _one_height(rel, sync: str) -> list[float]:
-    """:func:`search.rounding_heights` cut to one: ``M`` (``peer``), the top (``wave``)."""
+    """:func:`rounding.rounding_heights` cut to one: ``M`` (``peer``), the top (``wave``)."""
     heights = _ROUNDING_HEIGHTS(rel, sync)
     return heights[-1:] if sync == "wave" else heights[:1]
 
@@ -74,15 +75,15 @@ PARTS: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager]]] = 
     "equal": ("equal-size group layouts", _without_layouts(first=False)),
     "packed": (
         "the packed rounding",
-        lambda: mock.patch.object(search, "packed_rounding", lambda ctx, rel: None),
+        lambda: mock.patch.object(rounding, "packed_rounding", lambda ctx, rel: None),
     ),
     "heights": (
         "roundings at more than one height",
-        lambda: mock.patch.object(search, "rounding_heights", _one_height),
+        lambda: mock.patch.object(rounding, "rounding_heights", _one_height),
     ),
     "per-wave": (
         "roundings of the relaxation over ranks x waves",
-        lambda: mock.patch.object(search, "per_wave_roundings", lambda ctx, waves: []),
+        lambda: mock.patch.object(rounding, "per_wave_roundings", lambda ctx, waves: []),
     ),
     "widen": ("widen", lambda: mock.patch.object(search.Search, "widen", _never)),
     "unstack": ("unstack", lambda: _without_placing_again("stack_share")),

@@ -2,7 +2,10 @@
 valid plan, the search never ends slower than the rounding it starts from, and it stops where
 its budget says, with plans that depend only on the batch and the options."""
 
+import math
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_strategies import check_plan
@@ -12,10 +15,12 @@ from hdp.planner import plan_step
 from hdp.planner.common import Context
 from hdp.planner.degrees import relaxation_bound
 from hdp.planner.dynamic import DynamicOptions
+from hdp.planner.dynamic.budget import LEAST_S
 from hdp.planner.dynamic.candidates import num_waves_for
 from hdp.planner.dynamic.local import improve
 from hdp.planner.dynamic.place import place
-from hdp.planner.dynamic.search import join_tails, roundings
+from hdp.planner.dynamic.rounding import roundings
+from hdp.planner.dynamic.search import join_tails, level_budgets
 
 
 def _context(lens, n: int, cap: int, sync: str) -> Context:
@@ -115,6 +120,40 @@ def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
     assert plans[0].predicted["step_time_s"] <= none.predicted["step_time_s"]
     for field in ("rank", "wave", "seq", "start", "end"):
         assert np.array_equal(getattr(plans[0], field), getattr(plans[1], field))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.sampled_from([4, 8, 16]),
+    sync=st.sampled_from(["peer", "wave"]),
+    budget=st.sampled_from([0.0, 0.01, 0.02, 0.05, 0.1]),
+    data=st.data(),
+)
+def test_four_times_the_budget_never_plans_a_slower_step(n, sync, budget, data):
+    # The search spends its budget in levels, each three times as large as all before it: four
+    # times the budget runs the same levels and one more (Note [One search]).
+    cap = 2048
+    lens = data.draw(st.lists(st.integers(1, min(6, n) * cap), min_size=1, max_size=60))
+    cluster = ClusterSpec.preset("h100", n, 4)
+    kw = dict(capacity=cap, sync=sync, kv_exchange="rank")
+    steps = []
+    for b in (budget, 4 * budget, 16 * budget):
+        options = DynamicOptions(plan_budget_s=b)
+        plan = plan_step(lens, cluster, model_preset("llama-7b"), "hdp", hdp_options=options, **kw)
+        assert plan.predicted["search_s"] <= 1.2 * b
+        steps.append(plan.predicted["step_time_s"])
+    assert steps[1] <= steps[0] and steps[2] <= steps[1]
+
+
+def test_the_budget_is_spent_in_levels_each_three_times_all_before_it():
+    for total in (0.0, 0.03, 0.05, 0.1, 0.2, 0.3, 1.0, 16.7):
+        levels = level_budgets(total)
+        assert sum(levels) == pytest.approx(total)
+        assert all(b == pytest.approx(3 * sum(levels[:k])) for k, b in enumerate(levels) if k)
+        assert len(levels) == 1 or levels[0] >= LEAST_S
+        assert level_budgets(4 * total) == levels + [3 * total] or total < LEAST_S
+    with pytest.raises(ValueError, match="finite --plan-budget"):
+        level_budgets(math.inf)
 
 
 def test_both_searches_of_a_step_share_its_budget():
@@ -246,7 +285,7 @@ def test_room_for_tall_jobs_splits_only_tall_jobs_until_each_has_a_rank(n, sync,
     it stops once they fit the ranks, or leaves more only where no job left could be split
     so."""
     from hdp.planner.dynamic.groups import split_busy
-    from hdp.planner.dynamic.search import room_for_tall_jobs
+    from hdp.planner.dynamic.rounding import room_for_tall_jobs
 
     cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", n, 4))
     lens = np.array(data.draw(st.lists(st.integers(256, 24_000), min_size=n, max_size=4 * n)))

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
     from .local import Work
 
-# The default budget is the first plan's predicted step over this, and at least LEAST_S.
+# The default budget is the first plan's predicted step over this, and at least LEAST_S (also
+# the least first level of a larger budget).
 STEP_SHARE = 100
 LEAST_S = 0.05
 
@@ -33,19 +34,26 @@ LEAST_S = 0.05
 @dataclass
 class Budget:
     """What the search may still spend (s), charged by estimates, not by the clock. Seeds
-    (roundings past the first, the MILP's degrees, group layouts) may spend half of it; the
-    local search has the rest."""
+    (roundings past the first, the MILP's degrees, group layouts) may spend half of the total;
+    the local search has the rest. The total grows a level at a time
+    (:func:`.search.level_budgets`)."""
 
     left_s: float
     total_s: float = field(init=False)
+    seeds_s: float = 0.0  # what seeds spent
 
     def __post_init__(self) -> None:
         self.total_s = self.left_s
 
-    def record(self, plan: Plan) -> None:
-        """Say in ``plan.predicted`` what the search had (``budget_s``) and charged
-        (``search_s``) past its first plan."""
-        plan.predicted["budget_s"] = self.total_s
+    def grow(self, seconds: float) -> None:
+        """The next level: ``seconds`` more to spend."""
+        self.total_s += seconds
+        self.left_s += seconds
+
+    def record(self, plan: Plan, budget_s: float | None = None) -> None:
+        """Say in ``plan.predicted`` what the search had (``budget_s``, by default the total)
+        and charged (``search_s``) past its first plan."""
+        plan.predicted["budget_s"] = self.total_s if budget_s is None else budget_s
         plan.predicted["search_s"] = max(0.0, self.total_s - self.left_s)
 
     @classmethod
@@ -122,9 +130,11 @@ class Budget:
         ``plan``: a plan of its shards and cells built and priced."""
         return 6.6e-4 + 5.6e-7 * plan.num_shards + 1.9e-7 * plan.num_waves * plan.num_ranks
 
-    def spend(self, seconds: float) -> None:
+    def spend(self, seconds: float, seed: bool = False) -> None:
         self.left_s -= seconds
+        if seed:
+            self.seeds_s += seconds
 
     def affords(self, seconds: float, seed: bool = False) -> bool:
-        """Whether ``seconds`` more fit, for a seed within its half."""
-        return seconds <= self.left_s - (self.total_s / 2 if seed else 0.0)
+        """Whether ``seconds`` more fit, for a seed within the seeds' half."""
+        return seconds <= self.left_s and (not seed or self.seeds_s + seconds <= self.total_s / 2)

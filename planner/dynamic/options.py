@@ -22,7 +22,8 @@ class DynamicOptions:
         "(aligned power-of-two CP groups, what hdp.dataloader.megatron.HDPScheduler runs)",
     )
     # Seconds of one core the search may spend past its first plan, by its own estimates of
-    # each placement's work (so plans do not depend on the machine's load); ``None``: a 100th
+    # each placement's work (so plans do not depend on the machine's load), in levels (with
+    # one K/V exchange, four times the budget never plans a slower step); ``None``: a 100th
     # of the first plan's predicted step and at least 0.05 s, so that the next step's plan is
     # ready long before this one ends.
     plan_budget_s: float | None = seconds_flag(
@@ -30,7 +31,8 @@ class DynamicOptions:
         flag="--plan-budget",
         help="seconds of one core hdp's search may spend past its first plan, charged by "
         "estimates of each step's work so that plans do not depend on the machine's load "
-        "(default: a 100th of the first plan's predicted step, at least 0.05 s)",
+        "(default: a 100th of the first plan's predicted step, at least 0.05 s); with one "
+        "--kv-exchange, four times the budget never plans a slower step",
     )
     # A constraint of the search, not a cap on its effort: no sequence spans more ranks (a
     # Megatron-form CP group included); ``None``: as many as help.

@@ -9,18 +9,18 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    the height ``M`` that minimises ``max(M, area / ranks)`` when each sequence takes its
    smallest-area degree no taller than ``M``. Where lengths repeat, the MILP over the same
    menus (:mod:`.milp`) chooses how many of a length take each degree.
-2. *Rounding* (:func:`roundings`): the relaxation's degrees at a few heights around ``M``
-   (in ``wave`` sync also those of the relaxation over ranks x waves), least work first, are
-   each placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost
-   model; the fastest is kept. The first is the search's first plan and always made.
+2. *Rounding* (:mod:`.rounding`): the relaxation's degrees at a few heights around ``M`` (in
+   ``wave`` sync also those of the relaxation over ranks x waves), least work first, are each
+   placed by the list scheduler of the sync mode (:mod:`.place`) and priced by the cost model;
+   the fastest is kept. The first is the search's first plan and always made.
    The relaxation cuts areas freely, but within a height ``H`` a rank holds at most one job
    (a whole sequence or a member's share) taller than ``H / 2``. In ``wave`` sync with one
    wave, where the degrees at ``M`` leave more such jobs than ranks, a *packed* rounding comes
-   first (:func:`packed_rounding`): at a few heights from ``M`` to ``1.2 M``, the tall jobs
-   that free a rank for the least extra area split further until they fit, and the height
-   whose degrees promise the least step is kept. (Batches of about one sequence a rank need
-   it: ``docs/benchmarks.md``. In ``peer`` sync it does not help, since that placer puts every
-   job first and stacks whole sequences onto their shares all the same.)
+   first: at a few heights from ``M`` to ``1.2 M``, the tall jobs that free a rank for the
+   least extra area split further until they fit, and the height whose degrees promise the
+   least step is kept. (Batches of about one sequence a rank need it: ``docs/benchmarks.md``.
+   In ``peer`` sync it does not help, since that placer puts every job first and stacks whole
+   sequences onto their shares all the same.)
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
    their sequences in shared waves, one layout at a time while the budget lasts (mixed sizes
    at heights rising from the least that fits, then equal sizes). No move below reaches such
@@ -52,8 +52,17 @@ Every step stops where the plan is within ``options.gap`` of the bound or the bu
 The budget (``options.plan_budget_s``; by default a 100th of the first plan's predicted step,
 at least 0.05 s) counts what the search does after its first plan. It is charged by estimates
 of each placement's, layout's and move's work (:class:`Budget`), not by the clock, so a plan
-depends only on the batch and the options. The roundings past the first, the MILP and item 3
-may spend half of it; the local search, all that is left.
+depends only on the batch and the options. It is spent in levels, each three times as large
+as all before it (:func:`level_budgets`: 0.8 s runs levels of 0.05, 0.15 and 0.6 s). At each
+level the seeds (the roundings past the first, the MILP, item 3) may spend up to half of the
+budget so far, in their order, a seed it cannot afford waiting for a later level; then the
+local search spends the rest, from the fastest plan so far (*widen* and the placements again
+from the fastest plan with degrees, where that is no slower than every group layout as laid
+out). Four times the budget runs the same levels and one more, so it never plans a slower step
+(under one K/V exchange: ``auto``'s head-parallel search has what the P2P one left). Levels
+each as large as all before them would promise that of twice the budget, but they cut budgets
+of 0.1-0.2 s in two, and some batches' fastest group layout then fits neither level
+(``docs/benchmarks.md``).
 
 Constraints belong to the same search: ``options.max_ranks_per_seq`` (carried in the
 ``Context``) ends every menu, *widen* and group size at it, and a batch whose longest sequence
@@ -80,7 +89,7 @@ from hdp import Plan, StepReport, ulysses
 from ..common import Context, PlanningError
 from ..degrees import Jobs, Relaxation, relaxation_bound, step_bound
 from . import milp
-from .budget import Budget
+from .budget import LEAST_S, Budget
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
 from .local import Work, exact_moves, improve, rebuilt
@@ -88,18 +97,22 @@ from .megatron import plan_megatron_form
 from .mixed import MixedGroupPlans
 from .options import DynamicOptions
 from .place import place
+from .rounding import roundings
 from .wave import jobs_first_changes
 
 NATIVE_SYNC = "peer"
 
 
 class Search:
-    """The best plan so far, its report and its degrees, and the moves that improve it."""
+    """The best plan so far, its report and its degrees (``None``: a group layout's), the
+    best of the plans that have degrees, and the moves that improve them."""
 
     def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation, bound_s: float):
         self.ctx, self.options, self.rel, self.bound_s = ctx, options, rel, bound_s
         self.budget = Budget(math.inf if options.plan_budget_s is None else options.plan_budget_s)
-        self.best: tuple[Plan, StepReport, Candidate] | None = None
+        self.best: tuple[Plan, StepReport, Candidate | None] | None = None
+        self.placed: tuple[Plan, StepReport, Candidate] | None = None
+        self.layout_s = math.inf  # the fastest group layout's step, as laid out
         self.searches = 0.0  # the last placement's offload searches (Budget.placement_s)
 
     @property
@@ -115,29 +128,35 @@ class Search:
         self, plan: Plan, cand: Candidate | None = None, report: StepReport | None = None
     ) -> bool:
         """Keep ``plan`` (priced in ``report``, or here) where it is faster than the best so
-        far; whether it was."""
+        far, or with degrees ``cand`` faster than the best that has some (the start of *widen*
+        and of the placements again, Note [One search]); whether it was either."""
         report = report or self.ctx.cost.evaluate(plan)
-        if report.step_time_s >= self.step_s:
-            return False
+        step_s = report.step_time_s
+        placed = cand is not None and (self.placed is None or step_s < self.placed[1].step_time_s)
+        if placed:
+            self.placed = (plan, report, cand)
+        if step_s >= self.step_s:
+            return placed
         self.best = (plan, report, cand)
         return True
 
-    def place(self, cand: Candidate, seed: bool = False) -> bool:
+    def place(self, cand: Candidate, seed: bool = False) -> bool | None:
         """Place ``cand`` where the budget affords it (a ``seed`` within its half), charge the
-        budget, keep it where faster; whether it was. The first placement is always made and
-        charged to nothing: the budget is what the search spends past its first plan, and by
-        default that plan's predicted step sets it (:class:`DynamicOptions`)."""
+        budget, keep it where faster; whether it was (``None``: not afforded). The first
+        placement is always made and charged to nothing: the budget is what the search spends
+        past its first plan, and by default that plan's predicted step sets it
+        (:class:`DynamicOptions`)."""
         first = self.best is None
         if not first:
             cost_s = self.placement_s(cand, self.searches)
             if not self.budget.affords(cost_s, seed):
-                return False
-            self.budget.spend(cost_s)
+                return None
+            self.budget.spend(cost_s, seed)
         plan = place(self.ctx, num_waves_for(self.ctx), cand)
         # Offload searches are charged as counted; the estimate assumed the last placement's.
         self.searches = plan.predicted["offload_searches"]
         if not first:
-            self.budget.spend(self.placement_s(cand, self.searches) - cost_s)
+            self.budget.spend(self.placement_s(cand, self.searches) - cost_s, seed)
         kept = self.consider(plan, cand)
         if first and self.options.plan_budget_s is None:
             self.budget = Budget.for_step(None, self.step_s)
@@ -151,14 +170,15 @@ class Search:
         shards += self.ctx.seq_lens.size
         return self.budget.placement_s(self.ctx, jobs, shards, waves, searches)
 
-    def solve_milp(self, warm: Candidate) -> dict[str, float]:
+    def solve_milp(self, warm: Candidate) -> dict[str, float] | None:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
-        affords the solve (estimated at a millisecond per count variable); what it reports."""
+        affords the solve (estimated at a millisecond per count variable); what it reports
+        (``None``: not afforded)."""
         ctx, rel = self.ctx, self.rel
         estimate_s = 1e-3 * sum(mu.degrees.size for mu in rel.menus)
-        if self.done() or not self.budget.affords(estimate_s, seed=True):
-            return {}
-        self.budget.spend(estimate_s)
+        if not self.budget.affords(estimate_s, seed=True):
+            return None
+        self.budget.spend(estimate_s, seed=True)
         jobs = Jobs(warm.degree, warm.job_time)
         limit_s = max(estimate_s, self.budget.left_s)
         choice = milp.solve_degrees(rel, ctx.cost, ctx.sync, ctx.num_ranks, jobs, limit_s)
@@ -166,16 +186,25 @@ class Search:
             self.place(Candidate(choice.degrees, choice.job_time), seed=True)
         return choice.info
 
+    def degrees_lead(self) -> bool:
+        """Whether the fastest plan with degrees is no slower than every group layout as laid
+        out: then *widen* and the placements again start from it, even where moves have since
+        made a layout faster (a later level's rounding competes with the layouts as laid out,
+        not with what the local search made of them)."""
+        return self.placed[1].step_time_s <= self.layout_s
+
     def widen(self) -> bool:
         """Step every sequence as tall as the one that sets the step (within 2% of its busy
         time) up its menu and place again (Note [One search]); whether that was faster."""
-        plan, report, cand = self.best
-        if cand is None or not self.budget.affords(self.placement_s(cand, self.searches)):
+        if not self.degrees_lead():
+            return False
+        plan, report, cand = self.placed
+        if not self.budget.affords(self.placement_s(cand, self.searches)):
             return False
         seq = critical_sequence(self.ctx, plan, report)
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
         wider = self._wider(cand, tall)
-        return wider is not None and self.place(wider)
+        return wider is not None and bool(self.place(wider))
 
     def _wider(self, cand: Candidate, seqs: np.ndarray) -> Candidate | None:
         """``cand`` with each of ``seqs`` on the next degree that runs it faster, where one of
@@ -206,8 +235,10 @@ class Search:
         fill their cells). *jobs first* is ``jobs_first=True``: every multi-rank job placed
         before any whole sequence, in layers the whole sequences then fill (the same list
         where no whole sequence is taller than a job: not placed again)."""
-        cand = self.best[2]
-        if cand is None or all(getattr(cand, k) == v for k, v in variant.items()):
+        if not self.degrees_lead():
+            return False
+        cand = self.placed[2]
+        if all(getattr(cand, k) == v for k, v in variant.items()):
             return False
         if variant.get("jobs_first") and not jobs_first_changes(self.ctx, cand):
             return False
@@ -357,27 +388,77 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     )
     search = Search(ctx, options, rel, bound_s)
     rounded = roundings(ctx, rel)
-    for k, cand in enumerate(rounded):
-        if search.best is not None and search.done(gap_only=True):
+    search.place(rounded[0])
+    seeds = _Seeds(ctx, search, rounded)
+    total_s, search.budget = search.budget.total_s, Budget(0.0)
+    for level_s in level_budgets(total_s):
+        search.budget.grow(level_s)
+        seeds.plant()
+        search.local_search()
+        if search.done(gap_only=True):
             break
-        if not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k]):
-            search.place(cand, seed=True)
-    info = search.solve_milp(rounded[0]) if milp.repeats(rel) else {}
-    for family in group_layouts(ctx):
-        for make, shards in family:
-            cost_s = search.budget.layout_s(ctx, shards)
-            if search.done() or not search.budget.affords(cost_s, seed=True):
-                break
-            search.budget.spend(cost_s)
-            for plan in make():
-                search.consider(plan)
-    search.local_search()
     plan = search.best[0]
-    plan.predicted.update(info)
+    plan.predicted.update(seeds.info)
     plan.predicted["bound_s"] = bound_s
     plan.predicted["relaxation_height_s"] = rel.height_s
-    search.budget.record(plan)
+    search.budget.record(plan, total_s)
     return plan
+
+
+def level_budgets(total_s: float) -> list[float]:
+    """The budget ``total_s`` cut into levels, each three times as large as all before it, the
+    first at least :data:`.budget.LEAST_S` where the total allows (Note [One search])."""
+    if not math.isfinite(total_s):
+        raise ValueError(
+            f"hdp: the search's budget is {total_s} s; give a finite --plan-budget "
+            "(the search spends it in levels, each three times as large as all before it)"
+        )
+    cuts = 0  # (dividing by powers of 4 is exact: four times the total, one more cut)
+    while total_s / 4 ** (cuts + 1) >= LEAST_S:
+        cuts += 1
+    return [total_s / 4**cuts, *(3 * total_s / 4**k for k in range(cuts, 0, -1))]
+
+
+class _Seeds:
+    """The seeds past the first plan (Note [One search], items 2-3) in their order, each
+    planted once: at every level those that the seeds' half of the budget so far affords (a
+    family of group layouts up to the first it does not), the rest kept for the next."""
+
+    def __init__(self, ctx: Context, search: Search, rounded: list[Candidate]) -> None:
+        self.ctx, self.search = ctx, search
+        self.roundings = [
+            cand
+            for k, cand in enumerate(rounded)
+            if k and not any(np.array_equal(cand.degree, c.degree) for c in rounded[:k])
+        ]
+        self.milp = rounded[0] if milp.repeats(search.rel) else None
+        self.info: dict[str, float] = {}
+        self.families = [iter(family) for family in group_layouts(ctx)]
+        self.next = [next(it, None) for it in self.families]
+
+    def plant(self) -> None:
+        search = self.search
+        self.roundings = [
+            cand
+            for cand in self.roundings
+            if search.done(gap_only=True) or search.place(cand, seed=True) is None
+        ]
+        if self.milp is not None and not search.done():
+            placed = search.solve_milp(self.milp)
+            if placed is not None:
+                self.info, self.milp = placed, None
+        for k, it in enumerate(self.families):
+            while self.next[k] is not None:
+                make, shards = self.next[k]
+                cost_s = search.budget.layout_s(self.ctx, shards)
+                if search.done() or not search.budget.affords(cost_s, seed=True):
+                    break
+                search.budget.spend(cost_s, seed=True)
+                for plan in make():
+                    report = self.ctx.cost.evaluate(plan)
+                    search.layout_s = min(search.layout_s, report.step_time_s)
+                    search.consider(plan, report=report)
+                self.next[k] = next(it, None)
 
 
 def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Plan]], int]]]:
@@ -408,145 +489,3 @@ def _plan_whole(ctx: Context) -> Plan:
         )
     degree = np.ones(ctx.seq_lens.size, dtype=np.int64)
     return place(ctx, num_waves_for(ctx), Candidate(degree, ctx.whole_s))
-
-
-def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
-    """The relaxation's degrees at each of :func:`rounding_heights`, and in ``wave`` sync with
-    several waves also :func:`per_wave_roundings`; least work first (:func:`work_s`), the order
-    in which a small budget places them."""
-    out = [Candidate(*rel.degrees_at(h, ctx.whole_s)) for h in rounding_heights(rel, ctx.sync)]
-    waves = num_waves_for(ctx)
-    if ctx.sync == "wave" and waves > 1:
-        out += per_wave_roundings(ctx, waves)
-    out = sorted(out, key=lambda cand: work_s(ctx, rel, cand))
-    packed = packed_rounding(ctx, rel) if ctx.sync == "wave" and waves == 1 else None
-    return out if packed is None else [packed, *out]
-
-
-def per_wave_roundings(ctx: Context, waves: int) -> list[Candidate]:
-    """The degrees of the relaxation over ranks x ``waves`` (as if the work spread evenly over
-    the waves) at its height and a little above."""
-    per_wave = relaxation_bound(
-        ctx.cost,
-        ctx.seq_lens,
-        ctx.sync,
-        ctx.capacity,
-        ctx.num_ranks * waves,
-        most_ranks=ctx.max_ranks_per_seq,
-    )
-    heights = [per_wave.height_s * f for f in (1.0, 1.04, 1.12)]
-    return [Candidate(*per_wave.degrees_at(h, ctx.whole_s)) for h in heights]
-
-
-def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
-    """Where the relaxation's degrees at ``M`` leave more tall jobs than ranks (Note [One
-    search], item 2), :func:`room_for_tall_jobs` at the height from ``M`` to ``1.2 M`` whose
-    degrees promise the least step (the height or their area over the ranks, whichever is
-    more; a height they do not fit promises nothing); ``None`` where they fit at ``M``."""
-    best: tuple[float, Candidate] | None = None
-    priced = _Prices(ctx)
-    for f in (1.0, 1.04, 1.08, 1.12, 1.2):
-        height = rel.height_s * f
-        cand = room_for_tall_jobs(ctx, rel, height, priced)
-        if cand is None:
-            if f == 1.0:
-                return None
-            continue
-        time, tall = _tall_members(ctx, cand, height)
-        if tall > ctx.num_ranks:
-            continue
-        promise = max(height, float((cand.degree * time).sum()) / ctx.num_ranks)
-        if best is None or promise < best[0]:
-            best = (promise, cand)
-    return None if best is None else best[1]
-
-
-def room_for_tall_jobs(
-    ctx: Context, rel: Relaxation, height: float, priced: _Prices | None = None
-) -> Candidate | None:
-    """The relaxation's degrees at ``height`` with room for its tall jobs: within ``height`` a
-    rank holds at most one job (whole or a member's share) taller than half of it, so where
-    such jobs outnumber the ranks, those that free a rank for the least extra area are split
-    further, each to the least of a few degrees (up to three times its own) whose members are
-    under half of ``height``, until they fit or none is left. ``None`` where they fit already
-    or none can be split so. ``priced``: the prices of earlier heights, added to here."""
-    lens, n, half = ctx.seq_lens, ctx.num_ranks, height / 2
-    degree, job_time = rel.degrees_at(height, ctx.whole_s)
-    time, tall = _tall_members(ctx, Candidate(degree, job_time), height)
-    over = tall - n
-    if over <= 0:
-        return None
-    # Three degrees a tall job, priced in one pass: where its time would fall under half
-    # were it to shrink as 1 / degree, one more, and a quarter more.
-    seqs = np.flatnonzero(time > half)
-    top = np.minimum(np.minimum(3 * degree[seqs], lens[seqs] // 2), most_members(ctx))
-    guess = np.ceil(degree[seqs] * time[seqs] / half).astype(np.int64)
-    tries = np.stack([guess, guess + 1, np.ceil(1.25 * guess).astype(np.int64)], axis=1)
-    tries = np.clip(tries, degree[seqs, None] + 1, None)
-    ok = tries <= top[:, None]
-    row_seq, row_deg = np.broadcast_to(seqs[:, None], tries.shape)[ok], tries[ok]
-    row_time = (priced or _Prices(ctx)).of(lens[row_seq], row_deg)
-    fits = np.flatnonzero(row_time <= half)
-    seq, at = np.unique(row_seq[fits], return_index=True)  # each one's least such degree
-    if seq.size == 0:
-        return None
-    new_deg, new_time = row_deg[fits][at], row_time[fits][at]
-    freed = degree[seq]
-    extra = (new_deg * new_time - freed * time[seq]) / freed
-    order = np.argsort(extra, kind="stable")
-    take = order[: int(np.searchsorted(np.cumsum(freed[order]), over)) + 1]
-    degree, job_time = degree.copy(), job_time.copy()
-    degree[seq[take]], job_time[seq[take]] = new_deg[take], new_time[take]
-    return Candidate(degree, job_time)
-
-
-def _tall_members(ctx: Context, cand: Candidate, height: float) -> tuple[np.ndarray, int]:
-    """Each sequence's time in ``cand`` (a multi-rank job's, or whole at its packed time) and
-    how many ranks the jobs taller than half of ``height`` take."""
-    time = np.where(cand.degree > 1, cand.job_time, ctx.packed_s)
-    return time, int(cand.degree[time > height / 2].sum())
-
-
-class _Prices:
-    """:func:`.groups.split_busy` of (length, degree) pairs, each priced once across calls."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.keys = np.zeros(0, dtype=np.int64)  # length * 2**32 + degree, sorted
-        self.times = np.zeros(0)
-
-    def of(self, lens: np.ndarray, degree: np.ndarray) -> np.ndarray:
-        keys = (lens.astype(np.int64) << 32) + degree
-        new = np.setdiff1d(keys, self.keys)
-        if new.size:
-            L, d = new >> 32, new & 0xFFFFFFFF
-            times = split_busy(self.ctx, L, d, self.ctx.splits(L, d)[0])
-            keys_all = np.concatenate([self.keys, new])
-            order = np.argsort(keys_all, kind="stable")
-            self.keys, self.times = keys_all[order], np.concatenate([self.times, times])[order]
-        return self.times[np.searchsorted(self.keys, keys)]
-
-
-def work_s(ctx: Context, rel: Relaxation, cand: Candidate) -> float:
-    """The rank-seconds of compute ``cand``'s degrees cover at least (split sequences their
-    menu area, whole ones their packed time), over the ranks."""
-    area = ctx.packed_s.copy()
-    if rel.menus:
-        degrees, _, menu_area, seg = rel.entries
-        ids = rel.long_ids[seg]
-        chosen = (degrees == cand.degree[ids]) & (cand.degree[ids] > 1)
-        area[ids[chosen]] = menu_area[chosen]
-    return float(area.sum()) / ctx.num_ranks
-
-
-def rounding_heights(rel: Relaxation, sync: str) -> list[float]:
-    """Heights at which the relaxation's degrees are read (Note [One search], item 2): ``M``
-    and a little above in ``peer`` sync; in ``wave`` sync a step is the sum of its waves'
-    heights, so tall jobs must share waves side by side: from a quarter of the least height
-    the tallest job can have up to ``M``."""
-    if sync == "peer" or not rel.menus:
-        return [rel.height_s * f for f in (1.0, 1.04, 1.12)]
-    floor = max(float(mu.height.min()) for mu in rel.menus)
-    top = max(floor, rel.height_s)
-    ladder = [float(h) for h in np.geomspace(floor, top, 4)] if top > floor * 1.01 else [floor]
-    return [floor * 0.5, floor * 0.25, *ladder]
