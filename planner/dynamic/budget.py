@@ -41,6 +41,7 @@ class Budget:
     left_s: float
     total_s: float = field(init=False)
     seeds_s: float = 0.0  # what seeds spent
+    refused: bool = False  # whether it refused something since this was last reset
 
     def __post_init__(self) -> None:
         self.total_s = self.left_s
@@ -51,8 +52,9 @@ class Budget:
         self.left_s += seconds
 
     def record(self, plan: Plan, budget_s: float | None = None) -> None:
-        """Say in ``plan.predicted`` what the search had (``budget_s``, by default the total)
-        and charged (``search_s``) past its first plan."""
+        """Say in ``plan.predicted`` what the search had (``budget_s``: by default the total,
+        which falls short of the budget where the search stopped before its last level) and
+        charged (``search_s``) past its first plan."""
         plan.predicted["budget_s"] = self.total_s if budget_s is None else budget_s
         plan.predicted["search_s"] = max(0.0, self.total_s - self.left_s)
 
@@ -137,4 +139,6 @@ class Budget:
 
     def affords(self, seconds: float, seed: bool = False) -> bool:
         """Whether ``seconds`` more fit, for a seed within the seeds' half."""
-        return seconds <= self.left_s and (not seed or self.seeds_s + seconds <= self.total_s / 2)
+        ok = seconds <= self.left_s and (not seed or self.seeds_s + seconds <= self.total_s / 2)
+        self.refused |= not ok
+        return ok

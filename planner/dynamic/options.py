@@ -22,17 +22,18 @@ class DynamicOptions:
         "(aligned power-of-two CP groups, what hdp.dataloader.megatron.HDPScheduler runs)",
     )
     # Seconds of one core the search may spend past its first plan, by its own estimates of
-    # each placement's work (so plans do not depend on the machine's load), in levels (with
-    # one K/V exchange, four times the budget never plans a slower step); ``None``: a 100th
-    # of the first plan's predicted step and at least 0.05 s, so that the next step's plan is
-    # ready long before this one ends.
+    # each placement's work (so plans do not depend on the machine's load), in levels (from
+    # 0.05 s on, four times the budget never plans a slower step under one K/V exchange);
+    # ``math.inf``: until nothing helps; ``None``: a 100th of the first plan's predicted step
+    # and at least 0.05 s, so that the next step's plan is ready long before this one ends.
     plan_budget_s: float | None = seconds_flag(
         None,
         flag="--plan-budget",
         help="seconds of one core hdp's search may spend past its first plan, charged by "
         "estimates of each step's work so that plans do not depend on the machine's load "
-        "(default: a 100th of the first plan's predicted step, at least 0.05 s); with one "
-        "--kv-exchange, four times the budget never plans a slower step",
+        "(default: a 100th of the first plan's predicted step, at least 0.05 s); from 0.05 s "
+        "on, four times the budget never plans a slower step (with --kv-exchange rank, node "
+        "or ulysses)",
     )
     # A constraint of the search, not a cap on its effort: no sequence spans more ranks (a
     # Megatron-form CP group included); ``None``: as many as help.
@@ -46,6 +47,11 @@ class DynamicOptions:
     gap: float = 1e-3
 
     def __post_init__(self) -> None:
+        if self.plan_budget_s is not None and not self.plan_budget_s >= 0:
+            raise ValueError(
+                f"plan_budget_s is {self.plan_budget_s}: give seconds of at least 0 (0: the "
+                "first plan only; math.inf: search until nothing helps; None: the default)"
+            )
         if self.max_ranks_per_seq is not None and self.max_ranks_per_seq < 1:
             raise ValueError(
                 f"max_ranks_per_seq is {self.max_ranks_per_seq}: a sequence needs at least one "

@@ -55,14 +55,16 @@ of each placement's, layout's and move's work (:class:`Budget`), not by the cloc
 depends only on the batch and the options. It is spent in levels, each three times as large
 as all before it (:func:`level_budgets`: 0.8 s runs levels of 0.05, 0.15 and 0.6 s). At each
 level the seeds (the roundings past the first, the MILP, item 3) may spend up to half of the
-budget so far, in their order, a seed it cannot afford waiting for a later level; then the
-local search spends the rest, from the fastest plan so far (*widen* and the placements again
-from the fastest plan with degrees, where that is no slower than every group layout as laid
-out). Four times the budget runs the same levels and one more, so it never plans a slower step
-(under one K/V exchange: ``auto``'s head-parallel search has what the P2P one left). Levels
-each as large as all before them would promise that of twice the budget, but they cut budgets
-of 0.1-0.2 s in two, and some batches' fastest group layout then fits neither level
-(``docs/benchmarks.md``).
+budget so far; a seed that does not fit waits for a later level. The local search then
+spends the rest, from the fastest plan so far (*widen* and the placements again from the
+fastest plan with degrees, where that is no slower than every group layout as laid out).
+Moves are deterministic, so one that found nothing is not tried again until a plan changes,
+and the search stops after a level that neither spent nor was refused anything (an unlimited
+budget, ``math.inf``, searches until then). From 0.05 s on, four times the budget runs the
+same levels and one more, so it never plans a slower step (under one K/V exchange: ``auto``'s
+head-parallel search has what the P2P one left). Levels each as large as all before them
+would make that promise for twice the budget, but they cut budgets of 0.1-0.2 s in two, and
+some batches' fastest group layout then fits neither level (``docs/benchmarks.md``).
 
 Constraints belong to the same search: ``options.max_ranks_per_seq`` (carried in the
 ``Context``) ends every menu, *widen* and group size at it, and a batch whose longest sequence
@@ -114,6 +116,10 @@ class Search:
         self.placed: tuple[Plan, StepReport, Candidate] | None = None
         self.layout_s = math.inf  # the fastest group layout's step, as laid out
         self.searches = 0.0  # the last placement's offload searches (Budget.placement_s)
+        # Moves are deterministic: one that found nothing finds nothing again until a plan
+        # changes, so a later level skips it (``version`` counts the changes).
+        self.version = 0
+        self.settled: dict[str, int] = {}  # a move -> the version at which it found nothing
 
     @property
     def step_s(self) -> float:
@@ -136,9 +142,20 @@ class Search:
         if placed:
             self.placed = (plan, report, cand)
         if step_s >= self.step_s:
+            self.version += placed
             return placed
         self.best = (plan, report, cand)
+        self.version += 1
         return True
+
+    def fresh(self, move: str) -> bool:
+        """Whether ``move`` may find something: it has not found nothing since a plan last
+        changed."""
+        return self.settled.get(move) != self.version
+
+    def settle(self, move: str) -> None:
+        """``move`` found nothing on the plans as they are."""
+        self.settled[move] = self.version
 
     def place(self, cand: Candidate, seed: bool = False) -> bool | None:
         """Place ``cand`` where the budget affords it (a ``seed`` within its half), charge the
@@ -196,7 +213,7 @@ class Search:
     def widen(self) -> bool:
         """Step every sequence as tall as the one that sets the step (within 2% of its busy
         time) up its menu and place again (Note [One search]); whether that was faster."""
-        if not self.degrees_lead():
+        if not self.degrees_lead() or not self.fresh("widen"):
             return False
         plan, report, cand = self.placed
         if not self.budget.affords(self.placement_s(cand, self.searches)):
@@ -204,7 +221,10 @@ class Search:
         seq = critical_sequence(self.ctx, plan, report)
         tall = np.flatnonzero(cand.job_time >= 0.98 * cand.job_time[seq])
         wider = self._wider(cand, tall)
-        return wider is not None and bool(self.place(wider))
+        kept = None if wider is None else self.place(wider)
+        if kept is False or wider is None:
+            self.settle("widen")
+        return bool(kept)
 
     def _wider(self, cand: Candidate, seqs: np.ndarray) -> Candidate | None:
         """``cand`` with each of ``seqs`` on the next degree that runs it faster, where one of
@@ -235,25 +255,32 @@ class Search:
         fill their cells). *jobs first* is ``jobs_first=True``: every multi-rank job placed
         before any whole sequence, in layers the whole sequences then fill (the same list
         where no whole sequence is taller than a job: not placed again)."""
-        if not self.degrees_lead():
+        key = repr(sorted(variant.items()))
+        if not self.degrees_lead() or not self.fresh(key):
             return False
         cand = self.placed[2]
         if all(getattr(cand, k) == v for k, v in variant.items()):
             return False
         if variant.get("jobs_first") and not jobs_first_changes(self.ctx, cand):
             return False
-        return self.place(dataclasses.replace(cand, **variant))
+        kept = self.place(dataclasses.replace(cand, **variant))
+        if kept is False:
+            self.settle(key)
+        return bool(kept)
 
     def join(self) -> bool:
         """``peer`` sync: every rank's first cell after its last multi-rank job joins that
         job's cell where it has token room; whether that was faster."""
         plan = self.best[0]
         cost_s = self.budget.trial_s(plan)
-        if not self.budget.affords(cost_s):
+        if not self.fresh("join") or not self.budget.affords(cost_s):
             return False
         self.budget.spend(cost_s)
         joined = join_tails(self.ctx, plan)
-        return joined is not None and self.consider(joined, self.best[2])
+        kept = joined is not None and self.consider(joined, self.best[2])
+        if not kept:
+            self.settle("join")
+        return kept
 
     def move(self) -> bool:
         """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget, in
@@ -262,15 +289,25 @@ class Search:
         share = 0.5 if self.ctx.sync == "peer" else 1.0
         kept = False
         # (Building the plan's cells and pricing the moved plan is paid before any move.)
-        if self.budget.move_s(self.ctx, Work(plan.num_shards)) < share * self.budget.left_s:
-            moved, work = improve(self.ctx, plan, report, share * self.budget.left_s)
-            self.budget.spend(self.budget.move_s(self.ctx, work))
+        allowed_s = share * self.budget.left_s
+        least_s = self.budget.move_s(self.ctx, Work(plan.num_shards)) / share
+        if self.fresh("move") and self.budget.affords(least_s):
+            moved, work = improve(self.ctx, plan, report, allowed_s)
+            spent_s = self.budget.move_s(self.ctx, work)
+            self.budget.spend(spent_s)
             kept = moved is not None and self.consider(moved[0], cand, moved[1])
-        if self.ctx.sync == "peer" and not self.done():
+            if spent_s < allowed_s:  # no move was left, not the budget
+                self.settle("move")
+        if self.ctx.sync == "peer" and not self.done() and self.fresh("exact"):
             plan, report, cand = self.best
-            exact, spent_s = exact_moves(self.ctx, plan, report, self.budget.left_s)
+            if not self.budget.affords(self.budget.trial_s(plan)):
+                return kept
+            allowed_s = self.budget.left_s
+            exact, spent_s = exact_moves(self.ctx, plan, report, allowed_s)
             self.budget.spend(spent_s)
             kept = (exact is not None and self.consider(exact[0], cand, exact[1])) or kept
+            if spent_s + self.budget.trial_s(plan) <= allowed_s:
+                self.settle("exact")
         return kept
 
     def local_search(self) -> None:
@@ -390,12 +427,15 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     rounded = roundings(ctx, rel)
     search.place(rounded[0])
     seeds = _Seeds(ctx, search, rounded)
-    total_s, search.budget = search.budget.total_s, Budget(0.0)
+    total_s, budget = search.budget.total_s, Budget(0.0)
+    search.budget = budget
     for level_s in level_budgets(total_s):
-        search.budget.grow(level_s)
+        budget.grow(level_s)
+        budget.refused, left_s = False, budget.left_s
         seeds.plant()
         search.local_search()
-        if search.done(gap_only=True):
+        # A level that spent nothing and was refused nothing leaves nothing to the next.
+        if search.done(gap_only=True) or (budget.left_s == left_s and not budget.refused):
             break
     plan = search.best[0]
     plan.predicted.update(seeds.info)
@@ -405,18 +445,21 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     return plan
 
 
-def level_budgets(total_s: float) -> list[float]:
+def level_budgets(total_s: float) -> Iterator[float]:
     """The budget ``total_s`` cut into levels, each three times as large as all before it, the
-    first at least :data:`.budget.LEAST_S` where the total allows (Note [One search])."""
-    if not math.isfinite(total_s):
-        raise ValueError(
-            f"hdp: the search's budget is {total_s} s; give a finite --plan-budget "
-            "(the search spends it in levels, each three times as large as all before it)"
-        )
+    first at least :data:`.budget.LEAST_S` where the total allows (Note [One search]); an
+    unlimited budget, levels without end from :data:`.budget.LEAST_S` on."""
+    if total_s == math.inf:
+        level = LEAST_S
+        yield level
+        while True:
+            yield 3 * level
+            level *= 4
     cuts = 0  # (dividing by powers of 4 is exact: four times the total, one more cut)
     while total_s / 4 ** (cuts + 1) >= LEAST_S:
         cuts += 1
-    return [total_s / 4**cuts, *(3 * total_s / 4**k for k in range(cuts, 0, -1))]
+    yield total_s / 4**cuts
+    yield from (3 * total_s / 4**k for k in range(cuts, 0, -1))
 
 
 class _Seeds:
@@ -437,12 +480,12 @@ class _Seeds:
         self.next = [next(it, None) for it in self.families]
 
     def plant(self) -> None:
-        search = self.search
-        self.roundings = [
-            cand
-            for cand in self.roundings
-            if search.done(gap_only=True) or search.place(cand, seed=True) is None
-        ]
+        """Place what this level affords, in order; keep the rest."""
+        search, waiting = self.search, []
+        for cand in self.roundings:
+            if search.done(gap_only=True) or search.place(cand, seed=True) is None:
+                waiting.append(cand)
+        self.roundings = waiting
         if self.milp is not None and not search.done():
             placed = search.solve_milp(self.milp)
             if placed is not None:
