@@ -111,7 +111,7 @@ class Search:
 
     def __init__(self, ctx: Context, options: DynamicOptions, rel: Relaxation, bound_s: float):
         self.ctx, self.options, self.rel, self.bound_s = ctx, options, rel, bound_s
-        self.budget = Budget(math.inf if options.plan_budget_s is None else options.plan_budget_s)
+        self.budget = Budget(0.0)  # grown a level at a time by plan_dynamic
         self.best: tuple[Plan, StepReport, Candidate | None] | None = None
         self.placed: tuple[Plan, StepReport, Candidate] | None = None
         self.layout_s = math.inf  # the fastest group layout's step, as laid out
@@ -139,14 +139,14 @@ class Search:
         report = report or self.ctx.cost.evaluate(plan)
         step_s = report.step_time_s
         placed = cand is not None and (self.placed is None or step_s < self.placed[1].step_time_s)
+        faster = step_s < self.step_s
         if placed:
             self.placed = (plan, report, cand)
-        if step_s >= self.step_s:
-            self.version += placed
-            return placed
-        self.best = (plan, report, cand)
-        self.version += 1
-        return True
+        if faster:
+            self.best = (plan, report, cand)
+        if placed or faster:
+            self.version += 1
+        return placed or faster
 
     def fresh(self, move: str) -> bool:
         """Whether ``move`` may find something: it has not found nothing since a plan last
@@ -174,10 +174,7 @@ class Search:
         self.searches = plan.predicted["offload_searches"]
         if not first:
             self.budget.spend(self.placement_s(cand, self.searches) - cost_s, seed)
-        kept = self.consider(plan, cand)
-        if first and self.options.plan_budget_s is None:
-            self.budget = Budget.for_step(None, self.step_s)
-        return kept
+        return self.consider(plan, cand)
 
     def placement_s(self, cand: Candidate, searches: float) -> float:
         """The budget's estimate of placing ``cand`` with ``searches`` offload searches."""
@@ -427,8 +424,8 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
     rounded = roundings(ctx, rel)
     search.place(rounded[0])
     seeds = _Seeds(ctx, search, rounded)
-    total_s, budget = search.budget.total_s, Budget(0.0)
-    search.budget = budget
+    total_s = Budget.for_step(options.plan_budget_s, search.step_s).total_s
+    budget = search.budget
     for level_s in level_budgets(total_s):
         budget.grow(level_s)
         budget.refused, left_s = False, budget.left_s
