@@ -123,9 +123,7 @@ class ZigzagJobs(NamedTuple):
     @property
     def most_tokens(self) -> np.ndarray:
         """Per job, the most tokens one member holds."""
-        most = np.zeros(self.parts.size, dtype=np.int64)
-        np.maximum.at(most, self.rep, self.held)
-        return most
+        return _job_max(self.parts.size, self.rep, self.held, 0)
 
     def only(self, jobs: np.ndarray) -> ZigzagJobs:
         """These jobs where ``jobs`` (a mask over them) is set, in order."""
@@ -184,7 +182,7 @@ class ZigzagJobs(NamedTuple):
                     np.minimum(in_ring, busy(attn_k, dense_k, *on), out=in_ring)
                 busy_s[rows] = np.minimum(busy_s[rows], in_ring)
         n = self.parts.size
-        height, most = _per_job(n, self.rep, busy_s, held)
+        height, most = _job_max(n, self.rep, busy_s, -np.inf), self.most_tokens
         if sync == "peer" and latency:
             area = self.parts * height  # the members start together and wait for the slowest
         elif own_cells:  # (a member's wait may run other micro-batches: its busy time only)
@@ -292,13 +290,12 @@ def _offload_s(cost: CostModel, sync: str, held: np.ndarray) -> np.ndarray:
     return np.where(fraction <= 1.0, cost.offload_time(held, np.minimum(fraction, 1.0)), np.inf)
 
 
-def _per_job(n: int, rep: np.ndarray, busy: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per job of ``n``: its slowest member's busy time and the most tokens a member holds."""
-    height = np.full(n, -np.inf)
-    np.maximum.at(height, rep, busy)
-    most = np.zeros(n, dtype=np.int64)
-    np.maximum.at(most, rep, held)
-    return height, most
+def _job_max(n: int, rep: np.ndarray, values: np.ndarray, empty: float) -> np.ndarray:
+    """Per job of ``n`` (``rep``: each member's), the most of its members' ``values``
+    (``empty`` where it has none)."""
+    out = np.full(n, empty, dtype=values.dtype)
+    np.maximum.at(out, rep, values)
+    return out
 
 
 class _ZigzagLinks(NamedTuple):
@@ -359,7 +356,7 @@ def head_split_times(
     comm = m.layers * ulysses.comm_time(m, cost.cluster, lengths[rep], d, ckpt)
     n = lengths.size
     busy = np.maximum(compute, _offload_s(cost, sync, held)) + comm
-    height, most = _per_job(n, rep, busy, held)
+    height, most = _job_max(n, rep, busy, -np.inf), _job_max(n, rep, held, 0)
     if sync == "peer":
         area = parts * height
     else:  # (split_times' reasons) dense at the best speed; the all-to-alls hide nowhere
