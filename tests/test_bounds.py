@@ -245,6 +245,20 @@ def test_auto_plans_head_parallel_after_a_head_parallel_rival_wins():
     assert auto <= heads.predicted["step_time_s"] * (1 + 1e-9)
 
 
+def test_equal_groups_share_waves_as_the_ulysses_mesh_does():
+    """4 a100-80g ranks in two nodes, 7 sequences of 457-2,417 tokens, ``peer`` sync: the
+    Ulysses mesh runs two groups of two ranks, two waves each of about 1,180 tokens a member,
+    where a micro-batch costs at least what its weights take to read. hdp dealt the sequences to
+    groups by their times alone and filled each group's first wave to the capacity, leaving
+    the second nearly empty, and stepped 7.4% slower. Its groups now hold as few waves as
+    first fit, evenly filled, and are dealt by what a group's waves cost too."""
+    lens = np.array([1939, 1188, 2417, 457, 1076, 609, 1748])
+    cluster = ClusterSpec.preset("a100-80g", 4, 2)
+    pricing = StepPricing.build(model_preset("llama-7b"), cluster, capacity=2048, sync="peer")
+    plans = _plans(lens, pricing)
+    assert plans["hdp"]["step_time_s"] <= plans["ulysses"]["on_hdp_s"] * (1 + 0.02)
+
+
 def test_hdp_keeps_up_with_head_parallel_meshes_past_the_rival_ranks():
     """1024 a100-80g ranks, 31 sequences of at most 7,247 tokens: FlexSP's plan and the
     DeepSpeed-Ulysses mesh, both head-parallel, stepped 0.4% under hdp's, which was within the

@@ -512,11 +512,7 @@ def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Pla
         g = n // groups
         for split, exact in group_splits(ctx, g):
             shards = int((split & (lens >= g)).sum()) * g + lens.size
-            yield [(lambda s=split, e=exact, k=groups: _some(group_plan(ctx, k, s, e)), shards)]
-
-
-def _some(plan: Plan | None) -> list[Plan]:
-    return [] if plan is None else [plan]
+            yield [(lambda s=split, e=exact, k=groups: group_plan(ctx, k, s, e), shards)]
 
 
 def _plan_whole(ctx: Context) -> Plan:
