@@ -259,6 +259,18 @@ def test_equal_groups_share_waves_as_the_ulysses_mesh_does():
     assert plans["hdp"]["step_time_s"] <= plans["ulysses"]["on_hdp_s"] * (1 + 0.02)
 
 
+def test_equal_groups_deal_by_what_a_wave_costs_in_wave_sync():
+    """4 CPU-profile ranks in two nodes, 4 sequences of 295-1,158 tokens, one ``wave``:
+    FlexSP's placement (two groups of two ranks, the longest sequence alone on one) stepped
+    8.5% under hdp's, whose groups were dealt by each sequence's time alone (its micro-batch's
+    fixed cost counted once a sequence). The second deal counts it once a wave."""
+    lens = np.array([822, 1158, 583, 295])
+    cluster = ClusterSpec.preset("cpu", 4, 2)
+    pricing = StepPricing.build(model_preset("tiny"), cluster, capacity=1024, sync="wave")
+    plans = _plans(lens, pricing)
+    assert plans["hdp"]["step_time_s"] <= plans["flexsp-rank"]["on_hdp_s"] * (1 + 1e-9)
+
+
 def test_hdp_keeps_up_with_head_parallel_meshes_past_the_rival_ranks():
     """1024 a100-80g ranks, 31 sequences of at most 7,247 tokens: FlexSP's plan and the
     DeepSpeed-Ulysses mesh, both head-parallel, stepped 0.4% under hdp's, which was within the

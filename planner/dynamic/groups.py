@@ -14,9 +14,9 @@ the heads wherever its tokens lie, so such a group is balanced at any length; a 
 zigzag shares.
 
 :func:`group_plan` cuts the ranks into groups of ``G`` ranks (as many as :func:`group_counts`
-says: the search tries each) and deals the sequences to groups longest work first (LPT; in
-``peer`` sync also by what a group's waves cost, :func:`_deals`); :mod:`.mixed` cuts them into
-groups of several power-of-two sizes. Either way :func:`stack` stacks each group's sequences
+says: the search tries each) and deals the sequences to groups longest work first, by their
+times alone (LPT) and by what a group's waves cost (:func:`_deals`); :mod:`.mixed` cuts them
+into groups of several power-of-two sizes. Either way :func:`stack` stacks each group's sequences
 into its waves while every member stays within the capacity (a sequence that alone overflows
 it gets a wave of its own and offloads): each into the first wave with room, or in ``peer``
 sync the least filled of as few waves as that needs (:func:`_cells`). Sequences that do not
@@ -100,16 +100,15 @@ def group_plan(ctx: Context, groups: int, split: np.ndarray, exact: bool) -> lis
 def _deals(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: int) -> list[np.ndarray]:
     """The group of each sequence (``busy``: its time alone on a group, ``tokens``: what it
     adds to a member, on average), in this order, each to the group it would finish first:
-    by the sum of their times alone (LPT), and in ``peer`` sync also by what a group's
-    sequences take besides their dense work plus the dense work of its tokens in as few waves
-    as hold them, evenly filled (:func:`_cells`): a group runs its waves one after another, and
-    the sequences in one wave share its micro-batches. Either may be faster: where they differ,
-    both are laid out."""
+    by the sum of their times alone (LPT), and also by what a group's sequences take besides
+    their dense work plus the dense work of its tokens in as few waves as hold them, evenly
+    filled (:func:`_cells`): the sequences in one wave share its micro-batches, which LPT
+    charges once a sequence. Either may be faster: where they differ, both are laid out."""
     heap, lpt = [(0.0, g) for g in range(groups)], np.empty(busy.size, dtype=np.int64)
     for k, t in enumerate(busy.tolist()):  # (the least loaded group, the first of equals)
         load, lpt[k] = heapq.heappop(heap)
         heapq.heappush(heap, (load + t, int(lpt[k])))
-    if ctx.sync != "peer" or groups == 1:
+    if groups == 1:
         return [lpt]
     by_waves = _deal_by_waves(ctx, busy, tokens, groups)
     return [lpt] if (by_waves == lpt).all() else [lpt, by_waves]
