@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -115,10 +116,9 @@ def _deals(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: int) -> l
 
 
 def _deal_by_waves(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: int) -> np.ndarray:
-    """:func:`_deals`' second deal. The groups are looked at in the
-    order of their finish so far (a heap, entries dropped once stale), until one would finish
-    no sooner than the best found even if the sequence added no dense work (its dense work
-    grows with its tokens)."""
+    """:func:`_deals`' second deal. The groups are looked at in the order of their finish so
+    far (a heap, entries dropped once stale), until one would finish no sooner than the best
+    found even if the sequence added no dense work (its dense work grows with its tokens)."""
     rest, dense = _besides_dense(ctx, busy, tokens)
     held, load, done = [0.0] * groups, [0.0] * groups, [0.0] * groups
     heap, out = [(0.0, g) for g in range(groups)], np.empty(busy.size, dtype=np.int64)
@@ -142,7 +142,9 @@ def _deal_by_waves(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: i
     return out
 
 
-def _besides_dense(ctx: Context, busy: np.ndarray, tokens: np.ndarray):
+def _besides_dense(
+    ctx: Context, busy: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, Callable[[float], float]]:
     """What each sequence takes besides its dense work (``busy`` less the dense work of its
     ``tokens`` a member), and the dense work of a member's tokens in as few waves as hold
     them, evenly filled."""
