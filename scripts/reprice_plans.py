@@ -81,7 +81,7 @@ def plan(out: Path, sets: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for row in rows(sets):
-        forms = FORMS if row["tokens"] is None else {"hdp": {}}
+        forms = FORMS if row["set"] == "grid" else {"hdp": {}}
         rng = np.random.default_rng(row["seed"])
         sample = get_workload(row["workload"]).sample_batch
         lens = sample(rng) if row["tokens"] is None else sample(rng, tokens_per_step=row["tokens"])

@@ -325,9 +325,7 @@ class _Waves:
         self.tokens[w][member] += length
         self.least[w] = members[0][0]
         self.most[w] = max(self.most[w], held + length)
-        if self.even:
-            heapq.heappush(self.by_least, (self.least[w], w))
-            heapq.heappush(self.by_most, (self.most[w], w))
+        self._index(w)
         return w, member
 
     def _first(self, length: int, capacity: int) -> int | None:
@@ -385,6 +383,10 @@ class _Waves:
         self.members[w] = None
         self.least[w] = int(self.tokens[w].min())
         self.most[w] = int(self.tokens[w].max())
+        self._index(w)
+
+    def _index(self, w: int) -> None:
+        """Wave ``w``'s fresh entries in the heaps (its older ones go stale)."""
         if self.even:
             heapq.heappush(self.by_least, (self.least[w], w))
             heapq.heappush(self.by_most, (self.most[w], w))
