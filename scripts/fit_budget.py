@@ -2,8 +2,8 @@ r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measu
 
 hdp's search charges its budget by estimates of each step's work, so that a plan never depends
 on the machine's load. This plans a grid of batches (each in the free form and in the Megatron
-form), records every placement, group layout, move search, exact trial, head-parallel first
-plan and Megatron-form pricing with the work it did and the CPU seconds it took, and fits
+form), records every placement, group layout, move search, regroup, head-parallel first plan
+and Megatron-form pricing with the work it did and the CPU seconds it took, and fits
 seconds per item of work by weighted least squares (coefficients kept non-negative). It prints
 the fitted coefficients and, for the ones in the code, how measured time compares with the
 estimate (quantiles of measured / estimated).
@@ -41,7 +41,8 @@ def _recorded(kind: str, ctx, t0: float, estimate: float, **work: float) -> None
 
 def _instrument() -> None:
     """Wrap the search's steps so that each records its work and CPU time."""
-    place, improve, exact = search.place, search.improve, search.exact_moves
+    place, improve = search.place, search.improve
+    regroup = search.regroup
     layouts = search.group_layouts
 
     def timed_place(ctx, waves, cand):
@@ -67,13 +68,13 @@ def _instrument() -> None:
                   cells=work.cells)  # fmt: skip
         return out, work
 
-    def timed_exact(ctx, plan, report, seconds):
+    def timed_regroup(ctx, plan, report, seconds):
         t0 = time.process_time()
-        out, spent = exact(ctx, plan, report, seconds)
+        out, spent = regroup(ctx, plan, report, seconds)
+        trials = round(spent / Budget.regroup_trial_s(plan))
         cells = plan.num_waves * plan.num_ranks
-        trials = round(spent / Budget.trial_s(plan))
-        _recorded("trial", ctx, t0, spent, trials=trials, shards=trials * plan.num_shards,
-                  cells=trials * cells)  # fmt: skip
+        _recorded("regroup", ctx, t0, spent, trials=trials, seqs=trials * plan.seq_lens.size,
+                  shards=trials * plan.num_shards, cells=trials * cells)  # fmt: skip
         return out, spent
 
     def timed_family(ctx, family):
@@ -121,8 +122,9 @@ def _instrument() -> None:
         return out
 
     megatron.price = timed_price
-    search.place, search.improve, search.exact_moves = timed_place, timed_improve, timed_exact
+    search.place, search.improve = timed_place, timed_improve
     search.group_layouts = timed_layouts
+    search.regroup = timed_regroup
     planner._rest_of_budget = timed_rest
 
 
@@ -150,7 +152,7 @@ FEATURES = {
     "layout wave": ["one", "seqs", "shards"],
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
     "move wave": ["one", "seqs", "shards", "searches", "tried", "cells"],
-    "trial peer": ["trials", "shards", "cells"],
+    "regroup peer": ["trials", "seqs", "shards", "cells"],
     "first peer": ["placement", "jobs_degrees", "seqs"],
     "first wave": ["placement", "jobs_degrees", "seqs"],
     "megatron peer": ["one", "ranks", "shards"],

@@ -19,6 +19,7 @@ from hdp.planner.dynamic.budget import LEAST_S
 from hdp.planner.dynamic.candidates import num_waves_for
 from hdp.planner.dynamic.local import improve
 from hdp.planner.dynamic.place import place
+from hdp.planner.dynamic.regroup import Layout, regroup
 from hdp.planner.dynamic.rounding import roundings
 from hdp.planner.dynamic.search import join_tails, level_budgets
 
@@ -68,6 +69,29 @@ def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
     joined = join_tails(ctx, plan) if sync == "peer" else None
     if joined is not None:
         check_plan(joined, lens, n, cap)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(2, 8),
+    sync=st.sampled_from(["peer", "wave"]),
+    data=st.data(),
+)
+def test_regroup_keeps_plans_valid_and_only_ever_helps(n, sync, data):
+    # A plan laid out again as its groups holds every token once within the capacity; what
+    # regroup keeps, the cost model prices faster than the plan it came from.
+    cap = 2048
+    lens = data.draw(st.lists(st.integers(1, 3 * cap), min_size=1, max_size=16))
+    ctx = _context(lens, n, cap, sync)
+    plan = _rounding(ctx)
+    again = Layout.of(plan).plan(ctx, ctx.whole_s)
+    if again is not None:
+        check_plan(again, lens, n, cap)
+    report = ctx.cost.evaluate(plan)
+    found, _ = regroup(ctx, plan, report, seconds=0.05)
+    if found is not None:
+        check_plan(found[0], lens, n, cap)
+        assert ctx.cost.evaluate(found[0]).step_time_s < report.step_time_s
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

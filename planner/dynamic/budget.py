@@ -128,9 +128,16 @@ class Budget:
 
     @staticmethod
     def trial_s(plan: Plan) -> float:
-        """Estimated seconds of one trial of :func:`.local.exact_moves` (or of a join) on
-        ``plan``: a plan of its shards and cells built and priced."""
+        """Estimated seconds of a join (:meth:`.search.Search.join`) on ``plan``: a plan of its
+        shards and cells built and priced."""
         return 6.6e-4 + 5.6e-7 * plan.num_shards + 1.9e-7 * plan.num_waves * plan.num_ranks
+
+    @staticmethod
+    def regroup_trial_s(plan: Plan) -> float:
+        """Estimated seconds of one trial of :func:`.regroup.regroup` from ``plan`` (``peer``
+        sync): a layout of its sequences stacked, built and priced."""
+        cells = plan.num_waves * plan.num_ranks
+        return 6.8e-4 + 2.2e-6 * plan.seq_lens.size + 1.1e-6 * plan.num_shards + 2.5e-6 * cells
 
     def spend(self, seconds: float, seed: bool = False) -> None:
         self.left_s -= seconds

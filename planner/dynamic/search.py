@@ -41,7 +41,13 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    - *join* (``peer`` sync): each rank's first cell after its last multi-rank job joins that
      job's cell, so the rank pays a micro-batch's fixed cost once;
    - *move* (:mod:`.local`): whole sequences leave the cells that end the step for cells that
-     end sooner.
+     end sooner;
+   - *regroup* (:mod:`.regroup`, ``peer`` sync): the plan's ranks seen as groups (ranks
+     that share a job are one), a sequence of the group that ends the step moves to another
+     group or swaps with a shorter one there, and groups halve or join their neighbour; each
+     layout built again and priced in full. The moves above keep every job on its ranks; this
+     one reaches the layouts of FlexSP's MILP on small batches. (In ``wave`` sync the waves a
+     sequence lands in decide more than its group, and trials there cost several times more.)
 
 Each of these parts is kept because some batches need it: ``scripts/ablate_search.py``
 switches one off at a time, and without any of them some batches of the quality grid or of
@@ -94,11 +100,12 @@ from . import milp
 from .budget import LEAST_S, Budget
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
-from .local import Work, exact_moves, improve, rebuilt
+from .local import Work, improve, rebuilt
 from .megatron import plan_megatron_form
 from .mixed import MixedGroupPlans
 from .options import DynamicOptions
 from .place import place
+from .regroup import regroup
 from .rounding import roundings
 from .wave import jobs_first_changes
 
@@ -281,34 +288,42 @@ class Search:
 
     def move(self) -> bool:
         """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget, in
-        ``peer`` sync half of it, the other half for :func:`.local.exact_moves`."""
+        ``peer`` sync half of it, the other half for *regroup*."""
         plan, report, cand = self.best
         share = 0.5 if self.ctx.sync == "peer" else 1.0
-        kept = False
         # (Building the plan's cells and pricing the moved plan is paid before any move.)
         allowed_s = share * self.budget.left_s
         least_s = self.budget.move_s(self.ctx, Work(plan.num_shards)) / share
-        if self.fresh("move") and self.budget.affords(least_s):
-            moved, work = improve(self.ctx, plan, report, allowed_s)
-            spent_s = self.budget.move_s(self.ctx, work)
-            self.budget.spend(spent_s)
-            kept = moved is not None and self.consider(moved[0], cand, moved[1])
-            if spent_s < allowed_s:  # no move was left, not the budget
-                self.settle("move")
-        if self.ctx.sync == "peer" and not self.done() and self.fresh("exact"):
-            plan, report, cand = self.best
-            if not self.budget.affords(self.budget.trial_s(plan)):
-                return kept
-            allowed_s = self.budget.left_s
-            exact, spent_s = exact_moves(self.ctx, plan, report, allowed_s)
-            self.budget.spend(spent_s)
-            kept = (exact is not None and self.consider(exact[0], cand, exact[1])) or kept
-            if spent_s + self.budget.trial_s(plan) <= allowed_s:
-                self.settle("exact")
+        if not self.fresh("move") or not self.budget.affords(least_s):
+            return False
+        moved, work = improve(self.ctx, plan, report, allowed_s)
+        spent_s = self.budget.move_s(self.ctx, work)
+        self.budget.spend(spent_s)
+        if spent_s < allowed_s:  # no move was left, not the budget
+            self.settle("move")
+        return moved is not None and self.consider(moved[0], cand, moved[1])
+
+    def regroup(self) -> bool:
+        """``peer`` sync: moves between rank groups (:func:`.regroup.regroup`) with what is
+        left of the budget, or a quarter of it in a P2P search under ``auto`` exchange: the
+        head-parallel search that may follow has what this one leaves, and its group layouts
+        need it (``docs/benchmarks.md``); whether they were faster."""
+        plan, report, _ = self.best
+        trial_s = self.budget.regroup_trial_s(plan)
+        heads_next = self.ctx.any_exchange and self.ctx.cost.kv_exchange != "ulysses"
+        share = 0.25 if heads_next else 1.0
+        allowed_s = share * self.budget.left_s
+        if not self.fresh("regroup") or not self.budget.affords(2 * trial_s / share):
+            return False
+        found, spent_s = regroup(self.ctx, plan, report, allowed_s)
+        self.budget.spend(spent_s)
+        kept = found is not None and self.consider(found[0], report=found[1])
+        if spent_s + trial_s <= allowed_s:  # no move was left, not the budget
+            self.settle("regroup")
         return kept
 
     def local_search(self) -> None:
-        """Widen while that helps and the budget lasts, then join and move."""
+        """Widen while that helps and the budget lasts, then join, move and regroup."""
         while not self.done() and self.widen():
             pass
         if self.ctx.sync == "wave":
@@ -320,6 +335,8 @@ class Search:
             self.join()
         if not self.done():
             self.move()
+        if self.ctx.sync == "peer" and not self.done():
+            self.regroup()
 
 
 def critical_sequence(ctx: Context, plan: Plan, report: StepReport) -> int:
