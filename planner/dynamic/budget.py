@@ -137,7 +137,7 @@ class Budget:
         """Estimated seconds of one trial of :func:`.regroup.regroup` from ``plan`` (``peer``
         sync): a layout of its sequences stacked, built and priced."""
         cells = plan.num_waves * plan.num_ranks
-        return 6.8e-4 + 2.2e-6 * plan.seq_lens.size + 1.1e-6 * plan.num_shards + 2.5e-6 * cells
+        return 6.8e-4 + 2.2e-6 * plan.seq_lens.size + 1.1e-6 * plan.num_shards + 5.5e-6 * cells
 
     def spend(self, seconds: float, seed: bool = False) -> None:
         self.left_s -= seconds
