@@ -104,19 +104,23 @@ class Layout:
 
 
 def _can_split(ctx: Context, sizes: np.ndarray, group_of: np.ndarray, split: np.ndarray):
-    """``split`` where a sequence's group has a member a token and no more members than a job
-    may have (:func:`.groups.most_members`), and wherever a sequence is too long for one
-    rank."""
-    size, lens = sizes[group_of], ctx.seq_lens
+    """``split`` for each sequence where its group lets it (:func:`_splits`)."""
+    return _splits(ctx, ctx.seq_lens, sizes[group_of], split)
+
+
+def _splits(ctx: Context, lens, size, split) -> np.ndarray:
+    """Whether sequences of ``lens`` tokens split over groups of ``size`` ranks, asked to
+    (``split``) or not: where a group has a member a token and no more members than a job may
+    have (:func:`.groups.most_members`); and must, where one is too long for one rank."""
     fits = (size > 1) & (size <= most_members(ctx)) & (lens >= size)
-    return ((split | (lens > ctx.offload_capacity)) & fits).astype(bool)
+    return np.asarray((split | (lens > ctx.offload_capacity)) & fits, dtype=bool)
 
 
 class _Times:
     """Each sequence's busy time (s) whole, or split over a group of a size (priced once)."""
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx, self.most = ctx, most_members(ctx)
+        self.ctx = ctx
         self.by_size: dict[int, np.ndarray] = {}  # nan: not priced yet
 
     def split_s(self, seqs: np.ndarray, size: int) -> np.ndarray:
@@ -141,12 +145,6 @@ class _Times:
     def on(self, k: int, size: int, split: bool) -> float:
         """Sequence ``k``'s busy time on a group of ``size`` ranks, split over it or whole."""
         return float(self.split_s(np.array([k]), size)[0] if split else self.ctx.whole_s[k])
-
-    def splits(self, k: int, size: int, split: bool) -> bool:
-        """Whether sequence ``k`` splits on a group of ``size`` ranks, asked to or not
-        (:func:`_can_split`)."""
-        length, most = int(self.ctx.seq_lens[k]), self.most
-        return (split or length > self.ctx.offload_capacity) and 1 < size <= min(length, most)
 
 
 def regroup(
@@ -249,7 +247,7 @@ class _Regroup:
         for k in mine[np.argsort(-ctx.whole_s[mine], kind="stable")].tolist():
             ends = []
             for h, members in enumerate(halves):
-                on = times.splits(k, members, bool(layout.split[k]))
+                on = bool(_splits(ctx, ctx.seq_lens[k], members, layout.split[k]))
                 fits = on or ctx.seq_lens[k] <= ctx.offload_capacity
                 t = times.on(k, members, on) / (1 if on else members)
                 ends.append((work[h] + t if fits else np.inf, h, on, t))
@@ -281,7 +279,7 @@ class _Regroup:
             base[c] -= now[k]
             # Moves: each group split over (where it can) or whole (where it fits a rank);
             # swaps: each shorter sequence of another group, this one split where it can.
-            can = (sizes > 1) & (sizes <= min(int(ctx.seq_lens[k]), times.most))
+            can = _splits(ctx, ctx.seq_lens[k], sizes, True)
             fits = ctx.seq_lens[k] <= ctx.offload_capacity
             t_split = np.full(sizes.size, np.inf)
             for size in np.unique(sizes[can]).tolist():
