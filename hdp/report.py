@@ -32,6 +32,11 @@ class StepReport:
     plan_time_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def finish_s(self) -> np.ndarray:
+        """When each rank's last busy cell ends (0 for a rank with none)."""
+        return np.where(self.busy_s > 0, self.start_s + self.busy_s, 0.0).max(axis=0)
+
     def summary(self) -> dict[str, float]:
         """The scalar results, with the keys of ``hdp-sim --json``."""
         return {

@@ -287,6 +287,29 @@ def split_busy(ctx: Context, lens: np.ndarray, degree: np.ndarray, align: np.nda
     return split_times(ctx.cost, lens, degree, ctx.sync, align)[0]
 
 
+class SplitPrices:
+    """:func:`split_busy` of (length, degree) pairs, each priced once across calls: in hdp's
+    usual shares (:meth:`~hdp.planner.common.Context.splits`), or with ``exact`` in exact
+    ones."""
+
+    def __init__(self, ctx: Context, exact: bool = False) -> None:
+        self.ctx, self.exact = ctx, exact
+        self.keys = np.zeros(0, dtype=np.int64)  # length * 2**32 + degree, sorted
+        self.times = np.zeros(0)
+
+    def of(self, lens: np.ndarray, degree: np.ndarray) -> np.ndarray:
+        keys = (np.asarray(lens, dtype=np.int64) << 32) + degree
+        new = np.setdiff1d(keys, self.keys)
+        if new.size:
+            L, d = new >> 32, new & 0xFFFFFFFF
+            align = np.ones(new.size, dtype=np.int64) if self.exact else self.ctx.splits(L, d)[0]
+            times = split_busy(self.ctx, L, d, align)
+            keys_all = np.concatenate([self.keys, new])
+            order = np.argsort(keys_all, kind="stable")
+            self.keys, self.times = keys_all[order], np.concatenate([self.times, times])[order]
+        return self.times[np.searchsorted(self.keys, keys)]
+
+
 class _Waves:
     """One group's waves: the tokens each member holds in each, and each wave's least and most
     (so that finding a wave with room scans numbers, not arrays). With ``even`` waves opened up

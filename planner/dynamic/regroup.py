@@ -36,7 +36,7 @@ from hdp import Plan, StepReport
 
 from ..common import Context, PlanBuilder
 from .budget import Budget
-from .groups import finish, most_members, split_busy, stack
+from .groups import SplitPrices, finish, most_members, stack
 
 
 @dataclass(frozen=True)
@@ -117,34 +117,24 @@ def _splits(ctx: Context, lens, size, split) -> np.ndarray:
 
 
 class _Times:
-    """Each sequence's busy time (s) whole, or split over a group of a size (priced once)."""
+    """Each sequence's busy time (s) whole, or split over a group of a size in exact shares."""
 
     def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.by_size: dict[int, np.ndarray] = {}  # nan: not priced yet
-
-    def split_s(self, seqs: np.ndarray, size: int) -> np.ndarray:
-        """The busy time of each of ``seqs`` split over ``size`` ranks."""
-        ctx = self.ctx
-        row = self.by_size.setdefault(size, np.full(ctx.seq_lens.size, np.nan))
-        todo = seqs[np.isnan(row[seqs])]
-        if todo.size:
-            parts, align = np.full(todo.size, size), np.ones(todo.size, dtype=np.int64)
-            row[todo] = split_busy(ctx, ctx.seq_lens[todo], parts, align)
-        return row[seqs]
+        self.ctx, self.prices = ctx, SplitPrices(ctx, exact=True)
 
     def of(self, layout: Layout, seqs: np.ndarray) -> np.ndarray:
         """The busy time of each of ``seqs`` in ``layout``."""
         out = self.ctx.whole_s[seqs]
+        split = layout.split[seqs]
         size = layout.sizes[layout.group_of[seqs]]
-        for s in np.unique(size[layout.split[seqs]]).tolist():
-            here = layout.split[seqs] & (size == s)
-            out[here] = self.split_s(seqs[here], s)
+        out[split] = self.prices.of(self.ctx.seq_lens[seqs][split], size[split])
         return out
 
     def on(self, k: int, size: int, split: bool) -> float:
         """Sequence ``k``'s busy time on a group of ``size`` ranks, split over it or whole."""
-        return float(self.split_s(np.array([k]), size)[0] if split else self.ctx.whole_s[k])
+        if not split:
+            return float(self.ctx.whole_s[k])
+        return float(self.prices.of(self.ctx.seq_lens[[k]], np.array([size]))[0])
 
 
 def regroup(
@@ -243,7 +233,8 @@ class _Regroup:
         work = [0.0, 0.0]
         mine = np.flatnonzero((layout.group_of == g) & (ctx.seq_lens > 0))
         for members in (m for m in halves if m > 1):  # (priced together, not one by one)
-            times.split_s(mine[ctx.seq_lens[mine] >= members], members)
+            lens = ctx.seq_lens[mine][ctx.seq_lens[mine] >= members]
+            times.prices.of(lens, np.full(lens.size, members))
         for k in mine[np.argsort(-ctx.whole_s[mine], kind="stable")].tolist():
             ends = []
             for h, members in enumerate(halves):
@@ -262,9 +253,7 @@ class _Regroup:
         to: its end (its least busy member's, where the sequence runs whole) plus the
         sequence's time there. Those that would end no sooner than the step are not tried."""
         ctx, times, sizes = self.ctx, self.times, layout.sizes
-        busy = report.busy_s
-        ends = np.where(busy > 0, report.start_s + busy, 0.0).max(axis=0)  # each rank's
-        first = np.cumsum(sizes) - sizes
+        ends, first = report.finish_s, np.cumsum(sizes) - sizes
         most, least = np.maximum.reduceat(ends, first), np.minimum.reduceat(ends, first)
         c = int(np.argmax(most))
         step = float(most[c]) * (1 - 1e-9)

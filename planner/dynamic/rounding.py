@@ -8,7 +8,7 @@ import numpy as np
 from ..common import Context
 from ..degrees import Relaxation, relaxation_bound
 from .candidates import Candidate, num_waves_for
-from .groups import most_members, split_busy
+from .groups import SplitPrices, most_members
 
 
 def roundings(ctx: Context, rel: Relaxation) -> list[Candidate]:
@@ -45,7 +45,7 @@ def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
     degrees promise the least step (the height or their area over the ranks, whichever is
     more; a height they do not fit promises nothing); ``None`` where they fit at ``M``."""
     best: tuple[float, Candidate] | None = None
-    priced = _Prices(ctx)
+    priced = SplitPrices(ctx)
     for f in (1.0, 1.04, 1.08, 1.12, 1.2):
         height = rel.height_s * f
         cand = room_for_tall_jobs(ctx, rel, height, priced)
@@ -63,7 +63,7 @@ def packed_rounding(ctx: Context, rel: Relaxation) -> Candidate | None:
 
 
 def room_for_tall_jobs(
-    ctx: Context, rel: Relaxation, height: float, priced: _Prices | None = None
+    ctx: Context, rel: Relaxation, height: float, priced: SplitPrices | None = None
 ) -> Candidate | None:
     """The relaxation's degrees at ``height`` with room for its tall jobs: within ``height`` a
     rank holds at most one job (whole or a member's share) taller than half of it, so where
@@ -86,7 +86,7 @@ def room_for_tall_jobs(
     tries = np.clip(tries, degree[seqs, None] + 1, None)
     ok = tries <= top[:, None]
     row_seq, row_deg = np.broadcast_to(seqs[:, None], tries.shape)[ok], tries[ok]
-    row_time = (priced or _Prices(ctx)).of(lens[row_seq], row_deg)
+    row_time = (priced or SplitPrices(ctx)).of(lens[row_seq], row_deg)
     fits = np.flatnonzero(row_time <= half)
     seq, at = np.unique(row_seq[fits], return_index=True)  # each one's least such degree
     if seq.size == 0:
@@ -106,26 +106,6 @@ def _tall_members(ctx: Context, cand: Candidate, height: float) -> tuple[np.ndar
     how many ranks the jobs taller than half of ``height`` take."""
     time = np.where(cand.degree > 1, cand.job_time, ctx.packed_s)
     return time, int(cand.degree[time > height / 2].sum())
-
-
-class _Prices:
-    """:func:`.groups.split_busy` of (length, degree) pairs, each priced once across calls."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.keys = np.zeros(0, dtype=np.int64)  # length * 2**32 + degree, sorted
-        self.times = np.zeros(0)
-
-    def of(self, lens: np.ndarray, degree: np.ndarray) -> np.ndarray:
-        keys = (lens.astype(np.int64) << 32) + degree
-        new = np.setdiff1d(keys, self.keys)
-        if new.size:
-            L, d = new >> 32, new & 0xFFFFFFFF
-            times = split_busy(self.ctx, L, d, self.ctx.splits(L, d)[0])
-            keys_all = np.concatenate([self.keys, new])
-            order = np.argsort(keys_all, kind="stable")
-            self.keys, self.times = keys_all[order], np.concatenate([self.times, times])[order]
-        return self.times[np.searchsorted(self.keys, keys)]
 
 
 def work_s(ctx: Context, rel: Relaxation, cand: Candidate) -> float:

@@ -348,8 +348,7 @@ def critical_sequence(ctx: Context, plan: Plan, report: StepReport) -> int:
         w = int(np.argmax(busy.max(axis=1)))
         r = int(np.argmax(busy[w]))
     else:
-        finish = np.where(busy > 0, report.start_s + busy, 0.0).max(axis=0)
-        r = int(np.argmax(finish))
+        r = int(np.argmax(report.finish_s))
         w = int(np.argmax(busy[:, r]))
     here = (plan.wave == w) & (plan.rank == r)
     work = ctx.cost.attn_time(plan.start[here], plan.end[here]) + (plan.end - plan.start)[here]
