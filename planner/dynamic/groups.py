@@ -116,14 +116,17 @@ def _deals(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: int) -> l
 
 
 def _deal_by_waves(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: int) -> np.ndarray:
-    """:func:`_deals`' second deal. The groups are looked at in the order of their finish so
-    far (a heap, entries dropped once stale), until one would finish no sooner than the best
-    found even if the sequence added no dense work (its dense work grows with its tokens)."""
+    """:func:`_deals`' second deal. The groups that hold sequences are looked at in the order
+    of their finish so far (a heap, entries dropped once stale), until one would finish no
+    sooner than the best found even if the sequence added no dense work (its dense work grows
+    with its tokens). Of the empty groups, all alike, only the first is."""
     rest, dense = _besides_dense(ctx, busy, tokens)
     held, load, done = [0.0] * groups, [0.0] * groups, [0.0] * groups
-    heap, out = [(0.0, g) for g in range(groups)], np.empty(busy.size, dtype=np.int64)
+    heap: list[tuple[float, int]] = []
+    empty, out = 0, np.empty(busy.size, dtype=np.int64)  # the first empty group
     for k, (t, other) in enumerate(zip(tokens.tolist(), rest.tolist())):
-        best, seen = (math.inf, 0), []
+        best = (other + dense(t), empty) if empty < groups else (math.inf, 0)
+        seen = []
         while heap and (heap[0][0] + other, heap[0][1]) < best:
             now, g = heapq.heappop(heap)
             if now != done[g]:
@@ -134,6 +137,7 @@ def _deal_by_waves(ctx: Context, busy: np.ndarray, tokens: np.ndarray, groups: i
         for entry in seen:
             if entry[1] != g:
                 heapq.heappush(heap, entry)
+        empty += g == empty
         held[g] += t
         load[g] += other
         done[g] = end
