@@ -2,11 +2,11 @@ r"""Fit the planning budget's estimates (``planner/dynamic/budget.py``) to measu
 
 hdp's search charges its budget by estimates of each step's work, so that a plan never depends
 on the machine's load. This plans a grid of batches (each in the free form and in the Megatron
-form), records every placement, group layout, move search, regroup, head-parallel first plan
-and Megatron-form pricing with the work it did and the CPU seconds it took, and fits
-seconds per item of work by weighted least squares (coefficients kept non-negative). It prints
-the fitted coefficients and, for the ones in the code, how measured time compares with the
-estimate (quantiles of measured / estimated).
+form), records every placement, group layout (equal and mixed sizes), move search, regroup,
+head-parallel first plan and Megatron-form pricing with the work it did and the CPU seconds it
+took, and fits seconds per item of work by weighted least squares (coefficients kept
+non-negative). It prints the fitted coefficients and, for the ones in the code, how measured
+time compares with the estimate (quantiles of measured / estimated).
 
     python scripts/fit_budget.py            # about 10 minutes on one core
     python scripts/fit_budget.py --models llama-70b --scaling 1024:2,256:32:llama-70b --worst 5
@@ -15,6 +15,7 @@ estimate (quantiles of measured / estimated).
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections import defaultdict
 
@@ -23,7 +24,7 @@ import numpy as np
 import hdp.planner as planner
 from hdp import ClusterSpec, model_preset
 from hdp.planner import PlanningError, StepPricing, plan_and_evaluate
-from hdp.planner.dynamic import DynamicOptions, megatron, search
+from hdp.planner.dynamic import DynamicOptions, megatron, mixed, search
 from hdp.planner.dynamic.budget import Budget
 from hdp.planner.dynamic.candidates import num_waves_for
 from hdp.planner.menus import clear_menus
@@ -43,7 +44,7 @@ def _instrument() -> None:
     """Wrap the search's steps so that each records its work and CPU time."""
     place, improve = search.place, search.improve
     regroup = search.regroup
-    layouts = search.group_layouts
+    group_plan, plans_at = search.group_plan, mixed.MixedGroupPlans.plans_at
 
     def timed_place(ctx, waves, cand):
         split = cand.degree > 1
@@ -77,23 +78,28 @@ def _instrument() -> None:
                   shards=trials * plan.num_shards, cells=trials * cells)  # fmt: skip
         return out, spent
 
-    def timed_family(ctx, family):
-        for make, shards in family:
+    def timed_equal(ctx, groups, split, exact):
+        g = ctx.num_ranks // groups
+        shards = int((split & (ctx.seq_lens >= g)).sum()) * g + ctx.seq_lens.size
+        t0 = time.process_time()
+        plans = group_plan(ctx, groups, split, exact)
+        for plan in plans:
+            ctx.cost.evaluate(plan)
+        seqs = ctx.seq_lens.size
+        _recorded("equal", ctx, t0, Budget.layout_s(ctx, shards, groups), one=1, seqs=seqs,
+                  shards=shards, seqs_log_groups=seqs * math.log2(groups),
+                  ranks=ctx.num_ranks)  # fmt: skip
+        return plans
 
-            def timed(make=make, shards=shards):
-                t0 = time.process_time()
-                plans = make()
-                for plan in plans:
-                    ctx.cost.evaluate(plan)
-                _recorded("layout", ctx, t0, Budget.layout_s(ctx, shards), one=1,
-                          seqs=ctx.seq_lens.size, shards=shards)  # fmt: skip
-                return plans
-
-            yield timed, shards
-
-    def timed_layouts(ctx):
-        for family in layouts(ctx):
-            yield timed_family(ctx, family)
+    def timed_mixed(self, factor, way):
+        shards = self.shards
+        t0 = time.process_time()
+        plans = plans_at(self, factor, way)
+        for plan in plans:
+            self.ctx.cost.evaluate(plan)
+        _recorded("mixed", self.ctx, t0, Budget.layout_s(self.ctx, shards), one=1,
+                  seqs=self.ctx.seq_lens.size, shards=shards, ranks=self.ctx.num_ranks)  # fmt: skip
+        return plans
 
     rest = planner._rest_of_budget
 
@@ -123,7 +129,7 @@ def _instrument() -> None:
 
     megatron.price = timed_price
     search.place, search.improve = timed_place, timed_improve
-    search.group_layouts = timed_layouts
+    search.group_plan, mixed.MixedGroupPlans.plans_at = timed_equal, timed_mixed
     search.regroup = timed_regroup
     planner._rest_of_budget = timed_rest
 
@@ -148,8 +154,10 @@ def _fit(rows: list[dict], features: list[str]) -> np.ndarray:
 FEATURES = {
     "place peer": ["one", "ranks", "jobs_ranks", "seqs", "shards", "waves_ranks"],
     "place wave": ["one", "jobs_waves_ranks", "seqs_waves", "shards", "searches"],
-    "layout peer": ["one", "seqs", "shards"],
-    "layout wave": ["one", "seqs", "shards"],
+    "equal peer": ["one", "seqs", "shards", "seqs_log_groups", "ranks"],
+    "equal wave": ["one", "seqs", "shards", "seqs_log_groups", "ranks"],
+    "mixed peer": ["one", "seqs", "shards", "ranks"],
+    "mixed wave": ["one", "seqs", "shards", "ranks"],
     "move peer": ["one", "seqs", "shards", "searches", "tried", "cells"],
     "move wave": ["one", "seqs", "shards", "searches", "tried", "cells"],
     "regroup peer": ["trials", "seqs", "shards", "cells"],

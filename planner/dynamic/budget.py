@@ -12,6 +12,7 @@ placement's time), estimated beforehand as the last placement's count.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -101,10 +102,13 @@ class Budget:
         return jobs, plan.num_shards, plan.num_waves, searches, most_members(ctx)
 
     @staticmethod
-    def layout_s(ctx: Context, shards: int) -> float:
-        """Estimated seconds of one group layout of at most ``shards`` shards and its
-        pricing."""
-        return 4e-6 * ctx.seq_lens.size + 2.75e-6 * shards
+    def layout_s(ctx: Context, shards: int, groups: int = 1) -> float:
+        """Estimated seconds of one group layout of at most ``shards`` shards and its pricing
+        over all ranks; on ``groups`` equal groups, the deal by their waves
+        (:func:`.groups.group_plan`) looks at more groups for each sequence the more there
+        are."""
+        seqs, n = ctx.seq_lens.size, ctx.num_ranks
+        return 4e-6 * seqs + 2.75e-6 * shards + 2.5e-6 * seqs * math.log2(groups) + 2e-7 * n
 
     @staticmethod
     def megatron_pricing_s(ctx: Context, shards: int) -> float:

@@ -48,19 +48,20 @@ import numpy as np
 from hdp import Plan
 
 from ..common import Context, PlanBuilder, fewest_micro_batches, micro_batches
+from .budget import Budget
 from .groups import finish, most_members, split_busy, stack
 
 
 class MixedGroupPlans:
     """Makers of plans on groups of mixed power-of-two sizes (Note [Mixed group sizes]), one per
     height and way of using the waves, from the least height where a layout fits up to twice
-    it, each with the shards its plans may hold (the budget's measure of its work); each makes
-    one plan per way of dealing its layout (none where an earlier one gave the same). In
-    ``wave`` sync the batch is dealt into the fewest micro-batches that hold it, each laid out
-    on all ranks in one wave, and also laid out whole with each group's sequences stacked into
-    as many waves as they need. The first maker prices every sequence on every size, so it is
-    said to hold a shard for each sequence on each rank; the others, what the plans made so far
-    held."""
+    it, each with the budget's estimate of its work (:meth:`.budget.Budget.layout_s` of the
+    shards its plans may hold); each makes one plan per way of dealing its layout (none where
+    an earlier one gave the same). In ``wave`` sync the batch is dealt into the fewest
+    micro-batches that hold it, each laid out on all ranks in one wave, and also laid out whole
+    with each group's sequences stacked into as many waves as they need. The first maker
+    prices every sequence on every size, so it is said to hold a shard for each sequence on
+    each rank; the others, what the plans made so far held."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -68,12 +69,13 @@ class MixedGroupPlans:
         self.shards = ctx.seq_lens.size * ctx.num_ranks
         self.seen: set[bytes] = set()
 
-    def __iter__(self) -> Iterator[tuple[Callable[[], list[Plan]], int]]:
+    def __iter__(self) -> Iterator[tuple[Callable[[], list[Plan]], float]]:
         factor, gap = 1.0, 0.04
         while factor < 2:
             way = 0
             while self.ladders is None or way < len(self.ladders):
-                yield (lambda f=factor, w=way: self.plans_at(f, w)), self.shards
+                cost_s = Budget.layout_s(self.ctx, self.shards)
+                yield (lambda f=factor, w=way: self.plans_at(f, w)), cost_s
                 way += 1
             factor, gap = factor + gap, 2 * gap
 

@@ -23,10 +23,11 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
    sequences onto their shares all the same.)
 3. *Group layouts* (:mod:`.groups`, :mod:`.mixed`): the ranks cut into groups that each run
    their sequences in shared waves, one layout at a time while the budget lasts (mixed sizes
-   at heights rising from the least that fits, then equal sizes). No move below reaches such
-   a plan from the relaxation's (a degree at a time never lines many sequences up on the same
-   ranks), and on small batches they win where splitting saves work (the CPU's reference
-   attention) or where sequences share a group's fixed costs.
+   at heights rising from the least that fits, then equal sizes, the cheapest first: on a
+   small budget, more of them). No move below reaches such a plan from the relaxation's (a
+   degree at a time never lines many sequences up on the same ranks), and on small batches
+   they win where splitting saves work (the CPU's reference attention) or where sequences
+   share a group's fixed costs.
 4. *Local search* on the kept plan, each move priced by the cost model and kept only where the
    step falls (:class:`Search`):
 
@@ -63,7 +64,8 @@ as all before it (:func:`level_budgets`: 0.8 s runs levels of 0.05, 0.15 and 0.6
 level the seeds (the roundings past the first, the MILP, item 3) may spend up to half of the
 budget so far; a seed that does not fit waits for a later level. The local search then
 spends the rest, from the fastest plan so far (*widen* and the placements again from the
-fastest plan with degrees, where that is no slower than every group layout as laid out).
+fastest plan with degrees, where that is no slower than every group layout as laid out), and
+what it leaves goes to the seeds that wait (the local search again where one was faster).
 Moves are deterministic, so one that found nothing is not tried again until a plan changes,
 and the search stops after a level that neither spent nor was refused anything (an unlimited
 budget, ``math.inf``, searches until then). From 0.05 s on, four times the budget runs the
@@ -191,20 +193,20 @@ class Search:
         shards += self.ctx.seq_lens.size
         return self.budget.placement_s(self.ctx, jobs, shards, waves, searches)
 
-    def solve_milp(self, warm: Candidate) -> dict[str, float] | None:
+    def solve_milp(self, warm: Candidate, seed: bool = True) -> dict[str, float] | None:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
-        affords the solve (estimated at a millisecond per count variable); what it reports
-        (``None``: not afforded)."""
+        affords the solve (estimated at a millisecond per count variable; a ``seed`` within
+        the seeds' half); what it reports (``None``: not afforded)."""
         ctx, rel = self.ctx, self.rel
         estimate_s = 1e-3 * sum(mu.degrees.size for mu in rel.menus)
-        if not self.budget.affords(estimate_s, seed=True):
+        if not self.budget.affords(estimate_s, seed):
             return None
-        self.budget.spend(estimate_s, seed=True)
+        self.budget.spend(estimate_s, seed)
         jobs = Jobs(warm.degree, warm.job_time)
         limit_s = max(estimate_s, self.budget.left_s)
         choice = milp.solve_degrees(rel, ctx.cost, ctx.sync, ctx.num_ranks, jobs, limit_s)
         if choice.degrees is not None:
-            self.place(Candidate(choice.degrees, choice.job_time), seed=True)
+            self.place(Candidate(choice.degrees, choice.job_time), seed)
         return choice.info
 
     def degrees_lead(self) -> bool:
@@ -447,6 +449,9 @@ def plan_dynamic(ctx: Context, options: DynamicOptions | None = None) -> Plan:
         budget.refused, left_s = False, budget.left_s
         seeds.plant()
         search.local_search()
+        # What the local search leaves of this level, the seeds that wait may spend.
+        while not search.done() and seeds.plant(seed=False):
+            search.local_search()
         # A level that spent nothing and was refused nothing leaves nothing to the next.
         if search.done(gap_only=True) or (budget.left_s == left_s and not budget.refused):
             break
@@ -492,43 +497,47 @@ class _Seeds:
         self.families = [iter(family) for family in group_layouts(ctx)]
         self.next = [next(it, None) for it in self.families]
 
-    def plant(self) -> None:
-        """Place what this level affords, in order; keep the rest."""
-        search, waiting = self.search, []
+    def plant(self, seed: bool = True) -> bool:
+        """Place what this level affords (with ``seed`` within the seeds' half, else of what
+        the local search left), in order; keep the rest. Whether a plan was faster."""
+        search, waiting, version = self.search, [], self.search.version
         for cand in self.roundings:
-            if search.done(gap_only=True) or search.place(cand, seed=True) is None:
+            if search.done(gap_only=True) or search.place(cand, seed) is None:
                 waiting.append(cand)
         self.roundings = waiting
         if self.milp is not None and not search.done():
-            placed = search.solve_milp(self.milp)
+            placed = search.solve_milp(self.milp, seed)
             if placed is not None:
                 self.info, self.milp = placed, None
         for k, it in enumerate(self.families):
             while self.next[k] is not None:
-                make, shards = self.next[k]
-                cost_s = search.budget.layout_s(self.ctx, shards)
-                if search.done() or not search.budget.affords(cost_s, seed=True):
+                make, cost_s = self.next[k]
+                if search.done() or not search.budget.affords(cost_s, seed):
                     break
-                search.budget.spend(cost_s, seed=True)
+                search.budget.spend(cost_s, seed)
                 for plan in make():
                     report = self.ctx.cost.evaluate(plan)
                     search.layout_s = min(search.layout_s, report.step_time_s)
                     search.consider(plan, report=report)
                 self.next[k] = next(it, None)
+        return search.version != version
 
 
-def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Plan]], int]]]:
+def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Plan]], float]]]:
     """Plans on rank groups (Note [One search], item 3), as families of makers of plans, each
-    maker with the shards its plans hold at most: groups of mixed power-of-two sizes (a maker
-    per height, :class:`.mixed.MixedGroupPlans`), then equal groups of each size
-    :func:`.groups.group_counts` gives, a maker per split."""
+    maker with the budget's estimate of its work (:meth:`.budget.Budget.layout_s`): groups of
+    mixed power-of-two sizes (a maker per height, :class:`.mixed.MixedGroupPlans`), then equal
+    groups of each size :func:`.groups.group_counts` gives, a maker per split."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     yield MixedGroupPlans(ctx)
+    equal = []
     for groups in group_counts(ctx):
         g = n // groups
         for split, exact in group_splits(ctx, g):
             shards = int((split & (lens >= g)).sum()) * g + lens.size
-            yield [(lambda s=split, e=exact, k=groups: group_plan(ctx, k, s, e), shards)]
+            cost_s = Budget.layout_s(ctx, shards, groups)
+            equal.append([(lambda s=split, e=exact, k=groups: group_plan(ctx, k, s, e), cost_s)])
+    yield from sorted(equal, key=lambda f: f[0][1])
 
 
 def _plan_whole(ctx: Context) -> Plan:
