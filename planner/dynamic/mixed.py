@@ -9,11 +9,10 @@ sequences each size runs. Without a MILP, for one ``H``:
 1. Every sequence takes the size of least area (size times its time there) among those where it
    runs within ``H``.
 2. A size needs ``ceil(load / H)`` groups, at least one where used (in ``wave`` sync also
-   enough to hold its sequences' tokens in one wave at 90% of the capacity: sequences do not
-   pack whole groups full).
-   Where they need more ranks than there are, the sequences of one size move wholesale to
-   another where they also run within ``H``, whichever move needs the fewest ranks, until they
-   fit; else ``H`` is too short.
+   enough to hold its sequences' tokens in one wave; what does not pack opens another wave,
+   and the cost model prices it). Where they need more ranks than there are, the sequences of
+   one size move wholesale to another where they also run within ``H``, whichever move needs
+   the fewest ranks, until they fit; else ``H`` is too short.
 3. Spare ranks become more groups of the size with the most load per group.
 
 The least ``H`` that fits is bisected. Layouts follow at heights above it, each gap twice the
@@ -210,7 +209,7 @@ def _counts(table: _Table, size_of: np.ndarray, height: float) -> np.ndarray:
     need = np.ceil(_load(table, size_of) / height - 1e-9)
     if table.room is not None:
         tokens = np.bincount(size_of, weights=table.lens, minlength=sizes.size)
-        need = np.maximum(need, np.ceil(tokens / (sizes * table.room * 0.9) - 1e-9))
+        need = np.maximum(need, np.ceil(tokens / (sizes * table.room) - 1e-9))
     used = np.bincount(size_of, minlength=sizes.size) > 0
     return np.where(used, np.maximum(1, need), 0).astype(np.int64)
 
