@@ -499,7 +499,8 @@ class _Seeds:
 
     def plant(self, seed: bool = True) -> bool:
         """Place what this level affords (with ``seed`` within the seeds' half, else of what
-        the local search left), in order; keep the rest. Whether a plan was faster."""
+        the local search left), in order; keep the rest. Whether a plan was kept
+        (:meth:`Search.consider`)."""
         search, waiting, version = self.search, [], self.search.version
         for cand in self.roundings:
             if search.done(gap_only=True) or search.place(cand, seed) is None:
