@@ -528,7 +528,8 @@ def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Pla
     """Plans on rank groups (Note [One search], item 3), as families of makers of plans, each
     maker with the budget's estimate of its work (:meth:`.budget.Budget.layout_s`): groups of
     mixed power-of-two sizes (a maker per height, :class:`.mixed.MixedGroupPlans`), then equal
-    groups of each size :func:`.groups.group_counts` gives, a maker per split."""
+    groups of each size :func:`.groups.group_counts` gives, a maker per split, cheapest
+    first (the makers past the first the budget refuses cost as much or more)."""
     lens, n = ctx.seq_lens, ctx.num_ranks
     yield MixedGroupPlans(ctx)
     equal = []
@@ -537,8 +538,8 @@ def group_layouts(ctx: Context) -> Iterator[Iterable[tuple[Callable[[], list[Pla
         for split, exact in group_splits(ctx, g):
             shards = int((split & (lens >= g)).sum()) * g + lens.size
             cost_s = Budget.layout_s(ctx, shards, groups)
-            equal.append([(lambda s=split, e=exact, k=groups: group_plan(ctx, k, s, e), cost_s)])
-    yield from sorted(equal, key=lambda f: f[0][1])
+            equal.append((lambda s=split, e=exact, k=groups: group_plan(ctx, k, s, e), cost_s))
+    yield sorted(equal, key=lambda maker: maker[1])
 
 
 def _plan_whole(ctx: Context) -> Plan:
