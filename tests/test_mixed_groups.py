@@ -150,3 +150,33 @@ def test_a_groups_waves_take_each_sequence_where_a_scan_of_every_wave_puts_it(si
             scanned[want] += share
             assert waves.split(share, cap) == want
         assert [t.tolist() for t in waves.tokens] == [t.tolist() for t in scanned]
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.sampled_from([1, 2, 3, 8, 64]), seed=st.integers(0, 2**16))
+def test_the_deal_by_waves_takes_the_group_a_scan_of_every_group_finds(groups, seed):
+    """``groups._deal_by_waves`` (a heap of the groups that hold sequences, one empty group
+    for all) against scanning every group: each sequence, in order, to the group where it
+    ends first (its work besides its dense layers, plus the dense work of the group's tokens
+    a member in as few evenly filled waves as hold them), the first of equals."""
+    from hdp.planner.dynamic.groups import _deal_by_waves
+
+    rng, cap = np.random.default_rng(seed), 1024
+    ctx = _context([cap], "h100", 8, cap, "peer", "rank")
+    count = int(rng.integers(1, 40))
+    tokens = rng.integers(1, 3 * cap, count) / rng.integers(1, 5, count)
+    dense_of = ctx.cost.dense_time
+    busy = dense_of(np.minimum(np.ceil(tokens), cap)) + rng.random(count)
+
+    def dense(held: float) -> float:
+        waves = max(int(np.ceil(held / cap)), 1)
+        return waves * float(dense_of(np.array([np.ceil(held / waves)]))[0])
+
+    rest = busy - dense_of(np.minimum(np.ceil(tokens), cap))
+    held, load, want = np.zeros(groups), np.zeros(groups), []
+    for t, other in zip(tokens, rest):
+        ends = [load[g] + other + dense(held[g] + t) for g in range(groups)]
+        g = int(np.argmin(ends))
+        held[g], load[g] = held[g] + t, load[g] + other
+        want.append(g)
+    assert _deal_by_waves(ctx, busy, tokens, groups).tolist() == want
