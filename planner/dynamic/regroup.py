@@ -157,12 +157,14 @@ def regroup(
 
 
 class _Tried(NamedTuple):
-    """A layout built and priced (``plan`` ``None`` and ``step_s`` inf: it does not fit)."""
+    """A layout built and priced (``plan`` ``None`` and ``step_s`` inf: it does not fit), and
+    each sequence's busy time in it."""
 
     step_s: float
     layout: Layout
     plan: Plan | None
     report: StepReport | None
+    busy: np.ndarray
 
 
 class _Regroup:
@@ -185,16 +187,17 @@ class _Regroup:
             return None
         self.spent_s += self.per_trial_s
         ctx = self.ctx
-        plan = layout.plan(ctx, self.times.of(layout, np.arange(ctx.seq_lens.size)))
+        busy = self.times.of(layout, np.arange(ctx.seq_lens.size))
+        plan = layout.plan(ctx, busy)
         report = None if plan is None else ctx.cost.evaluate(plan)
         step_s = np.inf if report is None else report.step_time_s
-        self.tried[key] = _Tried(step_s, layout, plan, report)
+        self.tried[key] = _Tried(step_s, layout, plan, report, busy)
         return self.tried[key]
 
     def descent(self, best: _Tried) -> _Tried:
         """``best`` after moves and swaps while one lowers the step (or the budget lasts)."""
         while True:
-            for layout in self.moves(best.layout, best.report):
+            for layout in self.moves(best):
                 tried = self.price(layout)
                 if tried is None:
                     return best
@@ -247,13 +250,15 @@ class _Regroup:
             work[h] += t
         return Layout(sizes, group_of, split)
 
-    def moves(self, layout: Layout, report: StepReport) -> Iterator[Layout]:
-        """The moves and swaps of the group that ends the step (module docstring), its longest
-        sequences first, each one's in the order of where they would end the group they add
-        to: its end (its least busy member's, where the sequence runs whole) plus the
-        sequence's time there. Those that would end no sooner than the step are not tried."""
-        ctx, times, sizes = self.ctx, self.times, layout.sizes
-        ends, first = report.finish_s, np.cumsum(sizes) - sizes
+    def moves(self, tried: _Tried) -> Iterator[Layout]:
+        """The moves and swaps of ``tried``'s layout (module docstring): of the group that ends
+        the step, its longest sequences first, each one's in the order of where they would end
+        the group they add to: its end (its least busy member's, where the sequence runs whole)
+        plus the sequence's time there. Those that would end no sooner than the step are not
+        tried."""
+        ctx, times, layout, now = self.ctx, self.times, tried.layout, tried.busy
+        sizes = layout.sizes
+        ends, first = tried.report.finish_s, np.cumsum(sizes) - sizes
         most, least = np.maximum.reduceat(ends, first), np.minimum.reduceat(ends, first)
         c = int(np.argmax(most))
         step = float(most[c]) * (1 - 1e-9)
@@ -261,7 +266,6 @@ class _Regroup:
         by_time = by_time[ctx.seq_lens[by_time] > 0]
         mine = by_time[layout.group_of[by_time] == c]
         others = by_time[layout.group_of[by_time] != c]
-        now = times.of(layout, np.arange(ctx.seq_lens.size))
         groups = np.arange(sizes.size)
         for k in mine.tolist():
             base = most.copy()
