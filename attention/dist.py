@@ -16,14 +16,25 @@ exchange, the two blocks a relay holds to forward (Note [Node exchange rounds] i
 
 Backward: with the final ``out`` and ``lse``, local blocks give dq, dk, dv directly; each round's
 KV message is fetched again (buffers are not kept across the layer), its dq part is added locally,
-and its dK/dV partials (fp32) travel back to the owner, who adds them to its own; a relay adds the
-partials of a block it fetched (its own and those its forwards return) and sends the sum to the
-owner in the block's return phase. The same rounds
+and its dK/dV partials travel back to the owner, who adds them to its own (in fp32, Note [dK/dV on
+the wire]); a relay adds the partials of a block it fetched (its own and those its forwards
+return) and sends the sum to the owner in the block's return phase. The same rounds
 run in the same order on every rank (sends posted before waits), so no plan can deadlock, on gloo
 or NCCL. Every rank of ``group`` must call with the same plan and wave, including ranks with no
 tokens in it.
 
 A plan in ``ulysses`` exchange runs head-parallel instead (:mod:`hdp.attention.ulysses`).
+
+Note [dK/dV on the wire]
+------------------------
+Every sum of gradients runs in fp32 (the accumulation dtype), but dK/dV travel in the compute
+dtype, as TransformerEngine's ring sends them: each kernel call returns its dK/dV in that dtype
+already, so a partial of one call arrives exactly; only a sum of several (a relay's, or the rows
+two query shards of one rank share) is rounded once more on its way. Sent in fp32, dK/dV would be
+half of the bytes a layer moves (K/V forward, K/V again and dK/dV backward: 1 + 1 + 2); in the
+compute dtype they are a third (1 + 1 + 1). For example, in bf16 a rank that received 8,192
+tokens of K/V (8 heads of 128) returns 32 MiB of dK/dV in a layer, not 64 MiB; in float32 or
+float64 nothing changes.
 
 Note [One block per query row]
 ------------------------------
@@ -107,7 +118,7 @@ class _DistAttn(torch.autograd.Function):
             grads.dq.index_add_(0, seg.q_rows, gq.to(ad))
             grads.dk.index_add_(0, seg.k_rows, gk.to(ad))
             grads.dv.index_add_(0, seg.k_rows, gv.to(ad))
-        comm = _Messenger(group, backward=True)
+        comm = _Messenger(group, backward=True, wire=k.dtype)
         rounds, slots = layout.rounds, {}
         pending = comm.post_kv(rounds[0], k, v, slots, 0) if rounds else None
         for r, io in enumerate(rounds):
@@ -174,10 +185,11 @@ def _drop_forwarded(slots: dict, layout: WaveLayout, r: int) -> None:
 
 
 class _Messenger:
-    """The P2P traffic of one ``dist_attn`` pass: K/V rounds and, backward, dK/dV phases."""
+    """The P2P traffic of one ``dist_attn`` pass: K/V rounds and, backward, dK/dV phases, whose
+    partials and sums travel in ``wire``, the compute dtype (Note [dK/dV on the wire])."""
 
-    def __init__(self, group, backward: bool) -> None:
-        self.group, self.backward = group, backward
+    def __init__(self, group, backward: bool, wire: torch.dtype | None = None) -> None:
+        self.group, self.backward, self.wire = group, backward, wire
 
     def post_kv(self, io: RoundIO, k, v, slots: dict, r: int):
         """Post round ``r``'s K/V message out and in; returns (receive buffer, requests)."""
@@ -201,23 +213,29 @@ class _Messenger:
         relay sums due in phase ``p``; adds what arrives into ``grads``."""
         sends, recvs, after = [], [], []
         if dkv_out is not None:
-            sends.append((dkv_out, io.recv_from))
+            sends.append((dkv_out.to(self.wire), io.recv_from))
         if io is not None and io.send_to is not None and io.send_dkv_back:
-            buf = grads.dq.new_empty((io.send_rows.numel(), 2, *grads.dk.shape[1:]))
+            buf = self._buffer(io.send_rows.numel(), grads)
             recvs.append((buf, io.send_to))
             after.append((buf, io.send_rows, io.send_slot))
         for ret in layout.returns_out[p]:
-            sends.append((grads.sums.pop(ret.hop), ret.peer))
+            sends.append((grads.sums.pop(ret.hop).to(self.wire), ret.peer))
         for ret in layout.returns_in[p]:
-            buf = grads.dq.new_empty((ret.tokens, 2, *grads.dk.shape[1:]))
+            buf = self._buffer(ret.tokens, grads)
             recvs.append((buf, ret.peer))
             after.append((buf, ret.rows, -1))
         wait_all(self._post(sends, recvs, 2 * p + 1, tag_step=len(layout.rounds) + 1))
         for buf, rows, slot in after:
+            buf = buf.to(grads.dk.dtype)  # (the sums stay in the accumulation dtype)
             if slot >= 0:
                 grads.sums[slot].index_add_(0, rows.to(buf.device), buf)
             else:
                 grads.add_local(rows, buf)
+
+    def _buffer(self, tokens: int, grads: _Grads) -> torch.Tensor:
+        """A receive buffer for ``tokens`` tokens' dK/dV partials, on the wire's dtype."""
+        dk = grads.dk
+        return torch.empty((tokens, 2, *dk.shape[1:]), dtype=self.wire, device=dk.device)
 
     def _post(self, sends: list, recvs: list, tag: int, tag_step: int = 0) -> list:
         return post(self.group, sends, recvs, tag, self.backward, tag_step)

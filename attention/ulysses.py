@@ -17,7 +17,8 @@ group, local query head ``i`` reads local K/V head ``i // r'`` for one ``r'`` an
 as grouped-query attention. Otherwise (8 heads, 2 K/V heads, 3 members: heads ``[0, 3)``,
 ``[3, 6)``, ``[6, 8)``; the second reads K/V heads 0 and 1 for one and two of its heads) the
 member repeats the K/V heads it received to one per query head and sums their gradients back.
-Several members may read one K/V head; its owner adds their dK/dV partials (fp32).
+Several members may read one K/V head; its owner adds their dK/dV partials in fp32, which, as
+the dQ, travel in the compute dtype (Note [dK/dV on the wire] in :mod:`hdp.attention.dist`).
 
 A member's sequences with the same head range attend in one variable-length kernel call; the
 sequences only one rank holds go first, while the all-to-all is in flight.
@@ -305,8 +306,9 @@ class UlyssesAttn(torch.autograd.Function):
                 True,
                 scale,
             )
-            dk, dv = (_fold(g.to(ad), b) for g in (dk, dv))
-            _by_sequence(b, torch.cat([dq.to(ad), dk, dv], 1), grads)
+            # (Summed in fp32, sent in the compute dtype: Note [dK/dV on the wire] in dist.py.)
+            dk, dv = (_fold(g.to(ad), b).to(q_dtype) for g in (dk, dv))
+            _by_sequence(b, torch.cat([dq.to(q_dtype), dk, dv], 1), grads)
         got, reqs = comm.to_owners(grads, lambda m: m.width, 7)
         wait_all(reqs)
         dq = torch.zeros(q_shape, dtype=ad, device=device)

@@ -11,8 +11,9 @@ ring call it once per ring step over all their chunks (Note [One kernel call per
 
 Communication (per layer; counted in :mod:`hdp.traffic`): the KV a rank lacks arrives forward
 (``kv_bytes_per_token`` per token); backward fetches it again (buffers are freed after each layer)
-and returns dK/dV partials (``dkv_bytes`` per element: fp32 for hdp, the compute dtype for the
-baselines) to the owners. Traffic between ranks of one node uses NVLink, the rest the NIC; both
+and returns dK/dV partials to the owners, as many bytes again: every system sends them in the
+compute dtype (hdp's ``dist_attn`` sums them in fp32, Note [dK/dV on the wire] in
+:mod:`hdp.attention.dist`). Traffic between ranks of one node uses NVLink, the rest the NIC; both
 directions and both links run concurrently, so a rank's transfer time is the largest of its four
 (in/out x NVLink/NIC) byte counts over the link bandwidth, plus one latency per block. It
 overlaps with the rank's attention compute of the same layer and pass; only the excess is
@@ -78,11 +79,12 @@ class CostModel:
             then one GPU's shard and ``cluster`` counts groups (:meth:`StepPricing.build
             <hdp.planner.StepPricing.build>` makes both). Activations of width ``hidden`` are
             split over the group (sequence parallelism).
-        dkv_bytes: bytes per element of the dK/dV partials the P2P exchanges (``rank``,
-            ``node``) send back to a block's owner: 4 for hdp's ``dist_attn``, which sums them
-            in fp32; the model's ``dtype_bytes`` for every baseline, whose systems send them in
-            the compute dtype as TransformerEngine's ring attention does (the rule
-            :meth:`StepPricing.cost_for <hdp.planner.StepPricing.cost_for>` applies).
+        dkv_bytes: bytes per element of the dK/dV sums a rank holds beside each K/V block in
+            flight (memory; on the wire dK/dV travel in the compute dtype): 4 for hdp's
+            ``dist_attn``, which sums them in fp32; the model's ``dtype_bytes`` for every
+            baseline, whose systems keep them in the compute dtype as TransformerEngine's ring
+            attention does (the rule :meth:`StepPricing.cost_for
+            <hdp.planner.StepPricing.cost_for>` applies).
         own_runtimes: price a baseline's plan as its own system runs it (a ring baseline's one
             kernel call per ring step, Note [One kernel call per ring step] in :mod:`hdp.ring`);
             False where hdp's runtime runs every plan, as training does.
@@ -294,13 +296,8 @@ class CostModel:
 
     @property
     def _kv_block_factor(self) -> float:
-        """Bytes of a KV block in flight relative to its forward size: K/V plus dK/dV."""
-        return 1.0 + self.dkv_ratio
-
-    @property
-    def dkv_ratio(self) -> float:
-        """Bytes of a block's dK/dV partials over its K/V bytes."""
-        return self.dkv_bytes / self.model.dtype_bytes
+        """Bytes of a KV block in flight relative to its forward size: K/V plus its dK/dV sums."""
+        return 1.0 + self.dkv_bytes / self.model.dtype_bytes
 
     def kv_buffer_bytes(
         self, max_in_block: np.ndarray | float, relay_block: np.ndarray | float = 0.0
@@ -455,13 +452,9 @@ class CostModel:
             )
         return traffic.kv_traffic(plan, rpn, labels)
 
-    def comm_time_per_layer(
-        self, traffic: KVTraffic, dkv_ratio: float | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) KV transfer time of one layer per cell, seconds (``dkv_ratio``:
-        dK/dV bytes per K/V byte, default :attr:`dkv_ratio`)."""
+    def comm_time_per_layer(self, traffic: KVTraffic) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) KV transfer time of one layer per cell, seconds."""
         g, kvb = self.cluster.gpu, self.model.kv_bytes_per_token
-        dkv = self.dkv_ratio if dkv_ratio is None else dkv_ratio
         blocks_all = np.maximum(traffic.in_msgs, traffic.out_msgs)
 
         def link_time(i_intra, i_inter, o_intra, o_inter):
@@ -473,13 +466,10 @@ class CostModel:
         def times(in_intra, in_inter, out_intra, out_inter, blocks):
             lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
             fwd = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
-            # Backward: the K/V both ways again, and dK/dV the opposite way.
-            bwd = kvb * link_time(
-                in_intra + dkv * out_intra,
-                in_inter + dkv * out_inter,
-                out_intra + dkv * in_intra,
-                out_inter + dkv * in_inter,
-            )
+            # Backward: the K/V both ways again, and as many dK/dV bytes the opposite way.
+            i_intra, i_inter = in_intra + out_intra, in_inter + out_inter
+            o_intra, o_inter = out_intra + in_intra, out_inter + in_inter
+            bwd = kvb * link_time(i_intra, i_inter, o_intra, o_inter)
             return fwd, bwd + 2 * blocks * lat
 
         fields = (traffic.in_intra, traffic.in_inter, traffic.out_intra, traffic.out_inter)

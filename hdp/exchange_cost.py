@@ -41,8 +41,8 @@ def price_exchange(
     exposed = m.layers * (
         np.maximum(0.0, t_fwd - fs * attn_layer) + np.maximum(0.0, t_bwd - (1.0 - fs) * attn_layer)
     )
-    # K/V forward, K/V again and dK/dV backward.
-    per_token = m.kv_bytes_per_token * m.layers * (2.0 + cost.dkv_ratio)
+    # K/V forward, K/V again and dK/dV (as many bytes) backward.
+    per_token = m.kv_bytes_per_token * m.layers * 3.0
     return ExchangeCost(
         exposed,
         float(traffic.out_inter.sum() * per_token),

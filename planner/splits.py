@@ -16,13 +16,12 @@ in :mod:`hdp.ring`) runs it in one call a step whose rate grows with the cell's 
 ``T``: a larger cell runs the share's attention faster and its dense layers slower. So the entry
 takes the least busy time over cells of ``T`` from the share up, a quarter octave at a time
 (each at the fastest call of its range and the dense time of its least ``T``), the last for
-every ``T`` past four times the share. Its traffic is priced as baselines send it: dK/dV in the
-compute dtype (hdp's runtime sums them in fp32), with a message from each partner (Note [Bounds
-price bytes and partners] in :mod:`hdp.planner.menus`). Its area keeps the closed form's
-attention and dense work at the best speed a token. Example: 6,138 tokens of llama-7b on two
-A100s of one node, 2,048 tokens a rank. ByteScale's ring plan steps 1.3677 s and hdp's split
-1.3729 s; priced alone in its cell at hdp's attention the entry bounds at 1.3729 s, over
-ByteScale's plan, and with the ring's cells at 1.3452 s.
+every ``T`` past four times the share. Its traffic is priced by its bytes, with a message from
+each partner (Note [Bounds price bytes and partners] in :mod:`hdp.planner.menus`). Its area
+keeps the closed form's attention and dense work at the best speed a token. Example: 6,138
+tokens of llama-7b on two A100s of one node, 2,048 tokens a rank. ByteScale's ring plan steps
+1.3677 s and hdp's split 1.3729 s; priced alone in its cell at hdp's attention the entry bounds
+at 1.3729 s, over ByteScale's plan, and with the ring's cells at 1.3452 s.
 """
 
 from __future__ import annotations
@@ -150,12 +149,10 @@ class ZigzagJobs(NamedTuple):
         cost = self.cost
         m, held = cost.model, self.held
         per_token = cost.compute.least_dense_s_per_token(cost.offload_capacity(sync))
-        traffic, dkv = self.traffic, cost.dkv_ratio
+        traffic = self.traffic
         if not latency:
             traffic = replace(traffic, in_msgs=self.partners, out_msgs=self.partners)
-        if not (latency or own_cells):  # (baselines return dK/dV in the compute dtype)
-            dkv = min(dkv, 1.0)
-        t_fwd, t_bwd = cost.comm_time_per_layer(traffic, dkv_ratio=dkv)
+        t_fwd, t_bwd = cost.comm_time_per_layer(traffic)
         fs = cost.attn_fwd_share
         offload_s, multi = _offload_s(cost, sync, held), self.d > 1
 

@@ -198,24 +198,22 @@ def test_kv_traffic_two_ranks(cm):
     t_fwd, t_bwd = cm.comm_time_per_layer(tr)
     g = cm.cluster.gpu
     assert t_fwd[0, 1] == pytest.approx(4096 * 16384 / g.nvlink_bw + g.nvlink_latency)
-    # Backward: K/V again in, fp32 dK/dV (2x the bf16 bytes) back out.
-    assert t_bwd[0, 1] == pytest.approx(2 * 4096 * 16384 / g.nvlink_bw + 2 * g.nvlink_latency)
-    rep = cm.evaluate(plan)
-    assert rep.comm_bytes == pytest.approx(4096 * 16384 * 32 * (1 + 1 + 2))
-
-
-def test_dkv_bytes_prices_a_ring_that_returns_dkv_in_bf16():
-    """TransformerEngine's ring sends dK/dV in bf16: the backward then moves as many bytes out
-    as in (the fp32 default moves twice as many out)."""
-    cm = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=2)
-    plan = Plan.from_shards([8192], 8, [[[(0, 0, 4096)], [(0, 4096, 8192)]] + [[]] * 6])
-    _, t_bwd = cm.comm_time_per_layer(cm.kv_traffic(plan))
-    g = cm.cluster.gpu
+    # Backward: K/V again in, dK/dV (bf16, as many bytes) back out, both links at once.
     assert t_bwd[0, 1] == pytest.approx(4096 * 16384 / g.nvlink_bw + 2 * g.nvlink_latency)
-    assert cm.evaluate(plan).comm_bytes == pytest.approx(4096 * 16384 * 32 * 3)
-    # Two 8K-token blocks in flight, each K/V plus its dK/dV: 2 + 2 bytes per element, not 2 + 4.
-    assert cm.kv_buffer_bytes(8192) == pytest.approx(2 * 8192 * 16384 * 2)
+    rep = cm.evaluate(plan)
+    assert rep.comm_bytes == pytest.approx(4096 * 16384 * 32 * (1 + 1 + 1))
+
+
+def test_dkv_bytes_prices_the_sums_in_flight_not_the_wire():
+    """hdp's dist_attn keeps a block's dK/dV sums in fp32 and TransformerEngine's ring in bf16:
+    the memory of the blocks in flight differs, the bytes on the wire (bf16) do not."""
+    bf16 = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=2)
     fp32 = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8))
+    plan = Plan.from_shards([8192], 8, [[[(0, 0, 4096)], [(0, 4096, 8192)]] + [[]] * 6])
+    for cm in (bf16, fp32):
+        assert cm.evaluate(plan).comm_bytes == pytest.approx(4096 * 16384 * 32 * 3)
+    # Two 8K-token blocks in flight, each K/V plus its dK/dV: 2 + 2 bytes per element, or 2 + 4.
+    assert bf16.kv_buffer_bytes(8192) == pytest.approx(2 * 8192 * 16384 * 2)
     assert fp32.kv_buffer_bytes(8192) == pytest.approx(2 * 8192 * 16384 * 3)
     with pytest.raises(ValueError, match="dkv_bytes must be 2 or 4"):
         CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 8), dkv_bytes=1)

@@ -1,5 +1,5 @@
 """Baselines priced as their systems run (Note [One kernel call per ring step] in ``hdp.ring``):
-TransformerEngine's ring makes one kernel call per ring step, every baseline returns dK/dV in
+TransformerEngine's ring makes one kernel call per ring step, every baseline keeps its dK/dV in
 the compute dtype, and all-to-alls move at the share of a link FlexSP measured. Each expected
 figure is counted by hand from the kernel tables' whole-document prices."""
 
@@ -121,11 +121,12 @@ def test_a_cp_group_of_one_runs_one_causal_call_and_hdp_keeps_its_blocks():
     assert attn[0] == pytest.approx(np.array(want) * (1 + 1 / 3.5), rel=1e-9)
 
 
-def test_every_baseline_returns_dk_dv_in_the_compute_dtype():
-    """Priced for fp32 dK/dV (hdp's), a baseline still prices its own in bf16; hdp keeps
-    fp32. Static on 2 ranks, one 8,192-token document: rank 1 fetches chunk 0 (2,048 tokens),
-    rank 0 chunks 1 and 2 (4,096); each token's K/V moves forward and again backward, and its
-    dK/dV (as many bf16 bytes) back: 3 x 6,144 tokens' K/V bytes a layer."""
+def test_every_baseline_keeps_dk_dv_in_the_compute_dtype():
+    """Priced for fp32 dK/dV sums in flight (hdp's), a baseline still prices its own in bf16;
+    hdp keeps fp32. On the wire both send bf16. Static on 2 ranks, one 8,192-token document:
+    rank 1 fetches chunk 0 (2,048 tokens), rank 0 chunks 1 and 2 (4,096); each token's K/V
+    moves forward and again backward, and its dK/dV (as many bf16 bytes) back: 3 x 6,144
+    tokens' K/V bytes a layer."""
     pricing = StepPricing.build(MODEL, ClusterSpec.preset("h100", 2), capacity=4096, dkv_bytes=4)
     for name, strategy in STRATEGIES.items():
         want = 4 if name == "hdp" else 2

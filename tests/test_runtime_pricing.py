@@ -32,7 +32,7 @@ def test_training_prices_a_static_plan_as_hdp_runs_it():
 def test_the_simulator_prices_a_static_plan_as_its_ring_runs_it():
     static = get_strategy("static")
     own = pricing(True).for_strategy(static)
-    assert own.cost.dkv_bytes == 2  # TransformerEngine's ring returns dK/dV in bf16
+    assert own.cost.dkv_bytes == 2  # TransformerEngine's ring keeps dK/dV in bf16
     plan = plan_step(LENS, own, "static")
     on_hdp = pricing(False).for_strategy(static).cost.with_exchange(plan.kv_exchange)
     # The ring's one call per step over packed chunks beats hdp's calls per block here.
