@@ -295,6 +295,18 @@ def test_ilp_agrees_with_the_relaxation_and_reports_its_lp_bound():
     assert p["bound_s"] <= p["step_time_s"]
 
 
+def test_the_milp_estimate_counts_the_variables_it_builds():
+    """The budget prices the MILP by its count variables: a menu entry per length bucket, not
+    per sequence (26 long sequences of two lengths here)."""
+    from hdp.planner.degrees import relaxation_bound
+
+    lens = np.array([40000] * 6 + [9000] * 20 + [1000] * 200)
+    cost = CostModel(model_preset("llama-7b"), ClusterSpec.preset("h100", 16, 8))
+    rel = relaxation_bound(cost, lens, "peer", 16384, 16)
+    built = milp._build(rel, cost, "peer", 16, np.ones(lens.size, dtype=np.int64), 1e-3)
+    assert milp.count_variables(rel) == len(built.counts) < sum(m.degrees.size for m in rel.menus)
+
+
 def test_solver_failure_falls_back_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("solver exploded")

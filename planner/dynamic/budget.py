@@ -131,6 +131,12 @@ class Budget:
         return fixed + 1.9e-4 * work.searches + 1e-4 * work.tried + 2.3e-8 * work.cells
 
     @staticmethod
+    def milp_s(counts: int) -> float:
+        """Estimated seconds of the MILP (:func:`.milp.solve_degrees`) with ``counts`` count
+        variables: building and solving it with HiGHS."""
+        return 2e-3 + 3e-4 * counts
+
+    @staticmethod
     def trial_s(plan: Plan) -> float:
         """Estimated seconds of a join (:meth:`.search.Search.join`) on ``plan``: a plan of its
         shards and cells built and priced."""

@@ -53,6 +53,13 @@ def repeats(rel: Relaxation) -> bool:
     return np.unique(lens).size < lens.size
 
 
+def count_variables(rel: Relaxation) -> int:
+    """How many count variables the MILP of ``rel`` has: a menu entry of each bucket."""
+    lens = rel.seq_lens[rel.long_ids].tolist()
+    first = {L: mu for L, mu in zip(lens, rel.menus)}
+    return sum(mu.degrees.size for mu in first.values())
+
+
 @dataclass
 class _Milp:
     """The MILP of one batch: the problem, its height ``M``, the count variable of each (bucket,

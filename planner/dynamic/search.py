@@ -195,10 +195,10 @@ class Search:
 
     def solve_milp(self, warm: Candidate, seed: bool = True) -> dict[str, float] | None:
         """Place the MILP's degrees (:mod:`.milp`, warm-started from ``warm``) where the budget
-        affords the solve (estimated at a millisecond per count variable; a ``seed`` within
-        the seeds' half); what it reports (``None``: not afforded)."""
+        affords the solve (:meth:`.budget.Budget.milp_s`; a ``seed`` within the seeds' half);
+        what it reports (``None``: not afforded)."""
         ctx, rel = self.ctx, self.rel
-        estimate_s = 1e-3 * sum(mu.degrees.size for mu in rel.menus)
+        estimate_s = Budget.milp_s(milp.count_variables(rel))
         if not self.budget.affords(estimate_s, seed):
             return None
         self.budget.spend(estimate_s, seed)
