@@ -466,10 +466,10 @@ class CostModel:
         def times(in_intra, in_inter, out_intra, out_inter, blocks):
             lat = np.where(in_inter + out_inter > 0, g.nic_latency, g.nvlink_latency)
             fwd = kvb * link_time(in_intra, in_inter, out_intra, out_inter) + blocks * lat
-            # Backward: the K/V both ways again, and as many dK/dV bytes the opposite way.
-            i_intra, i_inter = in_intra + out_intra, in_inter + out_inter
-            o_intra, o_inter = out_intra + in_intra, out_inter + in_inter
-            bwd = kvb * link_time(i_intra, i_inter, o_intra, o_inter)
+            # Backward: the K/V both ways again, and as many dK/dV bytes the opposite way, so
+            # each direction carries what both did forward.
+            both_intra, both_inter = in_intra + out_intra, in_inter + out_inter
+            bwd = kvb * link_time(both_intra, both_inter, both_intra, both_inter)
             return fwd, bwd + 2 * blocks * lat
 
         fields = (traffic.in_intra, traffic.in_inter, traffic.out_intra, traffic.out_inter)
