@@ -88,7 +88,6 @@ PARTS: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager]]] = 
     "widen": ("widen", lambda: mock.patch.object(search.Search, "widen", _never)),
     "unstack": ("unstack", lambda: _without_placing_again("stack_share")),
     "jobs-first": ("jobs first", lambda: _without_placing_again("jobs_first")),
-    "join": ("join", lambda: mock.patch.object(search.Search, "join", _never)),
     "move": ("move", lambda: mock.patch.object(search.Search, "move", _never)),
     "regroup": ("regroup", lambda: mock.patch.object(search.Search, "regroup", _never)),
 }

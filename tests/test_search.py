@@ -21,7 +21,7 @@ from hdp.planner.dynamic.local import improve
 from hdp.planner.dynamic.place import place
 from hdp.planner.dynamic.regroup import Layout, regroup
 from hdp.planner.dynamic.rounding import roundings
-from hdp.planner.dynamic.search import join_tails, level_budgets
+from hdp.planner.dynamic.search import level_budgets
 
 
 def _context(lens, n: int, cap: int, sync: str) -> Context:
@@ -55,8 +55,8 @@ def _rounding(ctx: Context):
     data=st.data(),
 )
 def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
-    # Whole-sequence moves and joined tails: every token once, within the capacity, and the
-    # cost model prices the moved plan no slower than the one it came from.
+    # Whole-sequence moves: every token once, within the capacity, and the cost model prices
+    # the moved plan no slower than the one it came from.
     lens = data.draw(st.lists(st.integers(1, min(n * cap, 6000)), min_size=1, max_size=40))
     ctx = _context(lens, n, cap, sync)
     plan = _rounding(ctx)
@@ -66,9 +66,6 @@ def test_moves_keep_plans_valid_and_only_ever_help(n, cap, sync, data):
         moved = improved[0]
         check_plan(moved, lens, n, cap)
         assert ctx.cost.evaluate(moved).step_time_s < report.step_time_s
-    joined = join_tails(ctx, plan) if sync == "peer" else None
-    if joined is not None:
-        check_plan(joined, lens, n, cap)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,9 +112,9 @@ def test_the_search_never_ends_slower_than_its_rounding(n, sync, data):
 
 def test_fewer_cells_on_short_documents_at_1024_ranks():
     """wikipedia-384k on 1,024 H100s: the placer left the short documents after a rank's share
-    of a split one in a cell of their own, which paid a micro-batch's fixed cost twice; the
-    local search joins and moves them: fewer cells (here one a rank), and the step falls from
-    the rounding's."""
+    of a split one in a cell of their own, which paid a micro-batch's fixed cost twice; it now
+    puts them in the share's cell, one cell a rank, and the search still finds a faster plan
+    than the rounding's."""
     from hdp.planner import StepPricing, plan_and_evaluate
     from hdp.workloads import get_workload
 
@@ -127,9 +124,8 @@ def test_fewer_cells_on_short_documents_at_1024_ranks():
     cost = pricing.cost.with_exchange(plan.kv_exchange)
     ctx = Context(lens, cost, "peer", int(plan.predicted["capacity"]), 1, 1)
     rounded = _rounding(ctx)
-    cells = [int((p.tokens_per_cell() > 0).sum()) for p in (plan, rounded)]
-    assert cells[0] < cells[1]
-    assert report.step_time_s < 0.99 * cost.evaluate(rounded).step_time_s
+    assert int((rounded.tokens_per_cell() > 0).sum()) == rounded.num_ranks
+    assert report.step_time_s < cost.evaluate(rounded).step_time_s
 
 
 def test_the_budget_bounds_the_search_and_plans_do_not_depend_on_the_clock():
@@ -204,8 +200,8 @@ def test_both_searches_of_a_step_share_its_budget():
 
 
 def test_the_worked_example_of_the_note():
-    """Note [One search]: the rounding splits 32K over 4 ranks and 24K over 3, widen gives the
-    32K one 5 ranks, join leaves one cell a rank; each step is faster than the one before."""
+    """Note [One search]: the rounding splits 32K over 4 ranks and 24K over 3, its placement
+    leaves one cell a rank, and nothing the search finds is faster."""
     lens = np.array([32768, 24576] + [2048] * 24 + [256] * 12)
     cluster = ClusterSpec.preset("h100", 8)
     kw = dict(sync="peer", kv_exchange="rank")
@@ -216,11 +212,10 @@ def test_the_worked_example_of_the_note():
     start = _rounding(ctx)
     held = np.bincount(np.unique(start.seq * 8 + start.rank) // 8, minlength=lens.size)
     assert held[:2].tolist() == [4, 3]
+    assert all(np.unique(start.wave[start.rank == r]).size == 1 for r in range(8))
     plan = plan_step(lens, cluster, model, "hdp", **kw)
-    held = np.bincount(np.unique(plan.seq * 8 + plan.rank) // 8, minlength=lens.size)
-    assert held[:2].tolist() == [5, 3]
-    assert all(np.unique(plan.wave[plan.rank == r]).size == 1 for r in range(8))
-    assert plan.predicted["step_time_s"] < ctx.cost.evaluate(start).step_time_s
+    assert plan.predicted["step_time_s"] <= ctx.cost.evaluate(start).step_time_s * (1 + 1e-12)
+    assert plan.predicted["step_time_s"] >= plan.predicted["bound_s"]
 
 
 def test_moves_keep_a_plans_barriers_between_waves_it_still_has():

@@ -137,12 +137,6 @@ class Budget:
         return 2e-3 + 3e-4 * counts
 
     @staticmethod
-    def trial_s(plan: Plan) -> float:
-        """Estimated seconds of a join (:meth:`.search.Search.join`) on ``plan``: a plan of its
-        shards and cells built and priced."""
-        return 6.6e-4 + 5.6e-7 * plan.num_shards + 1.9e-7 * plan.num_waves * plan.num_ranks
-
-    @staticmethod
     def regroup_trial_s(plan: Plan) -> float:
         """Estimated seconds of one trial of :func:`.regroup.regroup` from ``plan`` (``peer``
         sync): a layout of its sequences stacked, built and priced."""

@@ -1,9 +1,10 @@
 """Placing one candidate: every sequence's degree is fixed, ranks and waves are chosen here.
 
 In ``peer`` sync (:mod:`.peer`) multi-rank jobs go first, tallest first, then the sequences
-that stay whole, slowest first; in ``wave`` sync (:mod:`.wave`) both kinds share one list,
-tallest first. Both placers return a :class:`~.candidates.Assignment` of sparse, ordered keys,
-which :func:`place` turns into waves and shards.
+that stay whole, slowest first, and each rank's first cell of them after its last job joins
+that job's cell where both fit (:func:`_joined_tails`); in ``wave`` sync (:mod:`.wave`) both
+kinds share one list, tallest first. Both placers return a :class:`~.candidates.Assignment` of
+sparse, ordered keys, which :func:`place` turns into waves and shards.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanBuilder
+from ..common import Context, PlanBuilder, zigzag_arrays
 from .candidates import Candidate, jobs_and_singles
 from .peer import peer_levels, place_peer
 from .wave import place_wave
@@ -41,11 +42,25 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
             single_key,
         )
     builder = PlanBuilder(ctx, "hdp")
+    single_rank = assignment.single_rank[single]
     if multi.size:
         aligns = ctx.splits(lens[multi], cand.degree[multi])[0]
-        builder.add_zigzag(multi, job_wave, assignment.job_members, align=aligns)
+        parts = np.asarray([m.size for m in assignment.job_members], dtype=np.int64)
+        rank, seq, start, end = zigzag_arrays(
+            multi, lens[multi], parts, ranks=assignment.job_members, align=aligns
+        )
+        pos = np.empty(lens.size, dtype=np.int64)
+        pos[multi] = np.arange(multi.size)
+        wave = np.asarray(job_wave, dtype=np.int64)[pos[seq]]
+        if ctx.sync == "peer" and single.size:
+            held = (wave, rank, end - start)
+            single_wave = _joined_tails(ctx, held, single_wave, single_rank, lens[single])
+            # (A level whose cells all joined their jobs' is dropped.)
+            _, waves = np.unique(np.concatenate([wave, single_wave]), return_inverse=True)
+            wave, single_wave = waves[: wave.size], waves[wave.size :]
+        builder.add(wave, rank, seq, start, end)
     if single.size:
-        builder.add(single_wave, assignment.single_rank[single], single, 0, lens[single])
+        builder.add(single_wave, single_rank, single, 0, lens[single])
     builder.offload_where_needed()
     builder.info = {
         "multi_rank_sequences": float(multi.size),
@@ -54,3 +69,27 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
         "offload_searches": float(searches),
     }
     return builder.build()
+
+
+def _joined_tails(
+    ctx: Context, jobs: tuple, wave: np.ndarray, rank: np.ndarray, tokens: np.ndarray
+) -> np.ndarray:
+    """``peer`` sync: the waves of whole sequences (``wave``, ``rank``, ``tokens``) with each
+    rank's first cell of them after its last multi-rank job (``jobs``: its shards' waves, ranks
+    and tokens) moved into that job's cell where the two fit the capacity. Levels would give
+    them a cell of their own, which pays a micro-batch's fixed cost a second time."""
+    n = ctx.num_ranks
+    job_wave, job_rank, job_tokens = jobs
+    last = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(last, job_rank, job_wave)
+    at_last = job_wave == last[job_rank]
+    held = np.bincount(job_rank[at_last], weights=job_tokens[at_last], minlength=n)
+    after = (last[rank] >= 0) & (wave > last[rank])
+    first = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(first, rank[after], wave[after])
+    chosen = after & (wave == first[rank])
+    cell = np.bincount(rank[chosen], weights=tokens[chosen], minlength=n)
+    move = chosen & (held + cell <= ctx.capacity)[rank]
+    out = wave.copy()
+    out[move] = last[rank[move]]
+    return out

@@ -39,8 +39,6 @@ A plan gives every sequence a degree (how many ranks split it) and a place (rank
      the whole sequences (the list scheduler takes them all tallest first, so a whole sequence
      taller than a job finds a rank the job has not taken; on some batches layers of jobs that
      the whole sequences then fill are faster);
-   - *join* (``peer`` sync): each rank's first cell after its last multi-rank job joins that
-     job's cell, so the rank pays a micro-batch's fixed cost once;
    - *move* (:mod:`.local`): whole sequences leave the cells that end the step for cells that
      end sooner;
    - *regroup* (:mod:`.regroup`, ``peer`` sync): the plan's ranks seen as groups (ranks
@@ -81,9 +79,9 @@ needs more ranks is refused with what to change.
 Example (``tests/test_search.py`` checks it): 8 H100 ranks of one node, llama-7b, ``peer``
 sync, ``rank`` exchange; sequences of 32K and 24K tokens, 24 of 2K and 12 of 256. The
 relaxation's ``M`` is 2.05 s. Its rounding splits the 32K one over 4 ranks and the 24K one
-over 3, the rest whole: 2.628 s. *widen* gives the 32K one 5 ranks: 2.626 s. The short
-sequences placed after a rank's share of a long one sit in cells of their own; *join* puts
-them in the share's cell: 2.525 s, one cell a rank, against a bound of 2.395 s.
+over 3, the rest whole; the short sequences placed after a rank's share of a long one join the
+share's cell (:mod:`.place`), one cell a rank: 2.529 s, against a bound of 2.444 s. No move
+finds a faster plan (*widen*'s 5 ranks for the 32K one is slower).
 """
 
 from __future__ import annotations
@@ -102,7 +100,7 @@ from . import milp
 from .budget import LEAST_S, Budget
 from .candidates import Candidate, num_waves_for
 from .groups import group_counts, group_plan, group_splits, most_members, split_busy
-from .local import Work, improve, rebuilt
+from .local import Work, improve
 from .megatron import plan_megatron_form
 from .mixed import MixedGroupPlans
 from .options import DynamicOptions
@@ -274,20 +272,6 @@ class Search:
             self.settle(key)
         return bool(kept)
 
-    def join(self) -> bool:
-        """``peer`` sync: every rank's first cell after its last multi-rank job joins that
-        job's cell where it has token room; whether that was faster."""
-        plan = self.best[0]
-        cost_s = self.budget.trial_s(plan)
-        if not self.fresh("join") or not self.budget.affords(cost_s):
-            return False
-        self.budget.spend(cost_s)
-        joined = join_tails(self.ctx, plan)
-        kept = joined is not None and self.consider(joined, self.best[2])
-        if not kept:
-            self.settle("join")
-        return kept
-
     def move(self) -> bool:
         """Whole-sequence moves (:func:`.local.improve`) with what is left of the budget, in
         ``peer`` sync half of it, the other half for *regroup*."""
@@ -325,7 +309,7 @@ class Search:
         return kept
 
     def local_search(self) -> None:
-        """Widen while that helps and the budget lasts, then join, move and regroup."""
+        """Widen while that helps and the budget lasts, then move and regroup."""
         while not self.done() and self.widen():
             pass
         if self.ctx.sync == "wave":
@@ -333,8 +317,6 @@ class Search:
                 if not self.done() and self.place_again(**variant):
                     while not self.done() and self.widen():
                         pass
-        if self.ctx.sync == "peer" and not self.done():
-            self.join()
         if not self.done():
             self.move()
         if self.ctx.sync == "peer" and not self.done():
@@ -355,29 +337,6 @@ def critical_sequence(ctx: Context, plan: Plan, report: StepReport) -> int:
     here = (plan.wave == w) & (plan.rank == r)
     work = ctx.cost.attn_time(plan.start[here], plan.end[here]) + (plan.end - plan.start)[here]
     return int(plan.seq[here][int(np.argmax(work))])
-
-
-def join_tails(ctx: Context, plan: Plan) -> Plan | None:
-    """``plan`` with each rank's first cell after its last multi-rank job merged into that
-    job's cell where the two fit the capacity (``None``: no rank has such a cell)."""
-    n = plan.num_ranks
-    shards = np.bincount(plan.seq, minlength=plan.seq_lens.size)
-    in_job = shards[plan.seq] > 1
-    last_job = np.full(n, -1, dtype=np.int64)
-    np.maximum.at(last_job, plan.rank[in_job], plan.wave[in_job])
-    tail = ~in_job & (last_job[plan.rank] >= 0) & (plan.wave > last_job[plan.rank])
-    first = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(first, plan.rank[tail], plan.wave[tail])
-    chosen = tail & (plan.wave == first[plan.rank])
-    tokens = plan.tokens_per_cell()
-    r = plan.rank[chosen]
-    fits = tokens[last_job[r], r] + tokens[plan.wave[chosen], r] <= ctx.capacity
-    rows = np.flatnonzero(chosen)[fits]
-    if rows.size == 0:
-        return None
-    wave = plan.wave.copy()
-    wave[rows] = last_job[plan.rank[rows]]
-    return rebuilt(ctx, plan, wave, plan.rank)
 
 
 def check_fits(ctx: Context) -> None:
