@@ -223,6 +223,12 @@ class PlanBuilder:
     def add_zigzag(self, seq_ids, waves, members: list[np.ndarray], align: int | np.ndarray = 1):
         """Zigzag-split sequences ``seq_ids[k]`` over the ranks ``members[k]`` in wave ``waves[k]``;
         returns the added shards' (wave, rank, seq, start, end)."""
+        shards = self.zigzag(seq_ids, waves, members, align)
+        self.add(*shards)
+        return shards
+
+    def zigzag(self, seq_ids, waves, members: list[np.ndarray], align: int | np.ndarray = 1):
+        """The shards (wave, rank, seq, start, end) :meth:`add_zigzag` adds, not added."""
         seq_ids = np.asarray(seq_ids, dtype=np.int64)
         parts = np.asarray([m.size for m in members], dtype=np.int64)
         rank, seq, start, end = zigzag_arrays(
@@ -231,7 +237,6 @@ class PlanBuilder:
         pos = np.empty(self.ctx.seq_lens.size, dtype=np.int64)
         pos[seq_ids] = np.arange(seq_ids.size)
         wave = np.asarray(waves, dtype=np.int64)[pos[seq]]
-        self.add(wave, rank, seq, start, end)
         return wave, rank, seq, start, end
 
     def offload_where_needed(self) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from hdp import Plan
 
-from ..common import Context, PlanBuilder, zigzag_arrays
+from ..common import Context, PlanBuilder
 from .candidates import Candidate, jobs_and_singles
 from .peer import peer_levels, place_peer
 from .wave import place_wave
@@ -45,13 +45,9 @@ def place(ctx: Context, num_waves: int, cand: Candidate) -> Plan:
     single_rank = assignment.single_rank[single]
     if multi.size:
         aligns = ctx.splits(lens[multi], cand.degree[multi])[0]
-        parts = np.asarray([m.size for m in assignment.job_members], dtype=np.int64)
-        rank, seq, start, end = zigzag_arrays(
-            multi, lens[multi], parts, ranks=assignment.job_members, align=aligns
+        wave, rank, seq, start, end = builder.zigzag(
+            multi, job_wave, assignment.job_members, align=aligns
         )
-        pos = np.empty(lens.size, dtype=np.int64)
-        pos[multi] = np.arange(multi.size)
-        wave = np.asarray(job_wave, dtype=np.int64)[pos[seq]]
         if ctx.sync == "peer" and single.size:
             held = (wave, rank, end - start)
             single_wave = _joined_tails(ctx, held, single_wave, single_rank, lens[single])
